@@ -1,0 +1,119 @@
+"""Input validation shared by kernels, references and the dispatcher.
+
+Shape, dtype and device checks never synchronise with the device. Value checks (index ranges,
+sequence lengths) read tensor values, so they run only when ``values=True`` and never while a
+CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def capturing() -> bool:
+    """True while a CUDA graph is being captured (value checks would synchronise)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def same_device(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_tensor(name: str, x: object, *, rank: int | None = None, dtypes=None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if rank is not None and x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(x.dtype).replace('torch.', '')}")
+    return x
+
+
+def check_qkv(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int]:
+    """Validate ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]``; return ``(B, Hq, Hkv, N, D)``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, rank=4, dtypes=dtypes)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, N, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B or Nk != N or Dk != D:
+        raise ValueError(
+            f"k must be [B={B}, Hkv, N={N}, D={D}] to match q, got {tuple(k.shape)}"
+        )
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
+    return B, Hq, Hkv, N, D
+
+
+def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = True):
+    """Validate optional ``seqlens [B]`` / ``seqstarts [B]``; return int32 tensors on ``device``.
+
+    Row ``b`` holds its tokens at ``seqstarts[b] .. seqstarts[b] + seqlens[b] - 1`` of the
+    ``N`` axis (right padding: starts 0; left padding: starts ``N - seqlens``).
+    """
+    out = []
+    for name, x, default in (("seqlens", seqlens, N), ("seqstarts", seqstarts, 0)):
+        if x is None:
+            x = torch.full((B,), default, dtype=torch.int32, device=device)
+        else:
+            check_tensor(name, x, rank=1, dtypes=_INT_DTYPES)
+            if x.shape[0] != B:
+                raise ValueError(f"{name} must have shape [B={B}], got {tuple(x.shape)}")
+            if not same_device(x.device, device):
+                raise ValueError(f"{name} must be on {device}, got {x.device}")
+            x = x.to(device=device, dtype=torch.int32)
+        out.append(x)
+    lens, starts = out
+    if values and not capturing() and (seqlens is not None or seqstarts is not None):
+        if bool((lens < 0).any()) or bool((lens > N).any()):
+            raise ValueError(f"seqlens must lie in [0, N={N}], got {lens.tolist()}")
+        if bool((starts < 0).any()) or bool((starts + lens > N).any()):
+            raise ValueError(f"seqstarts + seqlens must lie in [0, N={N}], got starts {starts.tolist()}")
+    return lens, starts
+
+
+def check_index(name: str, idx, *, rank: int, lead: tuple[int, ...], device, upper: int,
+                values: bool = True) -> torch.Tensor:
+    """Validate an int index tensor padded with -1 whose entries must lie in ``[-1, upper)``.
+
+    ``lead`` gives the required leading sizes; a ``-1`` entry in ``lead`` means "at least the
+    head count", checked by the caller.
+    """
+    check_tensor(name, idx, rank=rank, dtypes=_INT_DTYPES)
+    if not same_device(idx.device, device):
+        raise ValueError(f"{name} must be on {device}, got {idx.device}")
+    for axis, want in enumerate(lead):
+        if want >= 0 and idx.shape[axis] != want:
+            raise ValueError(f"{name} axis {axis} must have size {want}, got shape {tuple(idx.shape)}")
+    if values and not capturing() and idx.numel() > 0:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= upper:
+            raise ValueError(f"{name} entries must lie in [-1, {upper}) (-1 is padding), got [{lo}, {hi}]")
+    return idx
+
+
+def check_head_offset(head_offset: int, Hq: int, H_index: int, name: str) -> None:
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int):
+        raise TypeError(f"head_offset must be an int, got {type(head_offset).__name__}")
+    if head_offset < 0 or head_offset + Hq > H_index:
+        raise ValueError(
+            f"head_offset {head_offset} + local heads {Hq} exceeds the {H_index} heads of {name}"
+        )
+
+
+def default_scale(D: int, scale: float | None) -> float:
+    if scale is None:
+        return D ** -0.5
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    return float(scale)

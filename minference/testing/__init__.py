@@ -1,0 +1,12 @@
+"""Reusable verification tools for attention kernels: tolerance rule, NaN poisoning, hypothesis
+strategies (:mod:`minference.testing.strategies`), and a pytest plugin (markers, profiles)."""
+
+from minference.testing.tolerance import (
+    ATOL_FACTOR,
+    FLOORS,
+    assert_close_to_reference,
+    assert_not_written,
+    poison,
+)
+
+__all__ = ["ATOL_FACTOR", "FLOORS", "assert_close_to_reference", "assert_not_written", "poison"]

@@ -1,0 +1,69 @@
+"""pytest plugin (entry point ``minference``): markers, hypothesis profiles, device fixture.
+
+Markers: ``gpu`` (needs CUDA; skipped without it), ``interpret`` (runs Triton kernels under
+``TRITON_INTERPRET=1`` on CPU), ``layer`` (tier 2, real model layers), ``model`` (tier 3, whole
+model), ``bench`` (pytest-benchmark, GPU timings).
+
+Hypothesis profiles: ``ci`` (bounded, CPU) and ``gpu`` (many examples). The profile comes from
+``MINFERENCE_HYPOTHESIS_PROFILE``, else ``gpu`` when CUDA is available, else ``ci``.
+
+This plugin never imports triton: ``TRITON_INTERPRET`` must be decided (by the caller's
+environment or a ``conftest.py``) before triton's first import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+MARKERS = {
+    "gpu": "needs a CUDA GPU; skipped when none is present",
+    "interpret": "runs Triton kernels under TRITON_INTERPRET=1 on the CPU",
+    "layer": "tier 2: dense vs sparse on real model layers",
+    "model": "tier 3: whole-model progressive swap-in",
+    "bench": "pytest-benchmark timing on the GPU",
+}
+
+PROFILES = {
+    "ci": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True),
+    "gpu": dict(max_examples=400, deadline=None, print_blob=True),
+}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # the plugin works without the test extra; strategies need it
+        return
+    for name, kwargs in PROFILES.items():
+        settings.register_profile(
+            name, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], **kwargs
+        )
+    profile = os.environ.get("MINFERENCE_HYPOTHESIS_PROFILE") or ("gpu" if _cuda() else "ci")
+    if profile not in PROFILES:
+        raise pytest.UsageError(f"MINFERENCE_HYPOTHESIS_PROFILE={profile!r}; expected one of {sorted(PROFILES)}")
+    settings.load_profile(profile)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    """``"cuda"`` when a GPU is present, else ``"cpu"`` (Triton then runs interpreted)."""
+    return "cuda" if _cuda() else "cpu"

@@ -1,0 +1,90 @@
+"""The FlashAttention tolerance rule, and NaN poisoning of outputs.
+
+A fast result ``out`` in dtype ``t`` passes against the float64 reference ``ref64`` when
+
+    max |out - ref64|  <=  ATOL_FACTOR * max |ref_t - ref64|  +  floor(t)
+
+over the compared region, where ``ref_t`` is the *same-dtype reference*: the naive masked
+attention computed with dtype-``t`` arithmetic (:func:`minference.reference.masked_attention`
+with ``compute_dtype=t``). It measures how much error the dtype itself forces, so the bound
+tightens automatically for float32 and widens for bf16. Inputs are quantised to ``t`` before
+either reference sees them. ``floor(t)`` only keeps the bound positive where the same-dtype
+reference happens to be exact. NaN in the compared region never passes, and a non-finite
+reference value (``-inf`` log-sum-exp of an empty row) must be reproduced exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ATOL_FACTOR", "FLOORS", "assert_close_to_reference", "poison", "assert_not_written"]
+
+#: Multiple of the same-dtype reference's own error a kernel may make (FlashAttention uses 2).
+ATOL_FACTOR = 2.0
+
+#: Absolute floor per output dtype: well below one unit in the last place at magnitude 1.
+FLOORS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-4}
+
+
+def assert_close_to_reference(
+    out: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_same: torch.Tensor,
+    *,
+    where: torch.Tensor | None = None,
+    name: str = "output",
+    floor: float | None = None,
+) -> None:
+    """Assert the tolerance rule for ``out`` on the elements selected by ``where``.
+
+    Args:
+        out: the fast result (its dtype picks the floor).
+        ref64: float64 reference, same shape.
+        ref_same: same-dtype reference, same shape.
+        where: bool mask broadcastable to ``out`` (default: everything).
+        floor: override of ``FLOORS[out.dtype]``.
+    """
+    if out.shape != ref64.shape or out.shape != ref_same.shape:
+        raise AssertionError(
+            f"{name}: shapes differ: out {tuple(out.shape)}, ref64 {tuple(ref64.shape)}, "
+            f"ref_same {tuple(ref_same.shape)}"
+        )
+    o = out.detach().to(device="cpu", dtype=torch.float64)
+    r = ref64.detach().to(device="cpu", dtype=torch.float64)
+    rs = ref_same.detach().to(device="cpu", dtype=torch.float64)
+    if where is not None:
+        region = torch.broadcast_to(where.detach().cpu(), o.shape)
+        o, r, rs = o[region], r[region], rs[region]
+    if torch.isnan(o).any():
+        raise AssertionError(f"{name}: {int(torch.isnan(o).sum())} NaN value(s) in the compared region")
+    finite = torch.isfinite(r)
+    mismatch = (~finite) & (o != r)
+    if mismatch.any():
+        raise AssertionError(f"{name}: {int(mismatch.sum())} non-finite reference value(s) not reproduced")
+    if (~torch.isfinite(o[finite])).any():
+        raise AssertionError(f"{name}: non-finite value(s) where the reference is finite")
+    o, r, rs = o[finite], r[finite], rs[finite]
+    if o.numel() == 0:
+        return
+    err = (o - r).abs()
+    allowed = ATOL_FACTOR * float((rs - r).abs().max()) + (FLOORS[out.dtype] if floor is None else floor)
+    if float(err.max()) > allowed:
+        worst = int(torch.argmax(err))
+        raise AssertionError(
+            f"{name}: max |out - ref64| = {float(err[worst]):.3e} exceeds {ATOL_FACTOR} x same-dtype "
+            f"error + floor = {allowed:.3e} (out {float(o[worst]):.6g}, ref {float(r[worst]):.6g}, "
+            f"{int((err > allowed).sum())}/{err.numel()} elements over)"
+        )
+
+
+def poison(x: torch.Tensor) -> torch.Tensor:
+    """Fill a freshly allocated output with NaN (in place) so an unwritten element cannot pass."""
+    return x.fill_(float("nan"))
+
+
+def assert_not_written(out: torch.Tensor, where: torch.Tensor, name: str = "output") -> None:
+    """Assert every element of ``out`` selected by ``where`` still holds the NaN poison."""
+    region = torch.broadcast_to(where.to(out.device), out.shape)
+    written = ~torch.isnan(out[region])
+    if written.any():
+        raise AssertionError(f"{name}: {int(written.sum())} element(s) written where nothing should be")

@@ -1,0 +1,35 @@
+"""Slow, obviously-correct references: candidate masks, float64 masked attention, naive estimators.
+
+Imported as ``minference.reference``. Each function is the definition a fast path is tested
+against and has the same signature as its twin in :mod:`minference.kernels`.
+"""
+
+from minference.reference.attention import (
+    ashape_attention,
+    block_sparse_attention,
+    dense_attention,
+    dense_attention_probs,
+    masked_attention,
+    vertical_slash_attention,
+)
+from minference.reference.masks import (
+    ashape_mask,
+    block_sparse_mask,
+    causal_mask,
+    length_mask,
+    vertical_slash_mask,
+)
+
+__all__ = [
+    "ashape_attention",
+    "ashape_mask",
+    "block_sparse_attention",
+    "block_sparse_mask",
+    "causal_mask",
+    "dense_attention",
+    "dense_attention_probs",
+    "length_mask",
+    "masked_attention",
+    "vertical_slash_attention",
+    "vertical_slash_mask",
+]

@@ -1,0 +1,236 @@
+"""Masked attention in float64: the definition every kernel is measured against.
+
+Twins of the kernels in :mod:`minference.kernels` with the same signatures. All of them return
+float64 outputs (and log-sum-exp) in the layout ``[B, Hq, N, D]`` / ``[B, Hq, N]``. Rows outside
+a sequence's length, and rows whose candidate set is empty, come out as zeros with log-sum-exp
+``-inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minference._checks import (
+    check_index,
+    check_qkv,
+    check_ragged,
+    check_tensor,
+    default_scale,
+)
+from minference.reference.masks import (
+    ashape_mask,
+    block_sparse_mask,
+    causal_mask,
+    vertical_slash_mask,
+)
+
+__all__ = [
+    "masked_attention",
+    "dense_attention_probs",
+    "dense_attention",
+    "ashape_attention",
+    "vertical_slash_attention",
+    "block_sparse_attention",
+]
+
+
+def _rows(q, k, v, seqlens, seqstarts):
+    """Yield ``(b, start, length)`` for each batch row, with values on the host."""
+    B, _, _, N, _ = check_qkv(q, k, v)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    return [(b, int(s), int(n)) for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist()))]
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention restricted to ``mask``, computed in float64 (or in ``compute_dtype``).
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (GQA: query head ``h`` reads kv head
+            ``h // (Hq // Hkv)``).
+        mask: bool, broadcastable to ``[B, Hq, N, N]``, in logical coordinates of each row (entry
+            ``[b, h, i, j]`` for the row's ``i``-th and ``j``-th tokens). Not intersected with
+            causality here: callers pass causal masks.
+        scale: softmax scale, default ``D ** -0.5``.
+        seqlens, seqstarts: ``[B]`` ragged rows (see :func:`minference._checks.check_ragged`).
+        compute_dtype: arithmetic dtype; float64 is the reference, the kernel's own dtype gives
+            the *same-dtype reference* of the tolerance rule.
+
+    Returns:
+        ``(out [B, Hq, N, D], lse [B, Hq, N])`` in float64; padding rows and empty rows are 0 /
+        ``-inf``.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError("mask must be a bool tensor")
+    mask = torch.broadcast_to(mask, (B, Hq, N, N))
+    scale = default_scale(D, scale)
+    group = Hq // Hkv
+    out = torch.zeros(B, Hq, N, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, s, n in _rows(q, k, v, seqlens, seqstarts):
+        if n == 0:
+            continue
+        qb = q[b, :, s : s + n].to(compute_dtype)
+        kb = k[b, :, s : s + n].to(compute_dtype).repeat_interleave(group, dim=0)
+        vb = v[b, :, s : s + n].to(compute_dtype).repeat_interleave(group, dim=0)
+        m = mask[b, :, :n, :n]
+        scores = torch.einsum("hid,hjd->hij", qb, kb) * scale
+        scores = scores.masked_fill(~m, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+        finite_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
+        probs = torch.exp(scores - finite_lse[..., None])
+        probs = torch.where(m, probs, torch.zeros_like(probs))
+        out[b, :, s : s + n] = torch.einsum("hij,hjd->hid", probs, vb).double()
+        lse[b, :, s : s + n] = row_lse.double()
+    return out, lse
+
+
+def dense_attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention probabilities ``[B, Hq, N, N]`` in float64, logical coordinates per row
+    (zeros outside each row's length)."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    scale = default_scale(D, scale)
+    group = Hq // Hkv
+    probs = torch.zeros(B, Hq, N, N, dtype=torch.float64, device=q.device)
+    for b, s, n in _rows(q, k, k, seqlens, seqstarts):
+        if n == 0:
+            continue
+        qb = q[b, :, s : s + n].double()
+        kb = k[b, :, s : s + n].double().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hid,hjd->hij", qb, kb) * scale
+        scores = scores.masked_fill(~causal_mask(n, q.device), float("-inf"))
+        probs[b, :, :n, :n] = torch.softmax(scores, dim=-1)
+    return probs
+
+
+def _finish(out_lse, return_lse):
+    out, lse = out_lse
+    return (out, lse) if return_lse else out
+
+
+def _check_heads(heads, Hq: int, device) -> list[int]:
+    """Local query heads to compute: ``heads`` (1-D int tensor of distinct ids) or all."""
+    if heads is None:
+        return list(range(Hq))
+    check_tensor("heads", heads, rank=1, dtypes=(torch.int32, torch.int64))
+    ids = heads.tolist()
+    if len(set(ids)) != len(ids) or any(h < 0 or h >= Hq for h in ids):
+        raise ValueError(f"heads must be distinct ids in [0, {Hq}), got {ids}")
+    return ids
+
+
+def _run(q, k, v, head_masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse):
+    """Attention with ``head_masks [B or 1, len(ids), N, N]`` on heads ``ids``, nothing elsewhere."""
+    B, Hq, _, N, _ = check_qkv(q, k, v)
+    mask = torch.zeros(max(B, head_masks.shape[0]), Hq, N, N, dtype=torch.bool, device=q.device)
+    mask[:, ids] = head_masks
+    res = masked_attention(
+        q, k, v, mask, scale=scale, seqlens=seqlens, seqstarts=seqstarts, compute_dtype=compute_dtype
+    )
+    return _finish(res, return_lse)
+
+
+def dense_attention(
+    q, k, v, *, scale=None, seqlens=None, seqstarts=None, heads=None, compute_dtype=torch.float64,
+    return_lse=False,
+):
+    """Causal dense attention in float64 (the ``Dense`` pattern)."""
+    _, Hq, _, N, _ = check_qkv(q, k, v)
+    ids = _check_heads(heads, Hq, q.device)
+    masks = causal_mask(N, q.device).expand(1, len(ids), N, N)
+    return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
+
+
+def _per_head(name: str, value, ids: list[int], head_offset: int) -> list[int]:
+    """Budget per computed head from an int, or a 1-D int tensor indexed by global head id."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor")
+    if isinstance(value, int):
+        return [value] * len(ids)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
+    check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
+    values = value.tolist()
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if ids and head_offset + max(ids) >= len(values):
+        raise ValueError(
+            f"{name} has {len(values)} entries but global head {head_offset + max(ids)} is needed "
+            f"(head_offset {head_offset})"
+        )
+    return [values[head_offset + h] for h in ids]
+
+
+def ashape_attention(
+    q, k, v, sink, window, *, scale=None, seqlens=None, seqstarts=None, heads=None, head_offset=0,
+    compute_dtype=torch.float64, return_lse=False,
+):
+    """A-shape attention in float64.
+
+    Args:
+        sink, window: ints, or 1-D int tensors indexed by global head ``head_offset + h``.
+        heads: local query heads to compute (default all); other heads come out as zeros.
+    """
+    _, Hq, _, N, _ = check_qkv(q, k, v)
+    ids = _check_heads(heads, Hq, q.device)
+    sinks = _per_head("sink", sink, ids, head_offset)
+    windows = _per_head("window", window, ids, head_offset)
+    masks = torch.stack([ashape_mask(N, g, w, device=q.device) for g, w in zip(sinks, windows)])
+    return _run(q, k, v, masks[None], ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
+
+
+def vertical_slash_attention(
+    q, k, v, vertical, slash, *, scale=None, seqlens=None, seqstarts=None, heads=None,
+    compute_dtype=torch.float64, return_lse=False,
+):
+    """Vertical-slash attention in float64.
+
+    Args:
+        vertical: ``[B, Hg, NV]`` int key columns (logical positions), -1 padded, one row per
+            computed head (``Hg = len(heads)`` or ``Hq``).
+        slash: ``[B, Hg, NS]`` int diagonal offsets ``δ = i - j``, -1 padded.
+    """
+    B, Hq, _, N, _ = check_qkv(q, k, v)
+    ids = _check_heads(heads, Hq, q.device)
+    check_index("vertical", vertical, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
+    check_index("slash", slash, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
+    masks = vertical_slash_mask(N, vertical, slash)
+    return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
+
+
+def block_sparse_attention(
+    q, k, v, blocks, *, block=64, scale=None, seqlens=None, seqstarts=None, heads=None,
+    compute_dtype=torch.float64, return_lse=False,
+):
+    """Block-sparse attention in float64.
+
+    Args:
+        blocks: ``[B, Hg, NQB, K]`` key-block ids per query block, ``NQB = ceil(N / block)``, -1
+            padded; blocks above the diagonal contribute nothing.
+        block: block size for queries and keys.
+    """
+    B, Hq, _, N, _ = check_qkv(q, k, v)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    ids = _check_heads(heads, Hq, q.device)
+    nb = -(-N // block)
+    check_index("blocks", blocks, rank=4, lead=(B, len(ids), nb), device=q.device, upper=max(nb, 1))
+    masks = block_sparse_mask(N, blocks, block)
+    return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
