@@ -9,6 +9,12 @@ a sequence's length, and rows whose candidate set is empty, come out as zeros wi
 from __future__ import annotations
 
 import torch
+from minference.reference.masks import (
+    ashape_mask,
+    block_sparse_mask,
+    causal_mask,
+    vertical_slash_mask,
+)
 
 from minference._checks import (
     check_index,
@@ -16,12 +22,6 @@ from minference._checks import (
     check_ragged,
     check_tensor,
     default_scale,
-)
-from minference.reference.masks import (
-    ashape_mask,
-    block_sparse_mask,
-    causal_mask,
-    vertical_slash_mask,
 )
 
 __all__ = [
