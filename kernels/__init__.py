@@ -1,0 +1,31 @@
+"""Triton kernels and their thin launchers (imported as ``minference.kernels``).
+
+Importing this package compiles nothing; each kernel compiles on first use. On CPU tensors the
+kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` set before triton's first import).
+"""
+
+from minference.kernels._common import SUPPORTED_HEAD_DIMS
+from minference.kernels.ashape import ashape_attention
+from minference.kernels.block_sparse import BLOCK_SIZES, block_sparse_attention
+from minference.kernels.convert import VSIndex, convert_vertical_slash, vs_index_to_dense, vs_physical_tiles
+from minference.kernels.vertical_slash import (
+    vertical_slash_attention,
+    vertical_slash_attention_physical,
+    vertical_slash_block_m,
+)
+
+# index estimation (kernels/estimate.py) is owned by the dispatcher engineer; its exports go here.
+
+__all__ = [
+    "BLOCK_SIZES",
+    "block_sparse_attention",
+    "SUPPORTED_HEAD_DIMS",
+    "VSIndex",
+    "ashape_attention",
+    "convert_vertical_slash",
+    "vertical_slash_attention",
+    "vertical_slash_attention_physical",
+    "vertical_slash_block_m",
+    "vs_index_to_dense",
+    "vs_physical_tiles",
+]

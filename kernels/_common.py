@@ -1,0 +1,295 @@
+"""What the three attention kernels share: the online-softmax tile update (one home), tile loads,
+the row epilogue, and the host-side preparation (validation, allocation, tile configuration).
+
+Conventions inside every kernel:
+
+* one program per ``(query block, computed head, batch row)``; grid ``(ceil(N / BLOCK_M), Hg, B)``,
+  query blocks launched last-first so the longest causal rows start earliest;
+* positions are *logical* (0 = the row's first token); the row's tokens sit at physical
+  ``seqstarts[b] + i`` on the N axis, so a pointer is ``base + (start + i) * stride_n``;
+* scores live in the log2 domain: ``s = (q . k) * scale * log2(e)``, masked entries are ``-inf``
+  *before* the running max, and the update uses ``exp2``;
+* the epilogue writes only rows ``i < seqlens[b]`` and only the computed head; an empty row
+  (no key at all) is written as zeros with log-sum-exp ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from minference._checks import check_qkv, check_ragged, check_tensor, default_scale, same_device
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+#: Head dimensions the kernels accept; each is padded to the next power of two in registers
+#: (masked loads), and the softmax scale always comes from the real ``D``.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# device helpers (shared by ashape.py, vertical_slash.py, block_sparse.py)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _program_ids(lens_ptr, starts_ptr, heads_ptr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HAS_HEADS: tl.constexpr):
+    """Decode the program id: ``(b, g, h, kvh, qblk, m0, row_len, row_start)``."""
+    qblk = tl.num_programs(0) - 1 - tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    if HAS_HEADS:
+        h = tl.load(heads_ptr + g)
+    else:
+        h = g
+    kvh = h // GROUP
+    row_len = tl.load(lens_ptr + b)
+    row_start = tl.load(starts_ptr + b)
+    return b, g, h, kvh, qblk, qblk * BLOCK_M, row_len, row_start
+
+
+@triton.jit
+def _load_rows(base, rows, row_ok, offs_d, d_ok, stride_n, stride_d, EVEN_D: tl.constexpr):
+    """Load ``[BLOCK_M, BLOCK_D]`` rows at int64 offsets; rows outside ``row_ok`` read 0."""
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_n + offs_d[None, :] * stride_d
+    if EVEN_D:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd,
+             MASK_COLS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load the K and V rows of key positions ``cols [BLOCK_N]`` (physical, int64 addressing)."""
+    c = cols.to(tl.int64)
+    kp = k_base + c[:, None] * skn + offs_d[None, :] * skd  # [BN, BD]
+    vp = v_base + c[:, None] * svn + offs_d[None, :] * svd  # [BN, BD]
+    if MASK_COLS:
+        if EVEN_D:
+            k = tl.load(kp, mask=col_ok[:, None], other=0.0)
+            v = tl.load(vp, mask=col_ok[:, None], other=0.0)
+        else:
+            k = tl.load(kp, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(vp, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(kp)
+            v = tl.load(vp)
+        else:
+            k = tl.load(kp, mask=d_ok[None, :], other=0.0)
+            v = tl.load(vp, mask=d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _scores(q, k, qk_scale, PREC: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` fp32 scores in the log2 domain (``qk_scale = scale * log2 e``)."""
+    return tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+
+
+@triton.jit
+def _softmax_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
+    """One online-softmax step over a tile: the only copy, used by all three kernels.
+
+    ``s [BM, BN]`` are log2-domain scores with every excluded entry already ``-inf``; ``acc
+    [BM, BD]`` is the unnormalised output, ``m_i`` the running max, ``l_i`` the running
+    denominator (all fp32). A row that has seen only ``-inf`` keeps ``m_i = -inf, l_i = 0``.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln,
+                RETURN_LSE: tl.constexpr):
+    """Normalise and write the block's valid rows (zeros and ``lse = -inf`` for empty rows)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    r = rows.to(tl.int64)
+    op = o_base + r[:, None] * son + offs_d[None, :] * sod
+    tl.store(op, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(lse_base + r * sln, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Kernel tiling (never part of a pattern config): query tile, key tile, warps, stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+#: GPU tiles for 2-byte inputs (FlashAttention-style: 128 queries x 64 keys, 8 warps, 3 stages).
+GPU_TILES = Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
+#: GPU tiles for fp32 inputs (twice the bytes per element: smaller tiles, fewer stages).
+GPU_TILES_FP32 = Tiles(block_m=64, block_n=32, num_warps=4, num_stages=2)
+#: Interpreter tiles: small, so that short test sequences still span several tiles.
+INTERPRET_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_tiles(q: torch.Tensor) -> Tiles:
+    if q.device.type != "cuda":
+        return INTERPRET_TILES
+    return GPU_TILES_FP32 if q.dtype == torch.float32 else GPU_TILES
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``ieee`` for fp32 inputs (so fp32 runs meet the fp32 tolerance rule), else the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass
+class Prepared:
+    """Validated launch state shared by the three public functions."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    N: int
+    D: int
+    Hg: int
+    scale: float
+    lens: torch.Tensor
+    starts: torch.Tensor
+    heads: torch.Tensor | None
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    tiles: Tiles
+
+    @property
+    def block_d(self) -> int:
+        return triton.next_power_of_2(self.D)
+
+    @property
+    def qk_scale(self) -> float:
+        return self.scale * LOG2E
+
+    def grid(self) -> tuple[int, int, int]:
+        return (triton.cdiv(self.N, self.tiles.block_m), self.Hg, self.B)
+
+    def meta(self, q: torch.Tensor, return_lse: bool) -> dict:
+        """Constexprs and launch options common to every kernel."""
+        return dict(
+            GROUP=self.Hq // self.Hkv,
+            HEAD_DIM=self.D,
+            BLOCK_D=self.block_d,
+            EVEN_D=self.block_d == self.D,
+            BLOCK_M=self.tiles.block_m,
+            BLOCK_N=self.tiles.block_n,
+            HAS_HEADS=self.heads is not None,
+            RETURN_LSE=return_lse,
+            PREC=dot_precision(q.dtype),
+            num_warps=self.tiles.num_warps,
+            num_stages=self.tiles.num_stages,
+        )
+
+    def lse_arg(self) -> tuple[torch.Tensor, int]:
+        """LSE pointer and its row stride (the output itself stands in when no LSE is asked)."""
+        if self.lse is None:
+            return self.out, 0
+        return self.lse, self.lse.stride(2)
+
+    def lse_strides(self) -> tuple[int, int]:
+        if self.lse is None:
+            return 0, 0
+        return self.lse.stride(0), self.lse.stride(1)
+
+
+def check_heads(heads, Hq: int, device, *, values: bool) -> torch.Tensor | None:
+    """Validate ``heads``: 1-D int tensor of distinct local query heads in ``[0, Hq)``."""
+    if heads is None:
+        return None
+    check_tensor("heads", heads, rank=1, dtypes=_INT_DTYPES)
+    if not same_device(heads.device, device):
+        raise ValueError(f"heads must be on {device}, got {heads.device}")
+    if heads.shape[0] > Hq:
+        raise ValueError(f"heads lists {heads.shape[0]} heads but q has only {Hq}")
+    if values and heads.numel() > 0 and not _capturing():
+        if bool((heads < 0).any()) or bool((heads >= Hq).any()):
+            raise ValueError(f"heads must lie in [0, {Hq}), got {heads.tolist()}")
+        if heads.unique().numel() != heads.numel():
+            raise ValueError(f"heads must be distinct, got {heads.tolist()}")
+    return heads.to(torch.int32).contiguous()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
+            tiles: Tiles | None = None) -> Prepared:
+    """Validate the common arguments and allocate outputs; never synchronises when
+    ``validate=False``."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D={D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+    if q.device.type == "cpu" and not interpreting():
+        raise ValueError(
+            "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before triton is first imported"
+        )
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must be a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), got {q.device}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    scale = default_scale(D, scale)
+    partial = seqlens is not None or seqstarts is not None or heads is not None
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not _capturing())
+    heads = check_heads(heads, Hq, q.device, values=validate)
+    Hg = Hq if heads is None else heads.shape[0]
+    if out is None:
+        alloc = torch.zeros if partial else torch.empty
+        out = alloc(B, Hq, N, D, dtype=q.dtype, device=q.device)
+    else:
+        check_tensor("out", out, rank=4, dtypes=(q.dtype,))
+        if tuple(out.shape) != (B, Hq, N, D):
+            raise ValueError(f"out must have shape {(B, Hq, N, D)}, got {tuple(out.shape)}")
+        if out.device != q.device:
+            raise ValueError(f"out must be on {q.device}, got {out.device}")
+    lse = None
+    if return_lse:
+        if partial:  # rows and heads the kernel never touches read as empty rows
+            lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device)
+        else:
+            lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    return Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q))
+
+
+def qkv_strides(q, k, v, out) -> list[int]:
+    """The 16 strides the kernels take, in (q, k, v, out) x (b, h, n, d) order."""
+    return [*q.stride(), *k.stride(), *v.stride(), *out.stride()]
+
+
+def finish(prep: Prepared, return_lse: bool):
+    return (prep.out, prep.lse) if return_lse else prep.out

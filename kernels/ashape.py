@@ -1,0 +1,189 @@
+"""A-shape attention: attention sinks plus a local sliding window, no materialised index.
+
+Query ``i`` reads ``{0 .. min(g-1, i)} ∪ {max(0, i-w+1) .. i}`` for its head's ``(sink g, window
+w)``. The kernel splits the set into two disjoint parts so a key reached by both counts once:
+
+* sink part: ``j < g`` and ``j <= i - w`` (sinks that fall outside the window),
+* window part: ``i - w < j <= i``.
+
+Each part runs masked edge tiles and unmasked interior tiles in separate loops, so the interior
+(almost all of the work for long rows) carries no masking work at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from minference.kernels._common import (
+    _load_kv,
+    _load_rows,
+    _program_ids,
+    _scores,
+    _softmax_update,
+    _store_rows,
+    finish,
+    prepare,
+    qkv_strides,
+)
+
+from minference._checks import check_head_offset, check_tensor, same_device
+
+__all__ = ["ashape_attention"]
+
+
+@triton.jit
+def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd,
+                  qk_scale, t_begin, t_end, key_end, sink, window,
+                  MASKED: tl.constexpr, SINK_PART: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """Key tiles ``[t, t + BLOCK_N)`` for ``t`` in ``range(t_begin, t_end, BLOCK_N)``; keys at or past
+    ``key_end`` are never loaded."""
+    for t in range(t_begin, t_end, BLOCK_N):
+        cols = t + offs_n  # [BN]
+        k, v = _load_kv(k_base, v_base, cols, cols < key_end, offs_d, d_ok, skn, skd, svn, svd,
+                        MASKED, EVEN_D)
+        s = _scores(q, k, qk_scale, PREC)  # [BM, BN]
+        if MASKED:
+            if SINK_PART:
+                keep = (cols[None, :] < sink) & (cols[None, :] <= rows[:, None] - window)
+            else:
+                keep = (cols[None, :] > rows[:, None] - window) & (cols[None, :] <= rows[:, None])
+            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _ashape_fwd(Q, K, V, O, LSE, lens, starts, heads, sinks, windows, head_offset, qk_scale,
+                sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+                slb, slh, sln,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+                RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    if m0 >= row_len:
+        return
+    sink = tl.load(sinks + head_offset + h)
+    window = tl.load(windows + head_offset + h)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m  # [BM] logical
+    row_ok = rows < row_len
+    b64 = b.to(tl.int64)
+    s64 = row_start.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rows_full = m0 + BLOCK_M <= row_len
+    last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
+
+    # sink part: keys j < sink with j <= i - window for some row of the block
+    sink_end = tl.minimum(sink, last_row - window + 1)
+    sink_full = (tl.maximum(tl.minimum(sink, m0 - window + 1), 0) // BLOCK_N) * BLOCK_N
+    sink_full = tl.where(rows_full, sink_full, 0)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                  skn, skd, svn, svd, qk_scale, 0, sink_full, sink_end, sink, window,
+                                  False, True, BLOCK_N, EVEN_D, PREC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                  skn, skd, svn, svd, qk_scale, sink_full, sink_end, sink_end, sink, window,
+                                  True, True, BLOCK_N, EVEN_D, PREC)
+
+    # window part: keys i - window < j <= i; tiles start at the block's first window key
+    lo = tl.maximum(m0 - window + 1, 0)
+    hi = last_row + 1
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    k_b = tl.minimum((m0 - lo + 1) // BLOCK_N, n_tiles)  # tiles ending at or before row m0
+    k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - window - lo, 0), BLOCK_N), k_b)
+    k_b = tl.where(rows_full, k_b, 0)  # a block with padding rows runs every tile masked
+    k_a = tl.where(rows_full, k_a, 0)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                  skn, skd, svn, svd, qk_scale, lo, lo + k_a * BLOCK_N, hi, sink, window,
+                                  True, False, BLOCK_N, EVEN_D, PREC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                  skn, skd, svn, svd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
+                                  sink, window, False, False, BLOCK_N, EVEN_D, PREC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                  skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
+                                  True, False, BLOCK_N, EVEN_D, PREC)
+
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+
+
+def _budget(name: str, value, H_needed: int, device, minimum: int, validate: bool) -> torch.Tensor:
+    """Per-global-head budget as an int32 tensor on ``device`` (an int becomes a constant)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
+    if isinstance(value, int):
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return torch.full((H_needed,), value, dtype=torch.int32, device=device)
+    check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
+    if not same_device(value.device, device):
+        raise ValueError(f"{name} must be on {device}, got {value.device}")
+    if value.shape[0] < H_needed:
+        raise ValueError(f"{name} has {value.shape[0]} entries, fewer than the {H_needed} global heads needed")
+    if validate and value.numel() > 0 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if int(value.min()) < minimum:
+            raise ValueError(f"{name} entries must be >= {minimum}, got min {int(value.min())}")
+    return value.to(torch.int32).contiguous()
+
+
+def ashape_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: int | torch.Tensor,
+    window: int | torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    head_offset: int = 0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """Causal A-shape (sinks + sliding window) attention.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (GQA inside the kernel), fp16/bf16/fp32,
+            any strides, ``D`` in :data:`SUPPORTED_HEAD_DIMS`.
+        sink: leading key positions every query reads (``g >= 0``): an int, or a 1-D int tensor
+            indexed by global head ``head_offset + h``.
+        window: local window width including the query itself (``w >= 1``), same forms.
+        scale: softmax scale, default ``D ** -0.5`` (real head dim).
+        seqlens, seqstarts: ``[B]`` ragged rows; padding is neither read nor written.
+        heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
+        head_offset: global id of local head 0 (tensor parallelism), used for tensor budgets.
+        out: optional ``[B, Hq, N, D]`` output to write into (else allocated).
+        return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32, natural log).
+        validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+
+    Returns:
+        ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
+    """
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+                   return_lse=return_lse, validate=validate)
+    check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
+    sinks = _budget("sink", sink, head_offset + prep.Hq, q.device, 0, validate)
+    windows = _budget("window", window, head_offset + prep.Hq, q.device, 1, validate)
+    lse, sln = prep.lse_arg()
+    slb, slh = prep.lse_strides()
+    if prep.Hg > 0 and prep.N > 0:
+        _ashape_fwd[prep.grid()](
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            sinks, windows, head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln,
+            **prep.meta(q, return_lse),
+        )
+    return finish(prep, return_lse)

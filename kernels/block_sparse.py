@@ -1,0 +1,167 @@
+"""Block-sparse attention: per query block, a list of key blocks of the same size.
+
+Query ``i`` reads ``{j : j // block ∈ J(i // block), j <= i}``. The launcher turns the raw list
+(any order, duplicates, -1 padding, blocks above the diagonal) into a sorted, deduplicated list
+of *off-diagonal* key blocks plus a flag for the diagonal block (torch ops, no host sync). The
+kernel runs off-diagonal blocks with no masking at all (they are entirely causal and inside the
+row), then the diagonal block with the causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from minference.kernels._common import (
+    INTERPRET_TILES,
+    Tiles,
+    _load_kv,
+    _load_rows,
+    _program_ids,
+    _scores,
+    _softmax_update,
+    _store_rows,
+    finish,
+    prepare,
+    qkv_strides,
+)
+from minference.kernels.convert import _compact
+
+from minference._checks import check_index
+
+__all__ = ["block_sparse_attention", "BLOCK_SIZES"]
+
+#: Block sizes the kernel runs (query and key tile = routing block; powers of two for tl.arange).
+BLOCK_SIZES = (16, 32, 64, 128)
+#: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
+_GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
+_GPU_STAGES = 3
+_GPU_STAGES_FP32 = 2
+
+
+@triton.jit
+def _bs_fwd(Q, K, V, O, LSE, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
+            sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+            slb, slh, sln,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    if m0 >= row_len:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m  # [BM] logical
+    row_ok = rows < row_len
+    b64 = b.to(tl.int64)
+    s64 = row_start.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+
+    slot = (b64 * tl.num_programs(1) + g) * tl.num_programs(0) + qblk
+    ids = kv_blocks + slot * n_k
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # off-diagonal blocks: every key precedes row m0 and lies inside the row, so no mask
+    # (query rows past the row's end compute throw-away values and are never stored)
+    for kk in range(0, tl.load(kv_count + slot)):
+        cols = tl.load(ids + kk) * BLOCK_N + offs_n  # [BN]
+        k, v = _load_kv(k_base, v_base, cols, cols < row_len, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
+        s = _scores(q, k, qk_scale, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+
+    if tl.load(has_diag + slot) != 0:
+        cols = m0 + offs_n
+        col_ok = cols < row_len
+        k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+        s = _scores(q, k, qk_scale, PREC)
+        keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
+        s = tl.where(keep, s, float("-inf"))
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+
+
+def _tiles(q: torch.Tensor, block: int) -> Tiles:
+    if q.device.type != "cuda":
+        return Tiles(block_m=block, block_n=block, num_warps=INTERPRET_TILES.num_warps,
+                     num_stages=INTERPRET_TILES.num_stages)
+    stages = _GPU_STAGES_FP32 if q.dtype == torch.float32 else _GPU_STAGES
+    return Tiles(block_m=block, block_n=block, num_warps=_GPU_WARPS[block], num_stages=stages)
+
+
+def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blocks [B, H, NQB, K]`` -> ``(off_diagonal [B, H, NQB, K] ascending distinct ids < I, -1
+    after; count [B, H, NQB]; has_diag [B, H, NQB] int8)`` for query block ``I``. No host sync."""
+    nqb = blocks.shape[-2]
+    x = blocks.long()
+    I = torch.arange(nqb, device=blocks.device)[:, None]  # [NQB, 1]
+    x = torch.where((x >= 0) & (x <= I), x, torch.full_like(x, nqb)).sort(dim=-1).values
+    first = (x < nqb) & (x != F.pad(x[..., :-1], (1, 0), value=-1))
+    off, count = _compact(x, first & (x < I))
+    has_diag = (first & (x == I)).any(-1).to(torch.int8)
+    return off, count, has_diag
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    block: int = 64,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """Causal block-sparse attention.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (GQA inside the kernel), fp16/bf16/fp32,
+            any strides, ``D`` in :data:`SUPPORTED_HEAD_DIMS`.
+        blocks: ``[B, Hg, NQB, K]`` int key-block ids per query block (``NQB = ceil(N / block)``),
+            -1 padded, any order, duplicates allowed; blocks above the diagonal contribute nothing.
+        block: block size for queries and keys, one of :data:`BLOCK_SIZES` (default 64).
+        scale: softmax scale, default ``D ** -0.5``.
+        seqlens, seqstarts: ``[B]`` ragged rows (blocks are in each row's logical positions).
+        heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
+        out: optional ``[B, Hq, N, D]`` output to write into.
+        return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
+        validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+
+    Returns:
+        ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
+    """
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"block must be an int, got {type(block).__name__}")
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q, block))
+    nqb = triton.cdiv(prep.N, block)
+    check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
+                values=validate)
+    lse, sln = prep.lse_arg()
+    slb, slh = prep.lse_strides()
+    if prep.Hg > 0 and prep.N > 0:
+        off, count, has_diag = normalize_blocks(blocks)
+        _bs_fwd[prep.grid()](
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            off, count, has_diag, off.shape[-1], prep.qk_scale,
+            *qkv_strides(q, k, v, prep.out), slb, slh, sln,
+            **prep.meta(q, return_lse),
+        )
+    return finish(prep, return_lse)

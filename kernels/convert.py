@@ -1,0 +1,225 @@
+"""Vertical-slash index conversion: logical ``(vertical, slash)`` -> physical tiles the kernel runs.
+
+Pure PyTorch, no compiled extension, no host synchronisation (every output has a static shape;
+nothing reads a tensor value on the host), so it runs inside a CUDA graph.
+
+Physical format (:class:`VSIndex`), per batch row ``b`` and computed head ``h``
+-------------------------------------------------------------------------------
+
+Slash offsets ``δ`` are deduplicated, sorted and merged into **runs** ``[δa, δb]`` of offsets
+whose gaps are at most ``block_m``. A run does not depend on the query block: query block ``I``
+(rows ``m0 = I * block_m .. m0 + block_m - 1``) reads the run as the **key range**
+``[max(0, m0 - δb), m0 + block_m - 1 - δa]`` (offsets that run before position 0 are clipped).
+Because consecutive runs are more than ``block_m`` apart, the key ranges of one query block are
+disjoint, so no key is visited twice. Inside a range the kernel keeps key ``j`` for row ``i``
+iff ``j <= i`` and (``i - j`` is a chosen offset or ``j`` is a chosen column): tile expansion is
+masked exactly, and a vertical inside a range is read there once.
+
+Vertical columns are deduplicated and, per query block, the ones that lie inside one of its key
+ranges or beyond its last row are **removed**; the rest are compacted into ``col_index[b, h, I,
+:col_count[b, h, I]]`` (ascending). The kernel reads them as gathered key tiles, masked ``j <= i``.
+
+Fields (``R = NS``, ``NQB = ceil(n / block_m)``):
+
+* ``run_start, run_end [B, H, R]`` int32: ``δa``, ``δb`` of each run (ascending), -1 past
+  ``run_count [B, H]``.
+* ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``.
+* ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_prefix [B, H, n + 1]``
+  int32 its prefix sums (an O(1) test that a whole tile lies on chosen diagonals, so the kernel
+  skips masking there); ``col_mask [B, H, n]`` int8: 1 where ``j`` is a chosen column.
+
+The loop that turns the format back into the dense mask the kernel computes (this is
+:func:`vs_index_to_dense`, which counts visits so tests can also prove no pair is read twice)::
+
+    for I in range(NQB):
+        m0 = I * block_m
+        for i in range(m0, min(m0 + block_m, n)):
+            for r in range(run_count[b, h]):
+                lo = max(0, m0 - run_end[b, h, r])
+                hi = m0 + block_m - 1 - run_start[b, h, r]
+                for j in range(lo, min(hi, i) + 1):
+                    if diag_mask[b, h, i - j] or col_mask[b, h, j]:
+                        mask[i, j] += 1
+            for c in col_index[b, h, I, :col_count[b, h, I]]:
+                if c <= i:
+                    mask[i, c] += 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minference._checks import check_tensor, same_device
+
+__all__ = ["VSIndex", "convert_vertical_slash", "vs_index_to_dense", "vs_physical_tiles"]
+
+_INT = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class VSIndex:
+    """Physical vertical-slash index for query blocks of ``block_m`` rows over ``n`` positions."""
+
+    block_m: int
+    n: int
+    run_start: torch.Tensor
+    run_end: torch.Tensor
+    run_count: torch.Tensor
+    col_index: torch.Tensor
+    col_count: torch.Tensor
+    diag_mask: torch.Tensor
+    diag_prefix: torch.Tensor
+    col_mask: torch.Tensor
+
+
+def _sorted_set(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort ``x [..., K]`` with invalid entries (outside ``[0, n)``) mapped to the sentinel ``n``
+    and placed last; return ``(sorted int64, valid, first occurrence)``."""
+    x = x.long()
+    x = torch.where((x >= 0) & (x < n), x, torch.full_like(x, n)).sort(dim=-1).values
+    valid = x < n
+    prev = F.pad(x[..., :-1], (1, 0), value=-1)
+    return x, valid, valid & (x != prev)
+
+
+def _membership(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[..., n]`` int8 indicator of the values of ``x`` (sentinel ``n`` dropped)."""
+    target = torch.zeros(*x.shape[:-1], n + 1, dtype=torch.int8, device=x.device)
+    return target.scatter_(-1, x, 1)[..., :n].contiguous()
+
+
+def _compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move ``values[keep]`` to the front of the last axis (order kept), -1 after; with counts."""
+    K = values.shape[-1]
+    pos = keep.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
+    pos = torch.where(keep, pos, torch.full_like(pos, K)).long()
+    out = torch.full((*values.shape[:-1], K + 1), -1, dtype=torch.int32, device=values.device)
+    out.scatter_(-1, pos, values.to(torch.int32))
+    return out[..., :K].contiguous(), keep.sum(-1, dtype=torch.int32)
+
+
+def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, *, block_m: int) -> VSIndex:
+    """Logical vertical-slash index -> :class:`VSIndex` for query blocks of ``block_m`` rows.
+
+    Args:
+        vertical: ``[B, H, NV]`` int key columns (logical), -1 padded, any order, duplicates ok.
+        slash: ``[B, H, NS]`` int offsets ``δ = i - j``, -1 padded, any order, duplicates ok; offset
+            0 is not assumed. Entries ``>= n`` are ignored like padding.
+        n: sequence length (positions ``0 .. n-1``).
+        block_m: query rows per block; must equal the kernel's query tile
+            (:func:`minference.kernels.vertical_slash_block_m`).
+
+    Returns:
+        :class:`VSIndex` on the indices' device. No host synchronisation.
+    """
+    check_tensor("vertical", vertical, rank=3, dtypes=_INT)
+    check_tensor("slash", slash, rank=3, dtypes=_INT)
+    if vertical.shape[:2] != slash.shape[:2]:
+        raise ValueError(f"vertical and slash must share [B, H], got {tuple(vertical.shape)} and {tuple(slash.shape)}")
+    if not same_device(vertical.device, slash.device):
+        raise ValueError(f"vertical and slash must be on one device, got {vertical.device} and {slash.device}")
+    for name, value, lo in (("n", n, 0), ("block_m", block_m, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {value}")
+    B, H, NV = vertical.shape
+    NS = slash.shape[-1]
+    dev = slash.device
+    nqb = -(-n // block_m)
+
+    # slash runs: a new run starts where the gap to the previous distinct offset exceeds block_m
+    s, s_valid, _ = _sorted_set(slash, n)  # [B, H, NS]
+    prev = F.pad(s[..., :-1], (1, 0), value=-block_m - 1)
+    nxt = F.pad(s[..., 1:], (0, 1), value=n)
+    starts = s_valid & (s - prev > block_m)
+    ends = s_valid & ((nxt - s > block_m) | (nxt >= n))
+    run_id = starts.long().cumsum(-1) - 1
+    run_start = torch.full((B, H, NS + 1), -1, dtype=torch.int32, device=dev)
+    run_start.scatter_(-1, torch.where(starts, run_id, NS), s.to(torch.int32))
+    run_end = torch.full((B, H, NS + 1), -1, dtype=torch.int32, device=dev)
+    run_end.scatter_(-1, torch.where(ends, run_id, NS), s.to(torch.int32))
+    run_count = starts.sum(-1, dtype=torch.int32)
+
+    diag_mask = _membership(s, n)  # [B, H, n]
+    diag_prefix = F.pad(diag_mask.cumsum(-1, dtype=torch.int32), (1, 0)).contiguous()  # [B, H, n+1]
+
+    # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0
+    # iff m0 - c lies in [δa - block_m + 1, δb] for some run, i.e. y in [δa, δb + block_m - 1]
+    span = n + block_m
+    diff = torch.zeros(B, H, span + 1, dtype=torch.int32, device=dev)
+    one = torch.ones_like(s, dtype=torch.int32)
+    diff.scatter_add_(-1, torch.where(starts, s, span), one)
+    diff.scatter_add_(-1, torch.where(ends, s + block_m, span), -one)
+    cover = diff.cumsum(-1, dtype=torch.int32)[..., :span] > 0  # [B, H, span]
+
+    c, _, c_first = _sorted_set(vertical, n)  # [B, H, NV]
+    col_mask = _membership(c, n)
+    m0 = torch.arange(nqb, device=dev, dtype=torch.long) * block_m  # [NQB]
+    y = m0[:, None] - c[..., None, :] + (block_m - 1)  # [B, H, NQB, NV]
+    inside = cover[..., None, :].expand(B, H, nqb, span).gather(-1, y.clamp(0, span - 1))
+    keep = c_first[..., None, :] & (y >= 0) & ~inside
+    col_index, col_count = _compact(c[..., None, :].expand(B, H, nqb, NV), keep)
+    return VSIndex(
+        block_m=block_m,
+        n=n,
+        run_start=run_start[..., :NS].contiguous(),
+        run_end=run_end[..., :NS].contiguous(),
+        run_count=run_count,
+        col_index=col_index,
+        col_count=col_count,
+        diag_mask=diag_mask,
+        diag_prefix=diag_prefix,
+        col_mask=col_mask,
+    )
+
+
+def vs_index_to_dense(index: VSIndex) -> torch.Tensor:
+    """``[B, H, n, n]`` int32: how many times the kernel visits each (query, key) pair.
+
+    The loop of the module docstring, vectorised over positions. For a correct index every
+    entry is 0 or 1 and the nonzero pattern equals
+    :func:`minference.reference.vertical_slash_mask`.
+    """
+    B, H = index.run_count.shape
+    n, bm = index.n, index.block_m
+    dev = index.run_count.device
+    i = torch.arange(n, device=dev)[:, None]
+    j = torch.arange(n, device=dev)[None, :]
+    m0 = (i // bm) * bm  # [n, 1]
+    causal = j <= i
+    delta = (i - j).clamp(min=0)
+    visits = torch.zeros(B, H, n, n, dtype=torch.int32, device=dev)
+    for b in range(B):
+        for h in range(H):
+            kept = (index.diag_mask[b, h][delta] != 0) | (index.col_mask[b, h][j] != 0)  # [n, n]
+            for r in range(int(index.run_count[b, h])):
+                da, db = int(index.run_start[b, h, r]), int(index.run_end[b, h, r])
+                in_range = (j >= (m0 - db).clamp(min=0)) & (j <= m0 + bm - 1 - da)
+                visits[b, h] += (in_range & causal & kept).int()
+            for I in range(-(-n // bm)):
+                rows = slice(I * bm, min(n, I * bm + bm))
+                for c in index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist():
+                    visits[b, h, rows, c] += (torch.arange(n, device=dev)[rows] >= c).int()
+    return visits
+
+
+def vs_physical_tiles(index: VSIndex, block_n: int, seqlen: int | None = None) -> torch.Tensor:
+    """``[B, H]`` int64: key tiles of ``block_n`` the kernel runs per head (for physical
+    throughput); ``seqlen`` clips the last query block like a row length does."""
+    n, bm = index.n, index.block_m
+    L = n if seqlen is None else seqlen
+    dev = index.run_count.device
+    nqb = -(-L // bm)
+    m0 = torch.arange(nqb, device=dev, dtype=torch.long)[:, None] * bm  # [NQB, 1]
+    last = torch.clamp(m0 + bm, max=L) - 1
+    valid_run = torch.arange(index.run_start.shape[-1], device=dev) < index.run_count[..., None].long()
+    lo = (m0 - index.run_end[..., None, :].long()).clamp(min=0)  # [B, H, NQB, R]
+    hi = torch.minimum(m0 + bm - 1 - index.run_start[..., None, :].long(), last) + 1
+    ranges = ((hi - lo).clamp(min=0) + block_n - 1) // block_n
+    range_tiles = (ranges * valid_run[..., None, :]).sum((-1, -2))
+    col_tiles = ((index.col_count[..., :nqb].long() + block_n - 1) // block_n).sum(-1)
+    return range_tiles + col_tiles

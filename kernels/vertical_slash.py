@@ -1,0 +1,208 @@
+"""Vertical-slash attention: chosen key columns plus chosen diagonals, exact on the logical set.
+
+Query ``i`` reads ``{j ∈ C : j <= i} ∪ {i - δ : δ ∈ D, i - δ >= 0}``. The logical index is turned
+into the physical format of :mod:`minference.kernels.convert` (slash runs read as disjoint key
+ranges per query block, plus the leftover columns of each block), then one program per query
+block walks its key ranges in contiguous tiles and its leftover columns in gathered tiles.
+
+Masking: a range tile whose keys are all causal for the block, inside the range, and whose every
+diagonal ``i - j`` is a chosen offset (an O(1) prefix-count test) runs unmasked; any other range
+tile applies the exact set ``(i - j ∈ D or j ∈ C) and j <= i`` before the running max.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from minference.kernels._common import (
+    _load_kv,
+    _load_rows,
+    _program_ids,
+    _scores,
+    _softmax_update,
+    _store_rows,
+    default_tiles,
+    finish,
+    prepare,
+    qkv_strides,
+)
+from minference.kernels.convert import VSIndex, convert_vertical_slash
+
+from minference._checks import check_index
+
+__all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "vertical_slash_block_m"]
+
+
+@triton.jit
+def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
+            run_start, run_end, run_count, col_index, col_count, diag_mask, diag_prefix, col_mask,
+            n_idx, n_runs, n_cols, qk_scale,
+            sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+            slb, slh, sln,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    if m0 >= row_len:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m  # [BM] logical
+    row_ok = rows < row_len
+    b64 = b.to(tl.int64)
+    s64 = row_start.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+
+    bg = b64 * tl.num_programs(1) + g  # (batch row, computed head) slot of the index tensors
+    n_qblk = tl.num_programs(0)
+    rs_base = run_start + bg * n_runs
+    re_base = run_end + bg * n_runs
+    dm_base = diag_mask + bg * n_idx
+    dp_base = diag_prefix + bg * (n_idx + 1)
+    cm_base = col_mask + bg * n_idx
+    ci_base = col_index + (bg * n_qblk + qblk) * n_cols
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    rows_full = m0 + BLOCK_M <= row_len
+    last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
+
+    # slash runs: disjoint key ranges [max(0, m0 - δb), m0 + BM - 1 - δa] of this block
+    nr = tl.load(run_count + bg)
+    for r in range(0, nr):
+        lo = tl.maximum(m0 - tl.load(re_base + r), 0)
+        hi = tl.minimum(m0 + BLOCK_M - 1 - tl.load(rs_base + r), last_row) + 1
+        for t in range(lo, hi, BLOCK_N):
+            cols = t + offs_n  # [BN]
+            col_ok = cols < hi
+            k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+            s = _scores(q, k, qk_scale, PREC)  # [BM, BN]
+            # every diagonal of the tile, m0 - (t + BN - 1) .. m0 + BM - 1 - t, chosen?
+            d_lo = tl.maximum(m0 - (t + BLOCK_N - 1), 0)
+            d_hi = tl.minimum(m0 + BLOCK_M - 1 - t, n_idx - 1)
+            on_all = tl.load(dp_base + d_hi + 1) - tl.load(dp_base + d_lo) == BLOCK_M + BLOCK_N - 1
+            full = rows_full & (t + BLOCK_N <= hi) & (t + BLOCK_N - 1 <= m0) & on_all
+            if not full:
+                delta = rows[:, None] - cols[None, :]  # [BM, BN]
+                live = (delta >= 0) & row_ok[:, None] & col_ok[None, :]
+                on_diag = tl.load(dm_base + tl.where(live, delta, 0), mask=live, other=0) != 0
+                on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
+                s = tl.where(live & (on_diag | on_col[None, :]), s, float("-inf"))
+            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+
+    # leftover vertical columns of this block (ascending, none inside a key range)
+    nc = tl.load(col_count + bg * n_qblk + qblk)
+    for t in range(0, nc, BLOCK_N):
+        idx = t + offs_n
+        ok = idx < nc
+        cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
+        k, v = _load_kv(k_base, v_base, cols, ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+        s = _scores(q, k, qk_scale, PREC)
+        keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
+        s = tl.where(keep, s, float("-inf"))
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+
+
+def vertical_slash_block_m(q: torch.Tensor) -> int:
+    """Query rows per block the vertical-slash kernel uses for ``q`` (the converter's ``block_m``)."""
+    return default_tiles(q).block_m
+
+
+def vertical_slash_attention_physical(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VSIndex,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """Vertical-slash attention from an already converted :class:`VSIndex` (see
+    :func:`vertical_slash_attention` for the arguments); ``index.block_m`` must equal
+    :func:`vertical_slash_block_m` and ``index.n`` the sequence length."""
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+                   return_lse=return_lse, validate=validate)
+    if not isinstance(index, VSIndex):
+        raise TypeError(f"index must be a VSIndex, got {type(index).__name__}")
+    if index.block_m != prep.tiles.block_m:
+        raise ValueError(f"index.block_m={index.block_m} but the kernel runs blocks of {prep.tiles.block_m} rows")
+    if index.n != prep.N:
+        raise ValueError(f"index.n={index.n} but the sequence length is {prep.N}")
+    if tuple(index.run_count.shape) != (prep.B, prep.Hg):
+        raise ValueError(f"index is for [B, H]={tuple(index.run_count.shape)}, expected {(prep.B, prep.Hg)}")
+    if index.run_count.device != q.device:
+        raise ValueError(f"index must be on {q.device}, got {index.run_count.device}")
+    lse, sln = prep.lse_arg()
+    slb, slh = prep.lse_strides()
+    if prep.Hg > 0 and prep.N > 0:
+        _vs_fwd[prep.grid()](
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            index.run_start, index.run_end, index.run_count, index.col_index, index.col_count,
+            index.diag_mask, index.diag_prefix, index.col_mask,
+            prep.N, index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
+            *qkv_strides(q, k, v, prep.out), slb, slh, sln,
+            **prep.meta(q, return_lse),
+        )
+    return finish(prep, return_lse)
+
+
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """Causal vertical-slash attention on the exact logical set.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (GQA inside the kernel), fp16/bf16/fp32,
+            any strides, ``D`` in :data:`SUPPORTED_HEAD_DIMS`.
+        vertical: ``[B, Hg, NV]`` int key columns (logical positions), -1 padded, any order,
+            duplicates allowed; ``Hg = len(heads)`` or ``Hq``.
+        slash: ``[B, Hg, NS]`` int diagonal offsets ``δ = i - j``, -1 padded, any order,
+            duplicates allowed; offsets that run before position 0 are clipped.
+        scale: softmax scale, default ``D ** -0.5``.
+        seqlens, seqstarts: ``[B]`` ragged rows; padding is neither read nor written.
+        heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
+        out: optional ``[B, Hq, N, D]`` output to write into.
+        return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
+        validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+
+    Returns:
+        ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
+    """
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+                   return_lse=False, validate=validate)
+    for name, idx in (("vertical", vertical), ("slash", slash)):
+        check_index(name, idx, rank=3, lead=(prep.B, prep.Hg), device=q.device, upper=max(prep.N, 1),
+                    values=validate)
+    index = convert_vertical_slash(vertical, slash, prep.N, block_m=prep.tiles.block_m)
+    return vertical_slash_attention_physical(
+        q, k, v, index, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=prep.heads, out=prep.out,
+        return_lse=return_lse, validate=False,
+    )
