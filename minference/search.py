@@ -1,0 +1,380 @@
+"""Offline per-head pattern search: which geometry (and budget) each head uses.
+
+For every calibration prompt the model runs dense attention once while an observer
+(:func:`minference.integration.observe_attention`) reads each layer's real queries and keys. Per
+query head it computes the full causal softmax ``P [n, n]`` and, for every candidate pattern,
+the set of keys each query would read — for the dynamic patterns the set the ONLINE index
+builder picks from these very ``q, k`` (the rules of :mod:`minference.reference.estimators`,
+vectorised here) — then
+
+* ``mass``: captured attention mass, ``sum_{(i,j) in set} P[i, j] / n`` (1 = lossless), and
+* ``density``: the fraction of the ``n (n + 1) / 2`` causal pairs the set holds.
+
+Candidates (:func:`candidate_patterns`) are A-shape, vertical-slash (two vertical/slash
+splits) and block-sparse, each with its budget solved so that its worst-case density at the
+calibration length is ``target_density`` (comparable cost). Per head the candidate with the
+highest mean mass wins; a head whose best mass stays below ``min_mass`` gets
+:class:`~minference.patterns.Dense` (broad heads, typically in the first layers). The result is
+a :class:`~minference.config.PatternConfig` with provenance (calibration fingerprint, length,
+seed, metric, per-head scores and densities, versions, hardware).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minference.config import (
+    PatternConfig,
+    Provenance,
+    _now,
+    _version,
+    data_fingerprint,
+    hardware_string,
+    model_signature,
+)
+from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
+
+__all__ = [
+    "DEFAULT_TARGET_DENSITY",
+    "DEFAULT_MIN_MASS",
+    "SearchResult",
+    "candidate_patterns",
+    "causal_pairs",
+    "pattern_sets",
+    "pattern_mask",
+    "head_scores",
+    "search",
+]
+
+#: Density (fraction of causal pairs) every candidate is budgeted to at the calibration length.
+DEFAULT_TARGET_DENSITY = 0.3
+#: A head whose best candidate captures less mass than this stays dense.
+DEFAULT_MIN_MASS = 0.8
+#: A-shape sink width used by the candidates (tokens).
+DEFAULT_SINK = 64
+#: Fractions of the vertical-slash budget spent on vertical columns (the rest on diagonals).
+VS_VERTICAL_SHARES = (0.1, 0.4)
+#: Query rows per chunk when scoring a head (bounds memory to ``chunk x n`` per tensor).
+ROW_CHUNK = 1024
+
+
+def causal_pairs(n: int) -> int:
+    """Number of causal query-key pairs of an ``n``-token prompt."""
+    return n * (n + 1) // 2
+
+
+def _ashape_pairs(n: int, sink: int, window: int) -> int:
+    i = torch.arange(n, dtype=torch.float64)
+    win = torch.clamp(i + 1, max=window)  # the window's keys
+    extra = torch.clamp(torch.clamp(i + 1 - window, max=sink), min=0)  # sinks left of the window
+    return int((win + extra).sum())
+
+
+def _block_pairs(n: int, top_k: int, block: int) -> int:
+    """Worst-case pairs of block-sparse ``top_k`` (every chosen block full below the diagonal)."""
+    nb = -(-n // block)
+    total = 0
+    for qb in range(nb):
+        rows = min(block, n - qb * block)
+        others = min(top_k, qb + 1) - 1
+        total += others * block * rows + rows * (rows + 1) // 2
+    return total
+
+
+def _solve(f: Callable[[int], int], lo: int, hi: int, budget: float) -> int:
+    """Largest ``x`` in ``[lo, hi]`` with ``f(x) <= budget`` (``f`` non-decreasing), at least ``lo``."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if f(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def candidate_patterns(
+    n: int,
+    target_density: float = DEFAULT_TARGET_DENSITY,
+    *,
+    sink: int = DEFAULT_SINK,
+    block: int = DEFAULT_BLOCK_SIZE,
+    vertical_shares: Sequence[float] = VS_VERTICAL_SHARES,
+) -> list[Pattern]:
+    """Candidates of comparable cost for an ``n``-token prompt: each one's worst-case density is
+    at most ``target_density`` (and as close to it as its budget granularity allows).
+
+    * A-shape ``(sink, window)``: exact pair count, window solved.
+    * Vertical-slash ``(v, s)``: worst case ``v`` full columns and the ``s`` longest diagonals,
+      ``v n + s n - s (s - 1) / 2`` pairs; ``v`` takes each share of the budget in ``vertical_shares``.
+    * Block-sparse ``top_k``: worst case every chosen block full.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if not 0 < target_density <= 1:
+        raise ValueError(f"target_density must lie in (0, 1], got {target_density!r}")
+    budget = target_density * causal_pairs(n)
+    out: list[Pattern] = []
+    g = min(sink, n)
+    window = _solve(lambda w: _ashape_pairs(n, g, w), 1, n, budget)
+    out.append(AShape(sink=g, window=window))
+    for share in vertical_shares:
+        v = max(0, int(share * budget) // n)
+        rest = budget - v * n
+        s = _solve(lambda s: s * n - s * (s - 1) // 2, 1, n, rest)
+        out.append(VerticalSlash(vertical=v, slash=s, sink_columns=min(v, VerticalSlash.sink_columns),
+                                 local_diagonals=min(s, VerticalSlash.local_diagonals)))
+    top_k = _solve(lambda t: _block_pairs(n, t, block), 1, -(-n // block), budget)
+    out.append(BlockSparse(top_k=top_k, block=block))
+    return out
+
+
+def _topk_set(scores: torch.Tensor, forced: int, budget: int) -> torch.Tensor:
+    """``[..., n]`` bool: indices ``< forced`` plus the best-scoring others, ``budget`` in all."""
+    n = scores.shape[-1]
+    budget = min(budget, n)
+    if budget <= 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    s = scores.clone()
+    s[..., : min(forced, budget)] = float("inf")
+    idx = torch.topk(s, budget, dim=-1).indices
+    out = torch.zeros_like(scores, dtype=torch.bool)
+    return out.scatter_(-1, idx, True)
+
+
+def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online vertical-slash choice for heads ``q [H, n, D]``, ``k [H, n, D]`` (kv already
+    expanded): ``(columns [H, n], offsets [H, n])`` bool, by the rule of
+    :func:`minference.reference.estimators.vertical_slash_index`."""
+    H, n, _ = q.shape
+    r = min(p.last_q, n)
+    qs = q[:, n - r :].double()
+    logits = torch.einsum("hid,hjd->hij", qs, k.double()) * scale  # [H, r, n]
+    i = torch.arange(n - r, n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [H, r, n]
+    agg = (lambda x, d: x.sum(d)) if p.aggregation == "sum" else (lambda x, d: x.amax(d))
+    col = agg(probs, 1)  # [H, n]
+    delta = (i - j).clamp(min=-1)  # [r, n]; -1 marks j > i
+    diag = torch.zeros(H, n + 1, dtype=torch.float64, device=q.device)
+    target = torch.where(delta >= 0, delta, torch.full_like(delta, n)).expand(H, r, n).reshape(H, -1)
+    if p.aggregation == "sum":
+        diag.scatter_add_(1, target, probs.reshape(H, -1))
+    else:
+        diag.scatter_reduce_(1, target, probs.reshape(H, -1), reduce="amax", include_self=True)
+    cols = _topk_set(col, min(p.sink_columns, p.vertical), p.vertical)
+    offs = _topk_set(diag[:, :n], min(max(p.local_diagonals, 1), p.slash), p.slash)
+    return cols, offs
+
+
+def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) -> torch.Tensor:
+    """Online block routing for ``q [H, n, D]``, ``k [H, n, D]``: ``[H, NQB, NKB]`` bool, by the
+    rule of :func:`minference.reference.estimators.block_sparse_index`."""
+    H, n, D = q.shape
+    nb = -(-n // p.block)
+    pad = nb * p.block - n
+    counts = torch.full((nb,), float(p.block), dtype=torch.float64, device=q.device)
+    counts[-1] = p.block - pad
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.double(), (0, 0, 0, pad))
+        return x.view(H, nb, p.block, D).sum(2) / counts[:, None]
+
+    score = torch.einsum("hid,hjd->hij", pool(q), pool(k)) * scale  # [H, nb, nb]
+    I = torch.arange(nb, device=q.device)[:, None]
+    J = torch.arange(nb, device=q.device)[None, :]
+    score = score.masked_fill(J > I, float("-inf"))
+    forced = (J < min(p.sink_blocks, p.top_k - int(p.force_diagonal))) & (J <= I)
+    if p.force_diagonal:
+        forced = forced | (J == I)
+    score = torch.where(forced, torch.full_like(score, float("inf")), score)
+    budget = min(p.top_k, nb)
+    idx = torch.topk(score, budget, dim=-1).indices  # [H, nb, budget]
+    chosen = torch.zeros(H, nb, nb, dtype=torch.bool, device=q.device).scatter_(-1, idx, True)
+    return chosen & (J <= I)
+
+
+def pattern_sets(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, scale: float):
+    """The online choice of ``pattern`` for heads ``q, k [H, n, D]`` (kv expanded): columns and
+    offsets (vertical-slash), chosen blocks (block-sparse), or ``None`` (static patterns)."""
+    if isinstance(pattern, VerticalSlash):
+        return _vs_sets(q, k, pattern, scale)
+    if isinstance(pattern, BlockSparse):
+        return _block_sets(q, k, pattern, scale)
+    return None
+
+
+def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, device) -> torch.Tensor:
+    """``[H, len(rows), n]`` bool: keys each query in ``rows`` reads under ``pattern`` (causal)."""
+    i = rows.to(device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    causal = j <= i
+    if isinstance(pattern, Dense):
+        m = causal.expand(H, -1, -1)
+    elif isinstance(pattern, AShape):
+        m = (causal & ((j < pattern.sink) | (j > i - pattern.window))).expand(H, -1, -1)
+    elif isinstance(pattern, VerticalSlash):
+        cols, offs = sets
+        m = (cols[:, None, :] | offs[:, (i - j).clamp(min=0)]) & causal
+    elif isinstance(pattern, BlockSparse):
+        m = sets[:, (i // pattern.block).expand(-1, n), (j // pattern.block).expand(len(rows), -1)] & causal
+    else:
+        raise TypeError(f"unknown pattern {type(pattern).__name__}")
+    return m
+
+
+def head_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    candidates: Sequence[Pattern],
+    *,
+    scale: float | None = None,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Captured mass and density of each candidate for each query head of one prompt.
+
+    Args:
+        q: ``[Hq, n, D]``; k: ``[Hkv, n, D]`` (GQA: head ``h`` reads kv head ``h // (Hq // Hkv)``).
+        candidates: patterns to score.
+        scale: softmax scale (default ``D ** -0.5``).
+        rows: score only the last ``rows`` queries (default all ``n``); the index is still
+            chosen from the whole prompt.
+
+    Returns:
+        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries; density
+        counts the scored queries' pairs over their causal pairs.
+    """
+    Hq, n, D = q.shape
+    group = Hq // k.shape[0]
+    scale = D**-0.5 if scale is None else scale
+    kx = k.repeat_interleave(group, dim=0) if group > 1 else k
+    sets = [pattern_sets(p, q, kx, scale) for p in candidates]
+    first = n - (n if rows is None else min(rows, n))
+    mass = torch.zeros(Hq, len(candidates), dtype=torch.float64)
+    pairs = torch.zeros(Hq, len(candidates), dtype=torch.float64)
+    qf, kf = q.float(), kx.float()
+    for start in range(first, n, ROW_CHUNK):
+        r = torch.arange(start, min(start + ROW_CHUNK, n), device=q.device)
+        logits = torch.einsum("hid,hjd->hij", qf[:, r], kf) * scale  # [Hq, R, n]
+        causal = torch.arange(n, device=q.device)[None, :] <= r[:, None]
+        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        for c, (p, s) in enumerate(zip(candidates, sets)):
+            m = pattern_mask(p, s, Hq, n, r, q.device)
+            mass[:, c] += (probs * m).sum(dim=(1, 2)).double().cpu()
+            pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
+    scored = n - first
+    total = causal_pairs(n) - causal_pairs(first)
+    return mass / scored, pairs / total
+
+
+@dataclass
+class SearchResult:
+    """A searched config plus every candidate's scores (for reports).
+
+    Attributes:
+        config: the chosen patterns with provenance.
+        candidates: the candidate patterns, in score-column order.
+        mass: ``[L, H, C]`` mean captured mass per layer, global head, candidate.
+        density: ``[L, H, C]`` mean density likewise.
+    """
+
+    config: PatternConfig
+    candidates: list[Pattern]
+    mass: torch.Tensor
+    density: torch.Tensor
+
+
+def search(
+    model: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],
+    *,
+    target_density: float = DEFAULT_TARGET_DENSITY,
+    min_mass: float = DEFAULT_MIN_MASS,
+    candidates: Sequence[Pattern] | None = None,
+    model_id: str | None = None,
+    seed: int | None = None,
+    progress: bool = True,
+) -> SearchResult:
+    """Choose a pattern per (layer, global head) of ``model`` from calibration ``prompts``.
+
+    Args:
+        model: a transformers causal LM (not patched).
+        prompts: 1-D int64 token id tensors, all of one length ``n``.
+        target_density: candidates' budgets (see :func:`candidate_patterns`).
+        min_mass: heads whose best mean captured mass is below this stay dense.
+        candidates: override the candidate list.
+        seed: recorded in the provenance (the prompts were drawn with it).
+        progress: show a tqdm bar over prompts x layers.
+    """
+    from tqdm.auto import tqdm
+
+    from minference.integration import observe_attention
+
+    if not prompts:
+        raise ValueError("prompts must hold at least one calibration prompt")
+    lengths = {int(p.numel()) for p in prompts}
+    if len(lengths) != 1 or any(p.dim() != 1 for p in prompts):
+        raise ValueError(f"prompts must be 1-D token id tensors of one length, got lengths {sorted(lengths)}")
+    if not 0 <= min_mass <= 1:
+        raise ValueError(f"min_mass must lie in [0, 1], got {min_mass!r}")
+    (n,) = lengths
+    cands = list(candidates) if candidates is not None else candidate_patterns(n, target_density)
+    signature = model_signature(model, model_id=model_id)
+    L, H = signature.num_layers, signature.num_heads
+    mass = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    density = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    device = next(model.parameters()).device
+    bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
+
+    def observer(layer, query, key, seqlens, seqstarts):
+        scale = getattr(_modules[layer], "scaling", None)
+        m, d = head_scores(query[0], key[0], cands, scale=scale)
+        mass[layer] += m
+        density[layer] += d
+        bar.update(1)
+
+    from minference.integration import _attention_modules
+
+    _modules = _attention_modules(model)
+    with torch.no_grad(), observe_attention(model, observer):
+        for ids in prompts:
+            model(ids[None].to(device), use_cache=False, logits_to_keep=1)
+    bar.close()
+    mass /= len(prompts)
+    density /= len(prompts)
+    layers, scores, dens = [], [], []
+    for l in range(L):
+        row, srow, drow = [], [], []
+        for h in range(H):
+            best = int(torch.argmax(mass[l, h]))
+            if float(mass[l, h, best]) < min_mass:
+                row.append(Dense())
+                srow.append(1.0)
+                drow.append(1.0)
+            else:
+                row.append(cands[best])
+                srow.append(round(float(mass[l, h, best]), 6))
+                drow.append(round(float(density[l, h, best]), 6))
+        layers.append(row)
+        scores.append(srow)
+        dens.append(drow)
+    provenance = Provenance(
+        source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
+        calibration_fingerprint=data_fingerprint([p.tolist() for p in prompts]), calibration_lengths=[n],
+        seed=seed, metric="captured_mass", target_density=target_density, scores=scores, densities=dens,
+        notes=f"{len(prompts)} prompt(s); candidates: {[repr(c) for c in cands]}; min_mass {min_mass}",
+    )
+    config = PatternConfig(signature, layers, provenance)
+    return SearchResult(config, cands, mass, density)
+
+
+def expected_density(config: PatternConfig) -> float:
+    """Mean recorded density over (layer, head) (``math.nan`` when not recorded)."""
+    d = config.provenance.densities
+    if not d:
+        return math.nan
+    flat = [x for row in d for x in row if x is not None]
+    return sum(flat) / len(flat) if flat else math.nan

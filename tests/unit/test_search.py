@@ -1,0 +1,119 @@
+"""Offline search: vectorised online-index rules vs the naive estimators, masses vs the fp64
+reference masks, candidate budgets, and a search on a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from minference.reference import estimators as E
+from minference.reference.attention import dense_attention_probs
+from minference.reference.masks import ashape_mask, block_sparse_mask, vertical_slash_mask
+
+from minference import search as S
+from minference.config import PatternConfig, validate_schema
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+
+
+def qk(n=97, hq=4, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(hq, n, d, generator=g), torch.randn(hkv, n, d, generator=g) * 2
+
+
+@pytest.mark.parametrize("agg", ["sum", "max"])
+@pytest.mark.parametrize("v, s, sink, local, last_q", [(10, 7, 3, 2, 16), (0, 1, 0, 0, 97), (40, 30, 30, 0, 5)])
+def test_vertical_slash_choice_matches_reference(agg, v, s, sink, local, last_q):
+    q, k = qk()
+    p = VerticalSlash(vertical=v, slash=s, last_q=last_q, sink_columns=sink, local_diagonals=local, aggregation=agg)
+    cols, offs = S.pattern_sets(p, q, k.repeat_interleave(2, dim=0), q.shape[-1] ** -0.5)
+    v_idx, s_idx = E.vertical_slash_index(q[None], k[None], v, s, last_q=last_q, sink_columns=sink,
+                                          local_diagonals=local, aggregation=agg)
+    for h in range(q.shape[0]):
+        assert set(torch.nonzero(cols[h]).flatten().tolist()) == {x for x in v_idx[0, h].tolist() if x >= 0}
+        assert set(torch.nonzero(offs[h]).flatten().tolist()) == {x for x in s_idx[0, h].tolist() if x >= 0}
+
+
+@pytest.mark.parametrize("top_k, sink, diag", [(3, 1, True), (1, 0, True), (4, 2, False), (20, 0, True)])
+def test_block_choice_matches_reference(top_k, sink, diag):
+    q, k = qk()
+    p = BlockSparse(top_k=top_k, block=16, sink_blocks=sink, force_diagonal=diag)
+    chosen = S.pattern_sets(p, q, k.repeat_interleave(2, dim=0), q.shape[-1] ** -0.5)
+    ref = E.block_sparse_index(q[None], k[None], top_k, block=16, sink_blocks=sink, force_diagonal=diag)
+    for h in range(q.shape[0]):
+        for I in range(chosen.shape[1]):
+            assert set(torch.nonzero(chosen[h, I]).flatten().tolist()) == {x for x in ref[0, h, I].tolist() if x >= 0}
+
+
+def test_masses_equal_reference_masks():
+    n = 97
+    q, k = qk(n)
+    probs = dense_attention_probs(q[None], k[None])[0]  # [H, n, n] fp64
+    cands = [AShape(sink=4, window=20), VerticalSlash(vertical=8, slash=10, last_q=16), BlockSparse(top_k=3, block=16),
+             Dense()]
+    mass, dens = S.head_scores(q, k, cands)
+    v_idx, s_idx = E.vertical_slash_index(q[None], k[None], 8, 10, last_q=16, sink_columns=30, local_diagonals=100)
+    blocks = E.block_sparse_index(q[None], k[None], 3, block=16, sink_blocks=1)
+    masks = [ashape_mask(n, 4, 20).expand(4, n, n), vertical_slash_mask(n, v_idx, s_idx)[0],
+             block_sparse_mask(n, blocks, 16)[0], torch.ones(n, n, dtype=torch.bool).tril().expand(4, n, n)]
+    for c, m in enumerate(masks):
+        want = (probs * m).sum(dim=(1, 2)) / n
+        assert torch.allclose(mass[:, c], want, atol=1e-5), (c, mass[:, c], want)
+        assert torch.allclose(dens[:, c], m.sum(dim=(1, 2)).double() / S.causal_pairs(n))
+    assert torch.allclose(mass[:, 3], torch.ones(4, dtype=torch.float64), atol=1e-5)
+
+
+def test_last_rows_only():
+    n = 97
+    q, k = qk(n)
+    probs = dense_attention_probs(q[None], k[None])[0]
+    mass, _ = S.head_scores(q, k, [AShape(sink=2, window=8)], rows=10)
+    want = (probs[:, -10:] * ashape_mask(n, 2, 8)[-10:]).sum(dim=(1, 2)) / 10
+    assert torch.allclose(mass[:, 0], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, rho", [(4096, 0.3), (2048, 0.2), (1000, 0.5), (300, 0.9)])
+def test_candidates_have_comparable_worst_case_cost(n, rho):
+    cands = S.candidate_patterns(n, rho)
+    kinds = [c.kind for c in cands]
+    assert kinds == ["a_shape", "vertical_slash", "vertical_slash", "block_sparse"]
+    budget = rho * S.causal_pairs(n)
+    a = cands[0]
+    a_pairs = int(ashape_mask(n, a.sink, a.window).sum())
+    assert a_pairs <= budget < int(ashape_mask(n, a.sink, a.window + 1).sum())
+    for vs in cands[1:3]:
+        worst = vs.vertical * n + vs.slash * n - vs.slash * (vs.slash - 1) // 2
+        assert worst <= budget
+        assert worst + n > budget  # one more diagonal would not fit
+    bs = cands[3]
+    nb = -(-n // bs.block)
+    full = torch.arange(nb)[None, :].expand(nb, nb).contiguous()
+    worst_blocks = torch.where(full <= torch.arange(nb)[:, None], full, -1)
+    # worst case for top_k: the top_k blocks nearest the diagonal, all full
+    lo = (torch.arange(nb)[:, None] - bs.top_k + 1).clamp(min=0)
+    keep = torch.where(full >= lo, worst_blocks, -1)
+    assert int(block_sparse_mask(n, keep, bs.block).sum()) <= budget
+
+
+def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    prompts = [torch.randint(0, 64, (160,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    res = S.search(model, prompts, target_density=0.4, min_mass=0.0, seed=7, progress=False)
+    assert res.mass.shape == (2, 4, 4)
+    assert bool((res.mass <= 1 + 1e-6).all()) and bool((res.mass > 0).all())
+    chosen = res.config.layers
+    for l in range(2):
+        for h in range(4):
+            best = int(torch.argmax(res.mass[l, h]))
+            assert chosen[l][h] == res.candidates[best]
+            assert res.config.provenance.scores[l][h] == pytest.approx(float(res.mass[l, h, best]), abs=1e-6)
+    validate_schema(res.config.to_dict())
+    assert PatternConfig.from_dict(res.config.to_dict()).layers == chosen
+    prov = res.config.provenance
+    assert prov.seed == 7 and prov.calibration_lengths == [160] and prov.metric == "captured_mass"
+    # a head that cannot reach min_mass stays dense
+    strict = S.search(model, prompts[:1], target_density=0.05, min_mass=0.999, progress=False)
+    assert all(isinstance(p, Dense) for row in strict.config.layers for p in row)
