@@ -1,0 +1,381 @@
+"""Online index builders: vertical-slash estimation and block-sparse routing on the device.
+
+Same semantics as the naive twins in :mod:`minference.reference.estimators` (read their module
+docstring for the exact selection rule). Nothing here synchronises with the host when the
+per-head budgets are device tensors (or ints) and the output widths are given, so a whole
+prefill that uses these builders can be captured in a CUDA graph.
+
+Vertical-slash estimation never materialises the ``r x N`` probability matrix beyond one tile.
+The key axis is walked in tiles of ``BD`` diagonal offsets: for the sampled rows ``i_r`` and the
+offsets ``δ ∈ [δ0, δ0 + BD)`` the keys ``j = i_r - δ`` fall into one contiguous window of
+``2 * BD`` keys, so one ``[RC, D] x [D, 2 BD]`` product gives every logit the tile owns (each
+(row, key) pair is owned by exactly one tile). Pass 1 reduces each tile to a row max and sum,
+the host side combines them into the row log-sum-exp with one tensor op, and pass 2 recomputes
+the logits, normalises them and reduces them into column scores (over the window's keys) and
+diagonal scores (after a register gather that skews the window so a diagonal becomes a column).
+Tiles overlap in keys and row chunks overlap in offsets, so both reductions land with one
+atomic per key / offset per program (add for ``sum``, max for ``max``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from minference._checks import check_qkv, check_ragged, check_tensor, default_scale
+from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
+
+__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "budget_tensor"]
+
+_INT = (torch.int32, torch.int64)
+#: Diagonal offsets per program of the vertical-slash estimator (the key window is twice this).
+VS_OFFSET_TILE = 64
+#: Sampled query rows per program of the vertical-slash estimator (at most VS_OFFSET_TILE).
+VS_ROW_CHUNK = 64
+#: Smallest tile side ``tl.dot`` accepts.
+_MIN_DOT = 16
+#: Tokens pooled per loop step of the block pooling kernel.
+POOL_TOKEN_TILE = 64
+#: Upper bound on the elements of one chunk of block-routing scores (bounds temporary memory).
+ROUTING_CHUNK_ELEMENTS = 1 << 27
+
+
+@triton.jit
+def _vs_logits(q_ptr, k_ptr, b, h, kvh, i0, d0, n, start, lo_row, scale,
+               sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
+               RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Logits ``[RC, 2 BD]`` of rows ``i0 + r`` against the window of keys this tile owns
+    (``-inf`` elsewhere), plus the key positions ``[2 BD]`` of the window."""
+    r = tl.arange(0, RC)
+    c = tl.arange(0, 2 * BD)
+    d = tl.arange(0, BLOCK_D)
+    i = i0 + r  # [RC] logical query positions
+    row_ok = (i >= lo_row) & (i < n)
+    jb = i0 - d0 - (BD - 1)
+    j = jb + c  # [2 BD] logical key positions
+    key_ok = (j >= 0) & (j < n)
+    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
+    qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    k_off = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + (start + j).to(tl.int64)[:, None] * skn + d[None, :] * skd
+    kt = tl.load(k_ptr + k_off, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
+    s = tl.dot(qt, tl.trans(kt)) * scale  # [RC, 2 BD] fp32
+    delta = i[:, None] - j[None, :]
+    own = row_ok[:, None] & key_ok[None, :] & (delta >= d0) & (delta < d0 + BD)
+    return tl.where(own, s, float("-inf")), own, j
+
+
+@triton.jit
+def _vs_stats_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr,
+                     Hg, group, last_q, scale, R_TOTAL, T,
+                     sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
+                     RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    b = pid_bh // Hg
+    h = tl.load(heads_ptr + pid_bh % Hg)
+    n = tl.load(lens_ptr + b)
+    start = tl.load(starts_ptr + b)
+    d0 = pid_t * BD
+    if d0 >= n:
+        return
+    i0 = n - R_TOTAL + pid_c * RC
+    lo_row = tl.maximum(n - last_q, 0)
+    s, own, j = _vs_logits(q_ptr, k_ptr, b, h, h // group, i0, d0, n, start, lo_row, scale,
+                           sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D)
+    m = tl.max(s, axis=1)  # [RC]
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
+    rows = pid_c * RC + tl.arange(0, RC)
+    off = (pid_bh.to(tl.int64) * R_TOTAL + rows) * T + pid_t
+    tl.store(m_ptr + off, m)
+    tl.store(l_ptr + off, l)
+
+
+@triton.jit
+def _vs_scores_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, col_ptr, diag_ptr,
+                      Hg, group, last_q, scale, R_TOTAL, N,
+                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
+                      RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    b = pid_bh // Hg
+    h = tl.load(heads_ptr + pid_bh % Hg)
+    n = tl.load(lens_ptr + b)
+    start = tl.load(starts_ptr + b)
+    d0 = pid_t * BD
+    if d0 >= n:
+        return
+    i0 = n - R_TOTAL + pid_c * RC
+    lo_row = tl.maximum(n - last_q, 0)
+    s, own, j = _vs_logits(q_ptr, k_ptr, b, h, h // group, i0, d0, n, start, lo_row, scale,
+                           sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D)
+    r = tl.arange(0, RC)
+    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC]
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    p = tl.where(own, tl.exp(s - lse_safe[:, None]), 0.0)  # [RC, 2 BD]
+    t = tl.arange(0, BD)
+    skew = r[:, None] - t[None, :] + (BD - 1)  # column of the window holding key i_r - (d0 + t)
+    p_diag = tl.gather(p, skew, axis=1)  # [RC, BD]
+    key_ok = (j >= 0) & (j < n)
+    col_base = col_ptr + pid_bh.to(tl.int64) * N
+    diag_base = diag_ptr + pid_bh.to(tl.int64) * N
+    dd = d0 + t
+    if USE_MAX:
+        tl.atomic_max(col_base + j, tl.max(p, axis=0), mask=key_ok)
+        tl.atomic_max(diag_base + dd, tl.max(p_diag, axis=0), mask=dd < n)
+    else:
+        tl.atomic_add(col_base + j, tl.sum(p, axis=0), mask=key_ok)
+        tl.atomic_add(diag_base + dd, tl.sum(p_diag, axis=0), mask=dd < n)
+
+
+@triton.jit
+def _pool_kernel(x_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr, Hs, NQB, block,
+                 sxb, sxh, sxn, sxd, D,
+                 TT: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    I = tl.program_id(1)
+    b = pid_bh // Hs
+    h = tl.load(heads_ptr + pid_bh % Hs)
+    n = tl.load(lens_ptr + b)
+    start = tl.load(starts_ptr + b)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, TT)
+    lo = I * block
+    hi = tl.minimum(lo + block, n)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    for t0 in range(0, block, TT):
+        pos = lo + t0 + t
+        ok = pos < hi
+        x = tl.load(base + (start + pos).to(tl.int64)[:, None] * sxn + d[None, :] * sxd,
+                    mask=ok[:, None] & (d[None, :] < D), other=0.0)
+        acc += tl.sum(x.to(tl.float32), axis=0)
+    count = tl.maximum(hi - lo, 1).to(tl.float32)
+    tl.store(out_ptr + (pid_bh.to(tl.int64) * NQB + I) * D + d, acc / count, mask=d < D)
+
+
+def _heads_tensor(heads: torch.Tensor | None, Hq: int, device) -> torch.Tensor:
+    if heads is None:
+        return torch.arange(Hq, dtype=torch.int32, device=device)
+    check_tensor("heads", heads, rank=1, dtypes=_INT)
+    if heads.device != torch.device(device) and torch.device(device).type != heads.device.type:
+        raise ValueError(f"heads must be on {device}, got {heads.device}")
+    return heads.to(device=device, dtype=torch.int32)
+
+
+def budget_tensor(name: str, value: int | torch.Tensor, heads: torch.Tensor, head_offset: int,
+                  minimum: int) -> torch.Tensor:
+    """Per computed head budget ``[Hg]`` int64 on the heads' device, from an int or a 1-D int
+    tensor indexed by global head id ``head_offset + h`` (no host sync for device tensors)."""
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
+    if isinstance(value, int):
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return torch.full(heads.shape, value, dtype=torch.int64, device=heads.device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
+    check_tensor(name, value, rank=1, dtypes=_INT)
+    return value.to(device=heads.device, dtype=torch.int64)[heads.long() + head_offset]
+
+
+def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: int | None, cap: int) -> int:
+    """Output index width: ``given``, else the largest budget of the computed heads (a host read
+    for tensor budgets), capped at ``cap``."""
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+            raise ValueError(f"{name}_width must be a non-negative int, got {given!r}")
+        return min(given, cap)
+    top = value if isinstance(value, int) else int(per_head.max()) if per_head.numel() else 0
+    return min(top, cap)
+
+
+def _select(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int) -> torch.Tensor:
+    """Top ``width`` of ``scores [B, Hg, M]`` (-inf = invalid) after forcing positions
+    ``< forced [Hg]``, truncated to ``budget [Hg]`` per head; int32, -1 padded."""
+    B, Hg, M = scores.shape
+    if width == 0:
+        return torch.empty(B, Hg, 0, dtype=torch.int32, device=scores.device)
+    pos = torch.arange(M, device=scores.device)
+    scores = torch.where((pos[None, :] < forced[:, None])[None] & (scores > float("-inf")),
+                         float("inf"), scores)
+    values, idx = torch.topk(scores, width, dim=-1, sorted=True)
+    keep = (torch.arange(width, device=scores.device)[None, :] < budget[:, None])[None] & (values > float("-inf"))
+    return torch.where(keep, idx, -1).to(torch.int32)
+
+
+def vertical_slash_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    vertical: int | torch.Tensor,
+    slash: int | torch.Tensor,
+    *,
+    last_q: int = DEFAULT_LAST_Q,
+    sink_columns: int | torch.Tensor = 0,
+    local_diagonals: int | torch.Tensor = 1,
+    aggregation: str = "sum",
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    head_offset: int = 0,
+    return_scores: bool = False,
+    vertical_width: int | None = None,
+    slash_width: int | None = None,
+    validate: bool = True,
+):
+    """Vertical-slash index from the last ``last_q`` queries of each row (two Triton passes).
+
+    Args:
+        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``).
+        vertical, slash: column / offset budgets (forced included): ints, or 1-D int tensors
+            indexed by global head ``head_offset + h`` (keep them on q's device for no sync).
+        last_q: sampled query rows per batch row (the last ones; fewer when a row is shorter).
+        sink_columns, local_diagonals: forced leading columns / offsets (``δ = 0`` always).
+        aggregation: ``"sum"`` or ``"max"`` over the sampled rows.
+        heads: local query heads to compute (``Hg`` of them); default all.
+        vertical_width, slash_width: output widths ``NV``, ``NS`` (default: the largest budget,
+            which reads a budget tensor on the host).
+        validate: check ``seqlens``/``seqstarts`` values (a host sync; skipped under capture).
+
+    Returns:
+        ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, sorted by
+        decreasing score within the forced / free parts; with ``return_scores`` also the float32
+        scores ``(col [B, Hg, N], diag [B, Hg, N])`` (0 outside the row).
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
+        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
+    if aggregation not in ("sum", "max"):
+        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    hs = _heads_tensor(heads, Hq, q.device)
+    Hg = hs.shape[0]
+    nv = budget_tensor("vertical", vertical, hs, head_offset, 0)
+    ns = budget_tensor("slash", slash, hs, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, hs, head_offset, 0), nv)
+    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
+    width_v = _width("vertical", vertical, nv, vertical_width, N)
+    width_s = _width("slash", slash, ns, slash_width, N)
+
+    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(last_q)))
+    n_chunks = math.ceil(last_q / rc)
+    r_total = rc * n_chunks
+    bd = max(VS_OFFSET_TILE, rc)
+    n_tiles = max(1, math.ceil(N / bd))
+    block_d = max(_MIN_DOT, triton.next_power_of_2(D))
+    col = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
+    diag = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
+    if B * Hg > 0 and N > 0:
+        m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
+        l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
+        grid = (B * Hg, n_chunks, n_tiles)
+        common = (*q.stride(), *k.stride(), D)
+        _vs_stats_kernel[grid](q, k, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
+                               *common, RC=rc, BD=bd, BLOCK_D=block_d)
+        lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
+        _vs_scores_kernel[grid](q, k, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
+                                *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=aggregation == "max")
+    inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
+    col_m = torch.where(inside[:, None], col, float("-inf"))
+    diag_m = torch.where(inside[:, None], diag, float("-inf"))
+    v_idx = _select(col_m, sinks, nv, width_v)
+    s_idx = _select(diag_m, locs, ns, width_s)
+    return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
+
+
+def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
+                heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of the valid tokens of each block: ``x [B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]``
+    float32 (heads ``heads`` or all; blocks with no valid token are 0)."""
+    B, H, N, D = x.shape
+    hs = _heads_tensor(heads, H, x.device)
+    nqb = math.ceil(N / block)
+    out = torch.zeros(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)
+    if out.numel():
+        tt = min(POOL_TOKEN_TILE, triton.next_power_of_2(block))
+        _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, starts, out, hs.shape[0], nqb, block, *x.stride(), D,
+                                              TT=tt, BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+def block_sparse_index(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    top_k: int | torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK_SIZE,
+    sink_blocks: int | torch.Tensor = 0,
+    force_diagonal: bool = True,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    head_offset: int = 0,
+    return_scores: bool = False,
+    top_k_width: int | None = None,
+    validate: bool = True,
+):
+    """Block-sparse routing: mean-pooled Q/K per block (Triton), scaled block scores, block-causal
+    mask, forced diagonal and sink blocks, top-k per query block (chunked to bound memory).
+
+    Args:
+        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
+        top_k: key blocks per query block (forced included): int or 1-D int tensor indexed by
+            global head ``head_offset + h``.
+        block: block size for queries and keys.
+        sink_blocks: forced leading key blocks (per global head).
+        force_diagonal: always keep the query block's own block.
+        heads: local query heads to compute; default all.
+        top_k_width: output width ``K`` (default: the largest budget, a host read for tensors).
+
+    Returns:
+        ``blocks [B, Hg, NQB, K]`` int32, -1 padded; with ``return_scores`` also the float32
+        scores ``[B, Hg, NQB, NQB]`` (``-inf`` where not a candidate).
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    if not isinstance(force_diagonal, bool):
+        raise TypeError("force_diagonal must be a bool")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    hs = _heads_tensor(heads, Hq, q.device)
+    Hg = hs.shape[0]
+    tops = budget_tensor("top_k", top_k, hs, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, hs, head_offset, 0),
+                          tops - int(force_diagonal))
+    nqb = math.ceil(N / block)
+    width = _width("top_k", top_k, tops, top_k_width, nqb)
+    qm = pool_blocks(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
+    km = pool_blocks(k, block, lens, starts)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
+    nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
+    J = torch.arange(nqb, device=q.device)
+    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
+    all_scores = (torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
+                  if return_scores else None)
+    chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))
+    for lo in range(0, nqb, chunk):
+        hi = min(nqb, lo + chunk)
+        I = J[lo:hi]
+        s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
+        ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
+        s = torch.where(ok[:, None], s, float("-inf"))
+        if all_scores is not None:
+            all_scores[:, :, lo:hi] = s
+        forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]
+        s = torch.where(forced[None] & ok[:, None], float("inf"), s)
+        if width == 0:
+            continue
+        values, idx = torch.topk(s, width, dim=-1, sorted=True)
+        keep = (torch.arange(width, device=q.device)[None, :] < tops[:, None])[None, :, None] & (values > float("-inf"))
+        out[:, :, lo:hi] = torch.where(keep, idx, -1).to(torch.int32)
+    return (out, all_scores) if return_scores else out

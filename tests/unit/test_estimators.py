@@ -1,0 +1,225 @@
+"""Online index builders (Triton, ``minference.kernels.estimate``) against their naive float64
+twins (``minference.reference.estimators``): scores within float32 rounding, selections as exact
+sets wherever the naive scores are not tied at the selection boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minference.kernels import estimate as fast
+from minference.reference import estimators as naive
+from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
+
+pytestmark = pytest.mark.interpret
+
+#: Float32 score error allowed against the float64 twin (products of fp16/fp32 inputs summed
+#: over at most a few hundred terms: a few ulps of the largest score).
+SCORE_RTOL = 1e-4
+SCORE_ATOL = 1e-5
+#: Two naive scores closer than this count as a tie: either side of the boundary may be chosen.
+TIE_TOL = 1e-4
+
+CPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=130, head_dims=(16, 32))
+
+
+def _budget(data, H_global: int, lo: int, hi: int):
+    """An int, or a per-global-head int32 tensor of budgets in ``[lo, hi]``."""
+    if data.draw(st.booleans()):
+        return data.draw(st.integers(lo, hi))
+    return torch.tensor(data.draw(st.lists(st.integers(lo, hi), min_size=H_global, max_size=H_global)),
+                        dtype=torch.int32)
+
+
+def _values(budget, ids, head_offset):
+    return [budget] * len(ids) if isinstance(budget, int) else [int(budget[head_offset + h]) for h in ids]
+
+
+def assert_same_selection(fast_idx: torch.Tensor, naive_idx: torch.Tensor, scores: torch.Tensor,
+                          name: str) -> None:
+    """Rows of ``fast_idx`` and ``naive_idx`` ``[..., K]`` hold the same sets, except that elements
+    whose naive score ties (within TIE_TOL) the weakest naive pick may be swapped for each other."""
+    assert fast_idx.shape == naive_idx.shape, f"{name}: shapes {fast_idx.shape} vs {naive_idx.shape}"
+    if fast_idx.numel() == 0:
+        return
+    f_rows = fast_idx.reshape(-1, fast_idx.shape[-1]).tolist()
+    n_rows = naive_idx.reshape(-1, naive_idx.shape[-1]).tolist()
+    s_rows = scores.reshape(-1, scores.shape[-1]).double()
+    for r, (f, n) in enumerate(zip(f_rows, n_rows)):
+        fs, ns = {x for x in f if x >= 0}, {x for x in n if x >= 0}
+        assert len(fs) == sum(x >= 0 for x in f), f"{name} row {r}: duplicates in {f}"
+        assert len(fs) == len(ns), f"{name} row {r}: {len(fs)} picks vs {len(ns)}"
+        diff = fs ^ ns
+        if not diff:
+            continue
+        free = [float(s_rows[r, x]) for x in ns if torch.isfinite(s_rows[r, x])]
+        boundary = min(free) if free else float("nan")
+        far = [x for x in diff if not abs(float(s_rows[r, x]) - boundary) <= TIE_TOL]
+        assert not far, f"{name} row {r}: fast {sorted(fs)} vs naive {sorted(ns)} (boundary {boundary})"
+
+
+def _vs_case(data, dtype):
+    shape = data.draw(CPU_SHAPES)
+    seqlens, seqstarts = data.draw(ragged_rows(shape.B, shape.N))
+    heads = data.draw(head_subsets(shape.Hq))
+    head_offset, H_global = data.draw(tp_offsets(shape.Hq))
+    q, k, _ = qkv(shape, dtype, "cpu", data.draw(st.integers(0, 2**31 - 1)),
+                  sharpness=data.draw(st.sampled_from((0.5, 1.0, 3.0))))
+    kw = dict(
+        last_q=data.draw(st.one_of(st.integers(1, 20), st.integers(shape.N, shape.N + 40))),
+        sink_columns=_budget(data, H_global, 0, 6),
+        local_diagonals=_budget(data, H_global, 0, 6),
+        aggregation=data.draw(st.sampled_from(("sum", "max"))),
+        seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=True,
+    )
+    vertical = _budget(data, H_global, 0, 24)
+    slash = _budget(data, H_global, 1, 24)
+    return shape, q, k, vertical, slash, kw
+
+
+@given(st.data())
+def test_vertical_slash_matches_naive(data) -> None:
+    shape, q, k, vertical, slash, kw = _vs_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
+    fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
+    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    assert fv.dtype == torch.int32 and fs.dtype == torch.int32
+    assert_same_selection(fv, nv, ncol, "vertical")
+    assert_same_selection(fs, ns, ndiag, "slash")
+
+
+@given(st.data())
+def test_vertical_slash_invariants(data) -> None:
+    """Properties straight from the definition, independent of either implementation."""
+    shape, q, k, vertical, slash, kw = _vs_case(data, torch.float32)
+    fv, fs, _, _ = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    lens = kw["seqlens"] if kw["seqlens"] is not None else torch.full((shape.B,), shape.N)
+    ids = kw["heads"].tolist() if kw["heads"] is not None else list(range(shape.Hq))
+    off = kw["head_offset"]
+    budgets_v, budgets_s = _values(vertical, ids, off), _values(slash, ids, off)
+    sinks, locs = _values(kw["sink_columns"], ids, off), _values(kw["local_diagonals"], ids, off)
+    for b in range(shape.B):
+        n = int(lens[b])
+        for g in range(len(ids)):
+            cols = {x for x in fv[b, g].tolist() if x >= 0}
+            offs = {x for x in fs[b, g].tolist() if x >= 0}
+            assert len(cols) == min(budgets_v[g], n) and len(offs) == min(budgets_s[g], n)
+            assert all(x < n for x in cols | offs)
+            assert set(range(min(sinks[g], budgets_v[g], n))) <= cols
+            if n:
+                assert 0 in offs
+                assert set(range(min(max(locs[g], 1), budgets_s[g], n))) <= offs
+
+
+def _bs_case(data, dtype):
+    shape = data.draw(CPU_SHAPES)
+    seqlens, seqstarts = data.draw(ragged_rows(shape.B, shape.N))
+    heads = data.draw(head_subsets(shape.Hq))
+    head_offset, H_global = data.draw(tp_offsets(shape.Hq))
+    q, k, _ = qkv(shape, dtype, "cpu", data.draw(st.integers(0, 2**31 - 1)))
+    kw = dict(
+        block=data.draw(st.sampled_from((1, 7, 16, 32, 64))),
+        sink_blocks=_budget(data, H_global, 0, 3),
+        force_diagonal=data.draw(st.booleans()),
+        seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=True,
+    )
+    return shape, q, k, _budget(data, H_global, 1, 8), kw
+
+
+@given(st.data())
+def test_block_sparse_matches_naive(data) -> None:
+    shape, q, k, top_k, kw = _bs_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
+    fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
+    nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
+    assert torch.equal(torch.isfinite(fscores), torch.isfinite(nscores))
+    fin = torch.isfinite(nscores)
+    torch.testing.assert_close(fscores.double()[fin], nscores[fin], rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    assert fb.dtype == torch.int32
+    assert_same_selection(fb, nb, nscores, "blocks")
+
+
+@given(st.data())
+def test_block_sparse_invariants(data) -> None:
+    shape, q, k, top_k, kw = _bs_case(data, torch.float32)
+    blocks = fast.block_sparse_index(q, k, top_k, **kw)[0]
+    lens = kw["seqlens"] if kw["seqlens"] is not None else torch.full((shape.B,), shape.N)
+    ids = kw["heads"].tolist() if kw["heads"] is not None else list(range(shape.Hq))
+    tops = _values(top_k, ids, kw["head_offset"])
+    sinks = _values(kw["sink_blocks"], ids, kw["head_offset"])
+    block = kw["block"]
+    for b in range(shape.B):
+        nb = -(-int(lens[b]) // block)
+        for g in range(len(ids)):
+            for I in range(blocks.shape[2]):
+                got = {x for x in blocks[b, g, I].tolist() if x >= 0}
+                if I >= nb:
+                    assert not got
+                    continue
+                assert len(got) == min(tops[g], I + 1) and max(got) <= I
+                if kw["force_diagonal"]:
+                    assert I in got
+                assert set(range(min(sinks[g], tops[g] - kw["force_diagonal"], I + 1))) <= got
+
+
+def test_vertical_slash_picks_planted_structure() -> None:
+    """Keys built to attract every query (a column) and a key pattern that repeats at a fixed
+    distance (a diagonal) are found, and the vertical rows stay within their budget."""
+    torch.manual_seed(0)
+    N, D, hot_col, lag, code = 96, 16, 41, 7, 8
+    q = torch.randn(1, 1, N, D) * 0.1
+    k = torch.randn(1, 1, N, D) * 0.1
+    q[0, 0, :, 0] = 3.0
+    k[0, 0, hot_col, 0] = 3.0  # every query likes this key
+    signs = torch.sign(torch.randn(N, code)) * 1.5
+    q[0, 0, :, D - code :] = signs
+    k[0, 0, : N - lag, D - code :] = signs[lag:]  # key j matches query j + lag
+    v, s = fast.vertical_slash_index(q, k, 2, 2, last_q=32, sink_columns=0, local_diagonals=1)
+    assert hot_col in v[0, 0].tolist()
+    assert set(s[0, 0].tolist()) == {0, lag}
+
+
+def test_budget_and_argument_errors() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 1, 8, 16)
+    for impl in (fast, naive):
+        with pytest.raises(ValueError, match="aggregation"):
+            impl.vertical_slash_index(q, k, 2, 2, aggregation="mean")
+        with pytest.raises(ValueError, match="last_q"):
+            impl.vertical_slash_index(q, k, 2, 2, last_q=0)
+        with pytest.raises(ValueError, match="slash"):
+            impl.vertical_slash_index(q, k, 2, 0)
+        with pytest.raises(ValueError, match="vertical"):
+            impl.vertical_slash_index(q, k, -1, 2)
+        with pytest.raises(ValueError, match="top_k"):
+            impl.block_sparse_index(q, k, 0)
+        with pytest.raises(ValueError, match="block"):
+            impl.block_sparse_index(q, k, 2, block=0)
+        with pytest.raises(TypeError, match="top_k"):
+            impl.block_sparse_index(q, k, 2.5)
+        with pytest.raises(ValueError, match="query heads"):
+            impl.vertical_slash_index(q, torch.randn(1, 3, 8, 16), 2, 2)
+
+
+@pytest.mark.gpu
+@given(st.data())
+def test_builders_on_gpu_bf16(data) -> None:
+    """The compiled kernels on CUDA (bf16 included) against the naive twins."""
+    dtype = data.draw(st.sampled_from((torch.bfloat16, torch.float16, torch.float32)))
+    shape, q, k, vertical, slash, kw = _vs_case(data, dtype)
+    q, k = q.cuda(), k.cuda()
+    kw = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
+    fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
+    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+    assert_same_selection(fv.cpu(), nv.cpu(), ncol.cpu(), "vertical")
+    assert_same_selection(fs.cpu(), ns.cpu(), ndiag.cpu(), "slash")
+    shape, q, k, top_k, kw = _bs_case(data, dtype)
+    q, k = q.cuda(), k.cuda()
+    kw = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
+    fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
+    nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
+    assert_same_selection(fb.cpu(), nb.cpu(), nscores.cpu(), "blocks")
