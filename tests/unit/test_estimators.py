@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from minference.kernels import estimate as fast
 from minference.reference import estimators as naive
+
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
 
 pytestmark = pytest.mark.interpret
