@@ -1,0 +1,61 @@
+"""Block-sparse kernel vs its float64 twin: duplicated, unsorted and -1 padded block lists,
+blocks above the diagonal, diagonal blocks forced or absent, every routing block size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from minference.kernels.block_sparse import normalize_blocks
+from test_kernel_common import CUDA, DEVICE, problem, run_and_check
+
+from minference import kernels
+from minference import reference as ref
+from minference.testing.strategies import block_sparse_indices
+
+pytestmark = pytest.mark.interpret
+
+#: Routing blocks drawn: the GPU default and its neighbours; small ones under the interpreter.
+BLOCKS = (32, 64, 128) if CUDA else (16, 32)
+
+
+@given(data=st.data())
+def test_block_sparse_matches_reference(data):
+    p = problem(data)
+    block = data.draw(st.sampled_from(BLOCKS), label="block")
+    s = p["shape"]
+    blocks = data.draw(block_sparse_indices(s.B, p["Hg"], s.N, block), label="blocks")
+    run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
+
+
+@given(data=st.data())
+def test_normalized_blocks_are_the_same_set(data):
+    """The launcher's sorted/deduplicated list plus the diagonal flag is exactly the causal set."""
+    nqb = data.draw(st.integers(1, 12))
+    blocks = data.draw(block_sparse_indices(2, 2, nqb, 1))
+    off, count, diag = normalize_blocks(blocks)
+    for b in range(2):
+        for h in range(2):
+            for i in range(nqb):
+                want = {x for x in blocks[b, h, i].tolist() if 0 <= x <= i}
+                got = off[b, h, i, : int(count[b, h, i])].tolist()
+                assert got == sorted(set(got)) and all(x < i for x in got)
+                assert set(got) | ({i} if diag[b, h, i] else set()) == want
+                assert (off[b, h, i, int(count[b, h, i]):] == -1).all()
+
+
+def test_bad_blocks():
+    q = torch.randn(1, 2, 40, 16, device=DEVICE)
+    k = torch.randn(1, 1, 40, 16, device=DEVICE)
+    good = torch.zeros(1, 2, 3, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block must be one of"):
+        kernels.block_sparse_attention(q, k, k, good, block=24)
+    with pytest.raises(TypeError, match="blocks must have dtype"):
+        kernels.block_sparse_attention(q, k, k, good.float(), block=16)
+    with pytest.raises(ValueError, match="blocks axis 2 must have size 3"):
+        kernels.block_sparse_attention(q, k, k, good[:, :, :2], block=16)
+    with pytest.raises(ValueError, match=r"blocks entries must lie in \[-1, 3\)"):
+        kernels.block_sparse_attention(q, k, k, good + 3, block=16)
+    with pytest.raises(ValueError, match="blocks must have rank 4"):
+        kernels.block_sparse_attention(q, k, k, good[0], block=16)

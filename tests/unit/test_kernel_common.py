@@ -1,0 +1,161 @@
+"""Shared machinery of the kernel tests, plus the argument checks every kernel shares.
+
+Every kernel test follows one recipe (:func:`run_and_check`): random inputs quantised to the
+kernel dtype, a NaN-poisoned ``out``, the kernel, the float64 reference twin and the same-dtype
+twin; then the tolerance rule on every computed row, exact reproduction of ``-inf``
+log-sum-exp, and "still NaN" on padding rows and unselected heads.
+
+On CPU the kernels run in the Triton interpreter (fp16/fp32, small shapes); on a GPU the same
+tests draw bf16 too, longer sequences (several 128-row tiles) and every supported head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from minference import kernels
+from minference.testing import assert_close_to_reference, assert_not_written, poison
+from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+#: The interpreter computes bf16 wrongly without raising: bf16 is a GPU-only dtype here.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32) if CUDA else (torch.float16, torch.float32)
+#: Head dims drawn: every supported one on the GPU; on CPU the cheapest plus a padded one.
+HEAD_DIMS = kernels.SUPPORTED_HEAD_DIMS if CUDA else (16, 64, 80)
+#: Longest sequence drawn: several interpreter tiles (16) on CPU, several 128-row tiles on GPU.
+MAX_N = 700 if CUDA else 100
+SEED = st.integers(0, 2**31 - 1)
+
+
+def problem(data, *, max_n: int = MAX_N) -> dict:
+    """Draw a whole problem: shape, dtype, layout, ragged rows, head subset, inputs."""
+    shape: AttnShape = data.draw(attention_shapes(max_n=max_n, head_dims=HEAD_DIMS), label="shape")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    seqlens, seqstarts = data.draw(ragged_rows(shape.B, shape.N), label="ragged")
+    heads = data.draw(head_subsets(shape.Hq), label="heads")
+    layout = data.draw(layouts(), label="layout")
+    q, k, v = qkv(shape, dtype, DEVICE, data.draw(SEED, label="seed"), layout=layout)
+    Hg = shape.Hq if heads is None else heads.numel()
+    return dict(shape=shape, dtype=dtype, seqlens=seqlens, seqstarts=seqstarts, heads=heads, Hg=Hg,
+                q=q, k=k, v=v)
+
+
+def _dev(x):
+    return None if x is None else x.to(DEVICE)
+
+
+def computed_region(p: dict) -> torch.Tensor:
+    """``[B, Hq, N]`` bool: rows of computed heads inside each row's length."""
+    s = p["shape"]
+    lens = p["seqlens"] if p["seqlens"] is not None else torch.full((s.B,), s.N)
+    starts = p["seqstarts"] if p["seqstarts"] is not None else torch.zeros(s.B, dtype=torch.int32)
+    pos = torch.arange(s.N)
+    rows = (pos >= starts[:, None]) & (pos < (starts + lens)[:, None])  # [B, N]
+    head = torch.zeros(s.Hq, dtype=torch.bool)
+    head[p["heads"].long() if p["heads"] is not None else slice(None)] = True
+    return rows[:, None, :] & head[None, :, None]
+
+
+def run_and_check(p: dict, kernel, twin, *args, **kwargs) -> None:
+    """Run ``kernel`` (poisoned ``out``) and ``twin`` (fp64 and same dtype) on ``args``; check."""
+    s, dtype = p["shape"], p["dtype"]
+    q, k, v = p["q"], p["k"], p["v"]
+    common = dict(seqlens=p["seqlens"], seqstarts=p["seqstarts"], heads=p["heads"])
+    out = poison(torch.empty(s.B, s.Hq, s.N, s.D, dtype=dtype, device=DEVICE))
+    dev_args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    res, lse = kernel(q, k, v, *dev_args, **{k_: _dev(x) for k_, x in common.items()}, **kwargs,
+                      out=out, return_lse=True)
+    assert res.data_ptr() == out.data_ptr()
+    cpu = [x.cpu() for x in (q, k, v)]
+    ref64, lse64 = twin(*cpu, *args, **common, **kwargs, return_lse=True)
+    ref_t, lse_t = twin(*cpu, *args, **common, **kwargs, return_lse=True, compute_dtype=dtype)
+    region = computed_region(p)
+    assert_close_to_reference(res, ref64, ref_t, where=region[..., None], name="out")
+    assert_not_written(res.cpu(), ~region[..., None], name="out")
+    assert_close_to_reference(lse, lse64, lse_t, name="lse")
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks shared by the three kernels: they raise before any launch
+# --------------------------------------------------------------------------------------------
+
+
+def _small(D=64, dtype=torch.float16, N=20):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, N, D, generator=g).to(dtype)
+    k = torch.randn(1, 1, N, D, generator=g).to(dtype)
+    return q, k, k.clone()
+
+
+def _calls(q, k, v, **kw):
+    """One call of each kernel with valid indices for ``q``."""
+    B, H, N, _ = q.shape
+    vert = torch.zeros(B, H, 2, dtype=torch.int32)
+    sl = torch.zeros(B, H, 2, dtype=torch.int32)
+    blocks = torch.zeros(B, H, -(-N // 16), 1, dtype=torch.int32)
+    return [
+        lambda: kernels.ashape_attention(q, k, v, 2, 4, **kw),
+        lambda: kernels.vertical_slash_attention(q, k, v, vert, sl, **kw),
+        lambda: kernels.block_sparse_attention(q, k, v, blocks, block=16, **kw),
+    ]
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_unsupported_head_dim(which):
+    q, k, v = _small(D=48)
+    with pytest.raises(ValueError, match="head dim"):
+        _calls(q, k, v)[which]()
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_mixed_devices(which):
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="one device"):
+        _calls(q, k.to("meta"), v)[which]()
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_bad_dtypes(which):
+    q, k, v = _small()
+    with pytest.raises(TypeError, match="dtype"):
+        _calls(q.double(), k.double(), v.double())[which]()
+    with pytest.raises(TypeError, match="share a dtype"):
+        _calls(q, k.float(), v)[which]()
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_bad_out_and_heads(which):
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="out must have shape"):
+        _calls(q, k, v, out=torch.empty(1, 2, 19, 64, dtype=q.dtype))[which]()
+    with pytest.raises(TypeError, match="out must have dtype"):
+        _calls(q, k, v, out=torch.empty(1, 2, 20, 64))[which]()
+    with pytest.raises(ValueError, match="distinct"):
+        _calls(q, k, v, heads=torch.tensor([1, 1]))[which]()
+    with pytest.raises(ValueError, match="heads must lie"):
+        _calls(q, k, v, heads=torch.tensor([2]))[which]()
+    with pytest.raises(TypeError, match="heads must have dtype"):
+        _calls(q, k, v, heads=torch.tensor([0.0]))[which]()
+
+
+@pytest.mark.parametrize("which", range(3))
+def test_bad_ragged(which):
+    q, k, v = _small()
+    with pytest.raises(ValueError, match="seqlens"):
+        _calls(q, k, v, seqlens=torch.tensor([21]))[which]()
+    with pytest.raises(ValueError, match="seqstarts"):
+        _calls(q, k, v, seqlens=torch.tensor([10]), seqstarts=torch.tensor([11]))[which]()
+    with pytest.raises(ValueError, match="seqlens must have shape"):
+        _calls(q, k, v, seqlens=torch.tensor([10, 10]))[which]()
+
+
+def test_gqa_ratio_and_scale():
+    q, k, v = _small()
+    q4, k3 = torch.randn(1, 4, 20, 64).half(), torch.randn(1, 3, 20, 64).half()
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        kernels.ashape_attention(q4, k3, k3, 2, 4)
+    with pytest.raises(ValueError, match="scale"):
+        kernels.ashape_attention(q, k, v, 2, 4, scale=-1.0)

@@ -1,0 +1,120 @@
+"""Vertical-slash kernel vs its float64 twin, and the logical -> physical converter as exact sets.
+
+Indices come from :func:`minference.testing.strategies.vertical_slash_indices`: duplicates,
+unsorted rows, -1 padding anywhere, offsets that run off the start of rows, offset 0 present /
+absent, verticals lying on slash diagonals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_kernel_common import DEVICE, problem, run_and_check
+
+from minference import kernels
+from minference import reference as ref
+from minference.testing.strategies import vertical_slash_indices
+
+pytestmark = pytest.mark.interpret
+
+
+@given(data=st.data())
+def test_vertical_slash_matches_reference(data):
+    p = problem(data)
+    s = p["shape"]
+    vertical, slash = data.draw(vertical_slash_indices(s.B, p["Hg"], s.N), label="index")
+    run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
+
+
+@given(data=st.data())
+def test_dense_slash_band_runs_unmasked_tiles(data):
+    """Local bands wide enough that whole tiles lie on chosen diagonals (the unmasked path)."""
+    p = problem(data)
+    s = p["shape"]
+    width = data.draw(st.integers(1, s.N), label="band")
+    slash = torch.arange(width, dtype=torch.int32).expand(s.B, p["Hg"], width).contiguous()
+    vertical = torch.randint(0, s.N, (s.B, p["Hg"], 3), dtype=torch.int32,
+                             generator=torch.Generator().manual_seed(width))
+    run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
+
+
+def test_only_the_diagonal():
+    """Rows whose only candidate is themselves return v exactly (GQA: their kv head's v)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 37, 16, generator=g).to(DEVICE)
+    k = torch.randn(2, 2, 37, 16, generator=g).to(DEVICE)
+    v = torch.randn(2, 2, 37, 16, generator=g).to(DEVICE)
+    slash = torch.tensor([-1, 0, 0, -1], dtype=torch.int32).expand(2, 4, 4).contiguous().to(DEVICE)
+    vertical = torch.full((2, 4, 2), -1, dtype=torch.int32, device=DEVICE)
+    out, lse = kernels.vertical_slash_attention(q, k, v, vertical, slash, return_lse=True)
+    assert torch.equal(out, v.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(lse, (q * k.repeat_interleave(2, dim=1)).sum(-1) * 16**-0.5)
+
+
+@given(data=st.data())
+def test_converter_is_exact(data):
+    """Physical tiles, expanded back to pairs, visit each logical pair exactly once and nothing else."""
+    n = data.draw(st.integers(1, 90), label="n")
+    block_m = data.draw(st.sampled_from((1, 4, 16, 64)), label="block_m")
+    vertical, slash = data.draw(vertical_slash_indices(2, 2, n), label="index")
+    index = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m)
+    visits = kernels.vs_index_to_dense(index)
+    want = ref.vertical_slash_mask(n, vertical, slash)
+    assert int(visits.max()) <= 1, "a (query, key) pair is visited twice"
+    assert torch.equal(visits.bool(), want)
+    # the leftover columns of a block are distinct, ascending, causal for the block and outside its ranges
+    for b in range(2):
+        for h in range(2):
+            runs = [(int(a), int(z)) for a, z in zip(index.run_start[b, h, : int(index.run_count[b, h])],
+                                                      index.run_end[b, h, : int(index.run_count[b, h])])]
+            assert all(z >= a for a, z in runs)
+            assert all(nxt[0] - prev[1] > block_m for prev, nxt in zip(runs, runs[1:]))
+            for I in range(-(-n // block_m)):
+                m0 = I * block_m
+                cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()
+                assert cols == sorted(set(cols)) and all(0 <= c <= m0 + block_m - 1 for c in cols)
+                assert not any(m0 - z <= c <= m0 + block_m - 1 - a for c in cols for a, z in runs)
+
+
+def test_converter_runs_unsorted_without_offset_zero():
+    slash = torch.tensor([[[9, -1, 3, 40, 4, 3, 2]]], dtype=torch.int32)
+    vertical = torch.tensor([[[5, 5, -1, 0]]], dtype=torch.int32)
+    # distinct offsets 2, 3, 4, 9, 40: gaps 1, 1, 5, 31; runs merge gaps of at most block_m
+    index = kernels.convert_vertical_slash(vertical, slash, 50, block_m=4)
+    assert index.run_count.tolist() == [[3]]
+    assert index.run_start[0, 0, :3].tolist() == [2, 9, 40] and index.run_end[0, 0, :3].tolist() == [4, 9, 40]
+    assert index.run_start[0, 0, 3:].eq(-1).all() and index.run_end[0, 0, 3:].eq(-1).all()
+    index = kernels.convert_vertical_slash(vertical, slash, 50, block_m=5)
+    assert index.run_start[0, 0, :2].tolist() == [2, 40] and index.run_end[0, 0, :2].tolist() == [9, 40]
+    # block 1 (rows 5..9) reads key ranges [0, 7] and none for δ=40: column 5 is inside, 0 too
+    assert index.col_count[0, 0].tolist()[:2] == [0, 0]
+    # block 9 (rows 45..49): ranges [36, 47] and [5, 9]: column 5 inside, column 0 left over
+    assert index.col_index[0, 0, 9, : int(index.col_count[0, 0, 9])].tolist() == [0]
+
+
+def test_converter_errors():
+    v = torch.zeros(1, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="share"):
+        kernels.convert_vertical_slash(v, torch.zeros(1, 3, 3, dtype=torch.int32), 8, block_m=4)
+    with pytest.raises(TypeError, match="slash must have dtype"):
+        kernels.convert_vertical_slash(v, v.float(), 8, block_m=4)
+    with pytest.raises(ValueError, match="block_m must be >= 1"):
+        kernels.convert_vertical_slash(v, v, 8, block_m=0)
+
+
+def test_bad_indices():
+    q = torch.randn(1, 2, 30, 16, device=DEVICE)
+    k = torch.randn(1, 1, 30, 16, device=DEVICE)
+    good = torch.zeros(1, 2, 3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"slash entries must lie in \[-1, 30\)"):
+        kernels.vertical_slash_attention(q, k, k, good, good + 30)
+    with pytest.raises(ValueError, match=r"vertical entries must lie"):
+        kernels.vertical_slash_attention(q, k, k, good - 2, good)
+    with pytest.raises(TypeError, match="vertical must have dtype"):
+        kernels.vertical_slash_attention(q, k, k, good.half(), good)
+    with pytest.raises(ValueError, match="vertical axis 1 must have size 2"):
+        kernels.vertical_slash_attention(q, k, k, good[:, :1], good)
+    with pytest.raises(ValueError, match="vertical axis 1 must have size 1"):
+        kernels.vertical_slash_attention(q, k, k, good, good, heads=torch.tensor([1], device=DEVICE))
