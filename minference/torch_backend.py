@@ -1,0 +1,193 @@
+"""Portable PyTorch attention over the package's index formats (no Triton, any device).
+
+The path for real-model runs on the CPU: same signatures and semantics as the Triton kernels
+in :mod:`minference.kernels` (and their float64 twins in :mod:`minference.reference`), computed
+in the input dtype with ``torch.nn.functional.scaled_dot_product_attention`` over query chunks
+so memory stays bounded (``[Hg, chunk, n]`` masks and scores at a time).
+
+The candidate sets are the formulas of :mod:`minference.reference.masks`, evaluated for a range
+of query rows instead of the whole square (``*_rows_mask`` below; the tests prove them equal to
+the reference masks row for row). Every entry point reads the row lengths on the host, so this
+backend synchronises on CUDA tensors: it is for portability, not for speed or graph capture.
+Rows outside a sequence and rows with an empty candidate set come out as zeros (log-sum-exp
+``-inf``); heads not listed in ``heads`` are left untouched in ``out``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from minference._checks import check_index, check_qkv, check_ragged, check_tensor, default_scale
+from minference.patterns import DEFAULT_BLOCK_SIZE
+from minference.reference.estimators import head_ids, per_head_budget
+from minference.reference.masks import _scatter_set
+
+__all__ = [
+    "ashape_attention",
+    "vertical_slash_attention",
+    "block_sparse_attention",
+    "dense_attention",
+    "ashape_rows_mask",
+    "vertical_slash_rows_mask",
+    "block_sparse_rows_mask",
+    "causal_rows_mask",
+    "CHUNK_ELEMENTS",
+]
+
+#: Upper bound on the mask / score elements of one query chunk (``Hg * rows * keys``).
+CHUNK_ELEMENTS = 1 << 24
+
+_INT = (torch.int32, torch.int64)
+
+
+def _positions(i0: int, i1: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(i0, i1, device=device)[:, None], torch.arange(n, device=device)[None, :]
+
+
+def causal_rows_mask(i0: int, i1: int, n: int, device=None) -> torch.Tensor:
+    """Rows ``i0..i1-1`` of :func:`minference.reference.masks.causal_mask`: ``[i1-i0, n]``."""
+    i, j = _positions(i0, i1, n, device)
+    return j <= i
+
+
+def ashape_rows_mask(i0: int, i1: int, n: int, sink: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Rows ``i0..i1-1`` of the A-shape mask for per-head ``sink, window [H]``: ``[H, i1-i0, n]``."""
+    i, j = _positions(i0, i1, n, sink.device)
+    g, w = sink[:, None, None], window[:, None, None]
+    return (j <= i) & ((j < g) | (j > i - w))
+
+
+def vertical_slash_rows_mask(i0: int, i1: int, n: int, vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
+    """Rows ``i0..i1-1`` of :func:`minference.reference.masks.vertical_slash_mask` over keys
+    ``0..n-1``: ``vertical [..., NV]``, ``slash [..., NS]`` -> ``[..., i1-i0, n]``."""
+    i, j = _positions(i0, i1, n, vertical.device)
+    width = max(n, i1)
+    cols = _scatter_set(width, vertical)[..., :n]  # [..., n]
+    diags = _scatter_set(width, slash)  # [..., width]
+    offset = (i - j).clamp(min=0)  # [rows, n]
+    return (diags[..., offset] | cols[..., None, :]) & (j <= i)
+
+
+def block_sparse_rows_mask(i0: int, i1: int, n: int, blocks: torch.Tensor, block: int) -> torch.Tensor:
+    """Rows ``i0..i1-1`` of :func:`minference.reference.masks.block_sparse_mask` over keys
+    ``0..n-1``: ``blocks [..., NQB, K]`` -> ``[..., i1-i0, n]``."""
+    i, j = _positions(i0, i1, n, blocks.device)
+    nqb = blocks.shape[-2]
+    chosen = _scatter_set(nqb, blocks)  # [..., NQB, NQB]
+    qb = (i // block).clamp(max=nqb - 1)
+    kb = (j // block).clamp(max=nqb - 1)
+    return chosen[..., qb, kb] & (j <= i) & (j // block < nqb)
+
+
+#: ``(b, i0, i1) -> [Hg, i1 - i0, i1]``: candidates of rows ``i0..i1-1`` of batch row ``b`` over
+#: keys ``0..i1-1`` (later keys are never causal for these rows).
+RowsMask = Callable[[int, int, int], torch.Tensor]
+
+
+def _attend(q, k, v, ids, rows_mask: RowsMask, *, scale, seqlens, seqstarts, out, return_lse):
+    """Chunked masked attention on heads ``ids`` with candidates from ``rows_mask``."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    if out is None:
+        out = torch.zeros_like(q)
+    else:
+        check_tensor("out", out, rank=4, dtypes=(q.dtype,))
+        if out.shape != q.shape or out.device != q.device:
+            raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
+    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if return_lse else None
+    if not ids:
+        return (out, lse) if return_lse else out
+    hq = torch.tensor(ids, device=q.device)
+    hk = hq // (Hq // Hkv)
+    for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        if n == 0:
+            continue
+        kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
+        vb = v[b, :, s : s + n].index_select(0, hk)
+        chunk = max(1, CHUNK_ELEMENTS // (len(ids) * n))
+        for i0 in range(0, n, chunk):
+            i1 = min(n, i0 + chunk)
+            mask = rows_mask(b, i0, i1)  # [Hg, C, i1]
+            qc = q[b, :, s + i0 : s + i1].index_select(0, hq)  # [Hg, C, D]
+            o = F.scaled_dot_product_attention(qc, kb[:, :i1], vb[:, :i1], attn_mask=mask, scale=scale)
+            some = mask.any(-1, keepdim=True)
+            out[b, hq, s + i0 : s + i1] = torch.where(some, o, torch.zeros((), dtype=o.dtype, device=o.device))
+            if lse is not None:
+                logits = torch.matmul(qc.float(), kb[:, :i1].float().transpose(-1, -2)) * scale
+                lse[b, hq, s + i0 : s + i1] = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    return (out, lse) if return_lse else out
+
+
+def _ids(heads, Hq):
+    if heads is not None:
+        check_tensor("heads", heads, rank=1, dtypes=_INT)
+    return head_ids(heads, Hq)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
+    validate: bool = True,
+):
+    """Causal dense attention (the ``Dense`` pattern): ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` ->
+    ``out [B,Hq,N,D]`` (and ``lse [B,Hq,N]`` fp32)."""
+    check_qkv(q, k, v)
+    ids = _ids(heads, q.shape[1])
+    return _attend(q, k, v, ids, lambda b, i0, i1: causal_rows_mask(i0, i1, i1, q.device).expand(len(ids), -1, -1),
+                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+
+def ashape_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: int | torch.Tensor, window: int | torch.Tensor, *,
+    scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, head_offset: int = 0, out: torch.Tensor | None = None,
+    return_lse: bool = False, validate: bool = True,
+):
+    """A-shape attention; ``sink``, ``window``: ints or 1-D int tensors indexed by global head
+    ``head_offset + h``. Shapes as :func:`minference.kernels.ashape_attention`."""
+    check_qkv(q, k, v)
+    ids = _ids(heads, q.shape[1])
+    sinks = torch.tensor(per_head_budget("sink", sink, ids, head_offset, 0), device=q.device)
+    windows = torch.tensor(per_head_budget("window", window, ids, head_offset, 1), device=q.device)
+    return _attend(q, k, v, ids, lambda b, i0, i1: ashape_rows_mask(i0, i1, i1, sinks, windows),
+                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+
+def vertical_slash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, *,
+    scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
+    validate: bool = True,
+):
+    """Vertical-slash attention on logical ``vertical [B,Hg,NV]`` / ``slash [B,Hg,NS]`` (-1 padded).
+    Shapes as :func:`minference.kernels.vertical_slash_attention`."""
+    B, Hq, _, N, _ = check_qkv(q, k, v)
+    ids = _ids(heads, Hq)
+    for name, idx in (("vertical", vertical), ("slash", slash)):
+        check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
+    return _attend(q, k, v, ids, lambda b, i0, i1: vertical_slash_rows_mask(i0, i1, i1, vertical[b], slash[b]),
+                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+
+def block_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, *, block: int = DEFAULT_BLOCK_SIZE,
+    scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
+    validate: bool = True,
+):
+    """Block-sparse attention on ``blocks [B,Hg,ceil(N/block),K]`` (-1 padded, any block size).
+    Shapes as :func:`minference.kernels.block_sparse_attention`."""
+    B, Hq, _, N, _ = check_qkv(q, k, v)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    ids = _ids(heads, Hq)
+    nqb = -(-N // block)
+    check_index("blocks", blocks, rank=4, lead=(B, len(ids), nqb), device=q.device, upper=max(nqb, 1),
+                values=validate)
+    return _attend(q, k, v, ids, lambda b, i0, i1: block_sparse_rows_mask(i0, i1, i1, blocks[b], block),
+                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
