@@ -59,7 +59,10 @@ DEFAULT_SINK = 64
 #: Fractions of the vertical-slash budget spent on vertical columns (the rest on diagonals).
 VS_VERTICAL_SHARES = (0.1, 0.4)
 #: Query rows per chunk when scoring a head (bounds memory to ``chunk x n`` per tensor).
-ROW_CHUNK = 1024
+ROW_CHUNK = 512
+#: The search scores every this-many-th query row (an unbiased row sample; indices still come
+#: from the full prompt).
+SEARCH_ROW_STRIDE = 4
 
 
 def causal_pairs(n: int) -> int:
@@ -207,9 +210,20 @@ def pattern_sets(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, scale: floa
     return None
 
 
+def _diagonal_rows(offs: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``[H, R, n]`` bool ``offs[h, i - j]`` for ``i`` in ``rows`` (False where ``j > i``), built
+    from strided views instead of an ``R x n`` gather index."""
+    H = offs.shape[0]
+    w = torch.zeros(H, 2 * n - 1, dtype=torch.bool, device=offs.device)
+    w[:, : n] = offs.flip(-1)  # w[x] = offs[n - 1 - x]
+    table = w.as_strided((H, n, n), (w.stride(0), 1, 1))  # [H, n, n]: table[h, r, j] = w[r + j]
+    return table[:, (n - 1 - rows).long()]  # row r' = n - 1 - i gives offs[i - j]
+
+
 def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, device) -> torch.Tensor:
     """``[H, len(rows), n]`` bool: keys each query in ``rows`` reads under ``pattern`` (causal)."""
-    i = rows.to(device)[:, None]
+    rows = rows.to(device)
+    i = rows[:, None]
     j = torch.arange(n, device=device)[None, :]
     causal = j <= i
     if isinstance(pattern, Dense):
@@ -218,9 +232,10 @@ def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, dev
         m = (causal & ((j < pattern.sink) | (j > i - pattern.window))).expand(H, -1, -1)
     elif isinstance(pattern, VerticalSlash):
         cols, offs = sets
-        m = (cols[:, None, :] | offs[:, (i - j).clamp(min=0)]) & causal
+        m = (cols[:, None, :] | _diagonal_rows(offs, rows, n)) & causal
     elif isinstance(pattern, BlockSparse):
-        m = sets[:, (i // pattern.block).expand(-1, n), (j // pattern.block).expand(len(rows), -1)] & causal
+        per_row = sets[:, (rows // pattern.block).long()]  # [H, R, NKB]
+        m = per_row.repeat_interleave(pattern.block, dim=-1)[..., :n] & causal
     else:
         raise TypeError(f"unknown pattern {type(pattern).__name__}")
     return m
@@ -233,8 +248,11 @@ def head_scores(
     *,
     scale: float | None = None,
     rows: int | None = None,
+    row_stride: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Captured mass and density of each candidate for each query head of one prompt.
+
+    Density is the candidate's pairs over the causal pairs of the scored queries.
 
     Args:
         q: ``[Hq, n, D]``; k: ``[Hkv, n, D]`` (GQA: head ``h`` reads kv head ``h // (Hq // Hkv)``).
@@ -242,10 +260,11 @@ def head_scores(
         scale: softmax scale (default ``D ** -0.5``).
         rows: score only the last ``rows`` queries (default all ``n``); the index is still
             chosen from the whole prompt.
+        row_stride: score every ``row_stride``-th of those queries, counted back from the last
+            (an unbiased sample of the rows: the cost falls by the stride).
 
     Returns:
-        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries; density
-        counts the scored queries' pairs over their causal pairs.
+        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries.
     """
     Hq, n, D = q.shape
     group = Hq // k.shape[0]
@@ -253,11 +272,14 @@ def head_scores(
     kx = k.repeat_interleave(group, dim=0) if group > 1 else k
     sets = [pattern_sets(p, q, kx, scale) for p in candidates]
     first = n - (n if rows is None else min(rows, n))
+    if isinstance(row_stride, bool) or not isinstance(row_stride, int) or row_stride < 1:
+        raise ValueError(f"row_stride must be a positive int, got {row_stride!r}")
+    scored = torch.arange(n - 1, first - 1, -row_stride, device=q.device).flip(0)
     mass = torch.zeros(Hq, len(candidates), dtype=torch.float64)
     pairs = torch.zeros(Hq, len(candidates), dtype=torch.float64)
     qf, kf = q.float(), kx.float()
-    for start in range(first, n, ROW_CHUNK):
-        r = torch.arange(start, min(start + ROW_CHUNK, n), device=q.device)
+    for start in range(0, scored.numel(), ROW_CHUNK):
+        r = scored[start : start + ROW_CHUNK]
         logits = torch.einsum("hid,hjd->hij", qf[:, r], kf) * scale  # [Hq, R, n]
         causal = torch.arange(n, device=q.device)[None, :] <= r[:, None]
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
@@ -265,9 +287,8 @@ def head_scores(
             m = pattern_mask(p, s, Hq, n, r, q.device)
             mass[:, c] += (probs * m).sum(dim=(1, 2)).double().cpu()
             pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
-    scored = n - first
-    total = causal_pairs(n) - causal_pairs(first)
-    return mass / scored, pairs / total
+    total = float((scored + 1).sum())
+    return mass / scored.numel(), pairs / total
 
 
 @dataclass
@@ -296,6 +317,7 @@ def search(
     candidates: Sequence[Pattern] | None = None,
     model_id: str | None = None,
     seed: int | None = None,
+    row_stride: int = SEARCH_ROW_STRIDE,
     progress: bool = True,
 ) -> SearchResult:
     """Choose a pattern per (layer, global head) of ``model`` from calibration ``prompts``.
@@ -307,6 +329,7 @@ def search(
         min_mass: heads whose best mean captured mass is below this stay dense.
         candidates: override the candidate list.
         seed: recorded in the provenance (the prompts were drawn with it).
+        row_stride: score every ``row_stride``-th query (see :func:`head_scores`).
         progress: show a tqdm bar over prompts x layers.
     """
     from tqdm.auto import tqdm
@@ -331,7 +354,7 @@ def search(
 
     def observer(layer, query, key, seqlens, seqstarts):
         scale = getattr(_modules[layer], "scaling", None)
-        m, d = head_scores(query[0], key[0], cands, scale=scale)
+        m, d = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride)
         mass[layer] += m
         density[layer] += d
         bar.update(1)
@@ -365,7 +388,8 @@ def search(
         source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
         calibration_fingerprint=data_fingerprint([p.tolist() for p in prompts]), calibration_lengths=[n],
         seed=seed, metric="captured_mass", target_density=target_density, scores=scores, densities=dens,
-        notes=f"{len(prompts)} prompt(s); candidates: {[repr(c) for c in cands]}; min_mass {min_mass}",
+        notes=(f"{len(prompts)} prompt(s), every {row_stride}th query row scored; min_mass {min_mass}; "
+               f"candidates: {[repr(c) for c in cands]}"),
     )
     config = PatternConfig(signature, layers, provenance)
     return SearchResult(config, cands, mass, density)

@@ -117,3 +117,14 @@ def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
     # a head that cannot reach min_mass stays dense
     strict = S.search(model, prompts[:1], target_density=0.05, min_mass=0.999, progress=False)
     assert all(isinstance(p, Dense) for row in strict.config.layers for p in row)
+
+
+def test_row_stride_scores_the_sampled_rows():
+    n = 97
+    q, k = qk(n)
+    probs = dense_attention_probs(q[None], k[None])[0]
+    mass, dens = S.head_scores(q, k, [AShape(sink=2, window=8)], row_stride=3)
+    rows = torch.arange(n - 1, -1, -3)
+    m = ashape_mask(n, 2, 8)[rows]
+    assert torch.allclose(mass[:, 0], (probs[:, rows] * m).sum(dim=(1, 2)) / rows.numel(), atol=1e-5)
+    assert torch.allclose(dens[:, 0], m.sum().double() / (rows + 1).sum().double())

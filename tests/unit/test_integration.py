@@ -1,0 +1,335 @@
+"""minference.patch / unpatch on random-weight tiny Llama, Qwen2, Phi-3 and GLM-4 models.
+
+The sparse path is compared with an independent reference attention function registered in
+this file: the fp64 masked attention of :mod:`minference.reference` with each head's A-shape
+mask (A-shape sets are static, so the expected mask is known without the online index
+builders), dense SDPA elsewhere. Vertical-slash and block-sparse plans are checked for routing
+(calls, finite outputs, full KV cache); their index builders are tested in the kernel tiers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from minference.reference.attention import masked_attention
+from minference.reference.masks import ashape_mask
+
+import minference.integration as I
+from minference.config import ConfigMismatchError, PatternConfig, Provenance, model_signature
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+
+VOCAB, HIDDEN, HEADS, KV, LAYERS, HEAD_DIM = 64, 64, 4, 2, 2, 16
+N = 48
+ARCHS = ["llama", "qwen2", "phi3", "glm4"]
+# fp32 model, fp64 reference attention: logits agree to well within this (measured ~1e-6).
+LOGIT_ATOL = 1e-4
+
+
+def tiny_model(arch: str, seed: int = 0):
+    import transformers as T
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+              num_attention_heads=HEADS, num_key_value_heads=KV, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    cfg, cls = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM),
+        "glm4": (T.Glm4Config, T.Glm4ForCausalLM),
+    }[arch]
+    extra = {"head_dim": HEAD_DIM} if arch == "glm4" else {}
+    return cls(cfg(**kw, **extra)).eval()
+
+
+def ashape_config(model, windows=None, sinks=None, layers=LAYERS) -> PatternConfig:
+    windows = windows or [[3 + 5 * h + 2 * l for h in range(HEADS)] for l in range(layers)]
+    sinks = sinks or [[h % 3 for h in range(HEADS)] for _ in range(layers)]
+    plan = [[AShape(sink=sinks[l][h], window=windows[l][h]) for h in range(HEADS)] for l in range(layers)]
+    return PatternConfig(model_signature(model), plan, Provenance(package_version="test"))
+
+
+# ---- the independent reference -------------------------------------------------------------
+
+REF = {"config": None, "layers": set(), "rows": None}
+
+
+def _ref_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    L, S = query.shape[2], key.shape[2]
+    if L == 1 or L != S or module.layer_idx not in REF["layers"]:
+        return I._sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    plan = REF["config"].plan(module.layer_idx)
+    masks = torch.stack([ashape_mask(L, p.sink, p.window) for p in plan[: query.shape[1]]])[None]
+    seqlens, seqstarts = REF["rows"] or (None, None)
+    out, _ = masked_attention(query, key, value, masks, scale=scaling, seqlens=seqlens, seqstarts=seqstarts)
+    return out.to(query.dtype).transpose(1, 2), None
+
+
+def reference_logits(model, config, ids, *, layers=None, rows=None, **kw):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("h4_reference", _ref_attention)
+    AttentionMaskInterface.register("h4_reference", sdpa_mask)
+    REF.update(config=config, layers=set(range(LAYERS) if layers is None else layers), rows=rows)
+    model.set_attn_implementation("h4_reference")
+    try:
+        with torch.no_grad():
+            return model(ids, **kw).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def test_ashape_plan_matches_reference(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(2, VOCAB, (2, N), generator=torch.Generator().manual_seed(1))
+    cfg = ashape_config(model)
+    dense = logits(model, ids)
+    want = reference_logits(model, cfg, ids)
+    I.patch(model, cfg, dense_threshold=0)
+    got = logits(model, ids)
+    assert I.call_counts(model)["sparse"] == LAYERS
+    I.unpatch(model)
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    assert (got - dense).abs().max() > 100 * LOGIT_ATOL  # the plan is really sparse
+
+
+def test_unpatch_restores_the_dense_model(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(2))
+    before = logits(model, ids)
+    I.patch(model, ashape_config(model), dense_threshold=0)
+    assert I.is_patched(model) and model.config._attn_implementation == I.ATTN_IMPLEMENTATION
+    I.unpatch(model)
+    assert not I.is_patched(model)
+    assert not any(hasattr(m, I.STATE_ATTR) for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(logits(model, ids), before)
+
+
+def test_progressive_swap_in_leaves_other_layers_dense():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(3))
+    cfg = ashape_config(model)
+    want = reference_logits(model, cfg, ids, layers=[1])
+    I.patch(model, cfg, layers=[1], dense_threshold=0)
+    got = logits(model, ids)
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["sparse"] == 1 and counts["dense_layer"] == 1
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_short_prompts_run_dense_bit_for_bit():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(4))
+    dense = logits(model, ids)
+    I.patch(model, ashape_config(model), dense_threshold=N + 1)
+    got = logits(model, ids)
+    assert I.call_counts(model)["dense_short"] == LAYERS and I.call_counts(model)["sparse"] == 0
+    I.unpatch(model)
+    assert torch.equal(got, dense)
+
+
+def test_all_dense_plan_never_calls_the_dispatcher():
+    model = tiny_model("llama")
+    plan = [[Dense()] * HEADS] * LAYERS
+    I.patch(model, PatternConfig(model_signature(model), plan), dense_threshold=0)
+    ids = torch.randint(2, VOCAB, (1, N))
+    logits(model, ids)
+    assert I.call_counts(model)["dense_layer"] == LAYERS
+    I.unpatch(model)
+
+
+def test_decode_is_dense_and_the_cache_is_full(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        dense_cache = model(ids, use_cache=True).cache
+    cfg = ashape_config(model)
+    I.patch(model, cfg, dense_threshold=0)
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache = out.cache
+        step = out.logits[:, -1:].argmax(-1)
+        nxt = model(step, cache=cache, use_cache=True)
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["sparse"] == LAYERS and counts["dense_decode"] == LAYERS
+    assert torch.isfinite(nxt.logits).all()
+    # every token is in the cache; layer 0 keys/values are projected before any sparse attention
+    # ran, so they equal dense prefill's exactly
+    for layer in range(LAYERS):
+        assert cache.layers[layer].keys.shape[-2] == N + 1
+    assert torch.equal(cache.layers[0].keys[..., :N, :], dense_cache.layers[0].keys)
+    assert torch.equal(cache.layers[0].values[..., :N, :], dense_cache.layers[0].values)
+
+
+def test_dense_equivalent_plan_reproduces_dense_prefill_and_cache():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        dense = model(ids, use_cache=True)
+    wide = ashape_config(model, windows=[[N] * HEADS] * LAYERS, sinks=[[0] * HEADS] * LAYERS)
+    I.patch(model, wide, dense_threshold=0)
+    with torch.no_grad():
+        sparse = model(ids, use_cache=True)
+    assert I.call_counts(model)["sparse"] == LAYERS
+    I.unpatch(model)
+    torch.testing.assert_close(sparse.logits, dense.logits, atol=LOGIT_ATOL, rtol=0)
+    for a, b in zip(sparse.cache.layers, dense.cache.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=LOGIT_ATOL, rtol=0)
+        torch.testing.assert_close(a.values, b.values, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_chunked_prefill_continues_densely():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(7))
+    cfg = ashape_config(model)
+    first, second = ids[:, : N // 2], ids[:, N // 2 :]
+
+    def chunked(run_first):
+        with torch.no_grad():
+            out = run_first(first)
+            return model(second, cache=out.cache, use_cache=True).logits
+
+    want = chunked(lambda x: _ref_run(model, cfg, x))
+    I.patch(model, cfg, dense_threshold=0)
+    got = chunked(lambda x: model(x, use_cache=True))
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["sparse"] == LAYERS and counts["dense_continue"] == LAYERS
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def _ref_run(model, cfg, ids):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("h4_reference", _ref_attention)
+    AttentionMaskInterface.register("h4_reference", sdpa_mask)
+    REF.update(config=cfg, layers=set(range(LAYERS)), rows=None)
+    model.set_attn_implementation("h4_reference")
+    try:
+        return model(ids, use_cache=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_rows_equal_their_unpadded_runs(side):
+    model = tiny_model("qwen2")
+    cfg = ashape_config(model)
+    lens = [N, N - 13]
+    g = torch.Generator().manual_seed(8)
+    rows = [torch.randint(2, VOCAB, (n,), generator=g) for n in lens]
+    ids = torch.zeros(2, N, dtype=torch.long)
+    mask = torch.zeros(2, N, dtype=torch.long)
+    pos = torch.zeros(2, N, dtype=torch.long)
+    for b, r in enumerate(rows):
+        s = N - len(r) if side == "left" else 0
+        ids[b, s : s + len(r)] = r
+        mask[b, s : s + len(r)] = 1
+        pos[b, s : s + len(r)] = torch.arange(len(r))
+    I.patch(model, cfg, dense_threshold=0)
+    batched = logits(model, ids, attention_mask=mask, position_ids=pos)
+    singles = [logits(model, r[None]) for r in rows]
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["sparse"] == 3 * LAYERS and counts["dense_mask"] == 0
+    for b, r in enumerate(rows):
+        s = N - len(r) if side == "left" else 0
+        torch.testing.assert_close(batched[b, s : s + len(r)], singles[b][0], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_dynamic_patterns_route_and_stay_finite():
+    model = tiny_model("llama")
+    plan = [[VerticalSlash(vertical=4, slash=8, last_q=16, sink_columns=2, local_diagonals=2),
+             BlockSparse(top_k=2, block=16), AShape(sink=2, window=8), Dense()] for _ in range(LAYERS)]
+    cfg = PatternConfig(model_signature(model), plan)
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(9))
+    dense = logits(model, ids)
+    I.patch(model, cfg, dense_threshold=0)
+    got = logits(model, ids)
+    assert I.call_counts(model)["sparse"] == LAYERS
+    I.unpatch(model)
+    assert torch.isfinite(got).all()
+    assert not torch.equal(got, dense)
+
+
+def test_patch_checks_the_config_against_the_model():
+    model = tiny_model("llama")
+    other = tiny_model("llama", seed=1)
+    cfg = ashape_config(other)
+    with pytest.raises(ConfigMismatchError, match="weights_fingerprint"):
+        I.patch(model, cfg)
+    assert not I.is_patched(model)
+    I.patch(model, cfg, allow_mismatch=True)
+    I.unpatch(model)
+    small = PatternConfig(model_signature(tiny_model("llama")).__class__(
+        model_id="x", architecture=None, num_layers=1, num_heads=HEADS), [[Dense()] * HEADS])
+    with pytest.raises(ConfigMismatchError, match="num_layers"):
+        I.patch(model, small, allow_mismatch=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, needle",
+    [
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(layers=[5]), ValueError, "layers"),
+        (dict(dense_threshold=-1), ValueError, "dense_threshold"),
+        (dict(head_offset=-2), ValueError, "head_offset"),
+    ],
+)
+def test_bad_arguments(kwargs, error, needle):
+    model = tiny_model("llama")
+    with pytest.raises(error, match=needle):
+        I.patch(model, ashape_config(model), **kwargs)
+    assert not I.is_patched(model)
+
+
+def test_bad_types():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="config"):
+        I.patch(model, {"layers": []})
+    with pytest.raises(TypeError, match="model"):
+        I.patch("model", ashape_config(model))
+    with pytest.raises(ValueError, match="not patched"):
+        I.unpatch(model)
+
+
+def _sdpa_mask(lens, starts, n):
+    pos = torch.arange(n)
+    lo, hi = torch.tensor(starts), torch.tensor(starts) + torch.tensor(lens)
+    valid = (pos[None] >= lo[:, None]) & (pos[None] < hi[:, None])
+    return ((pos[None, :] <= pos[:, None])[None] & valid[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("lens, starts", [([10, 7], [0, 0]), ([10, 7], [0, 3]), ([0, 10], [0, 0]), ([4, 9], [6, 1])])
+def test_padding_rows_reads_contiguous_rows(lens, starts):
+    rows = I._padding_rows(_sdpa_mask(lens, starts, 10), 10)
+    assert rows[0].tolist() == lens
+    assert [s if n else 0 for s, n in zip(rows[1].tolist(), lens)] == [s if n else 0 for s, n in zip(starts, lens)]
+
+
+def test_padding_rows_refuses_other_masks():
+    n = 10
+    gap = _sdpa_mask([10], [0], n).clone()
+    gap[..., 4] = False  # a hole inside the row
+    assert I._padding_rows(gap, n) is False
+    window = _sdpa_mask([10], [0], n) & (torch.arange(n)[None, :] > torch.arange(n)[:, None] - 4)
+    assert I._padding_rows(window, n) is False
+    assert I._padding_rows(torch.ones(1, 1, n, n, dtype=torch.bool), n) is False  # not causal
+    assert I.padding_rows(None, n) is None
