@@ -28,7 +28,15 @@ import triton.language as tl
 from minference._checks import check_qkv, check_ragged, check_tensor, default_scale
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
-__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "budget_tensor"]
+__all__ = [
+    "vertical_slash_index",
+    "block_sparse_index",
+    "build_vertical_slash_index",
+    "build_block_sparse_index",
+    "pool_blocks",
+    "budget_tensor",
+    "select_top",
+]
 
 _INT = (torch.int32, torch.int64)
 #: Diagonal offsets per program of the vertical-slash estimator (the key window is twice this).
@@ -197,7 +205,7 @@ def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: 
     return min(top, cap)
 
 
-def _select(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int) -> torch.Tensor:
+def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int) -> torch.Tensor:
     """Top ``width`` of ``scores [B, Hg, M]`` (-inf = invalid) after forcing positions
     ``< forced [Hg]``, truncated to ``budget [Hg]`` per head; int32, -1 padded."""
     B, Hg, M = scores.shape
@@ -209,6 +217,57 @@ def _select(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, wi
     values, idx = torch.topk(scores, width, dim=-1, sorted=True)
     keep = (torch.arange(width, device=scores.device)[None, :] < budget[:, None])[None] & (values > float("-inf"))
     return torch.where(keep, idx, -1).to(torch.int32)
+
+
+def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, scale: float, aggregation: str):
+    """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes."""
+    B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    Hg = hs.shape[0]
+    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(last_q)))
+    n_chunks = math.ceil(last_q / rc)
+    r_total = rc * n_chunks
+    bd = max(VS_OFFSET_TILE, rc)
+    n_tiles = max(1, math.ceil(N / bd))
+    block_d = max(_MIN_DOT, triton.next_power_of_2(D))
+    col = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
+    diag = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
+    if B * Hg > 0 and N > 0:
+        m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
+        l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
+        grid = (B * Hg, n_chunks, n_tiles)
+        common = (*q.stride(), *k.stride(), D)
+        _vs_stats_kernel[grid](q, k, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
+                               *common, RC=rc, BD=bd, BLOCK_D=block_d)
+        lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
+        _vs_scores_kernel[grid](q, k, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
+                                *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=aggregation == "max")
+    return col, diag
+
+
+def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, sink_columns, local_diagonals,
+                               aggregation, scale, seqlens, seqstarts, heads, head_offset, return_scores,
+                               vertical_width, slash_width, validate):
+    """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
+    column and diagonal scores): shared by this module and :mod:`minference.torch_backend`."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
+        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
+    if aggregation not in ("sum", "max"):
+        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    hs = _heads_tensor(heads, Hq, q.device)
+    nv = budget_tensor("vertical", vertical, hs, head_offset, 0)
+    ns = budget_tensor("slash", slash, hs, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, hs, head_offset, 0), nv)
+    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
+    width_v = _width("vertical", vertical, nv, vertical_width, N)
+    width_s = _width("slash", slash, ns, slash_width, N)
+    col, diag = scorer(q, k, hs, lens, starts, last_q, scale, aggregation)
+    inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
+    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
+    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)
+    return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
 def vertical_slash_index(
@@ -250,46 +309,11 @@ def vertical_slash_index(
         decreasing score within the forced / free parts; with ``return_scores`` also the float32
         scores ``(col [B, Hg, N], diag [B, Hg, N])`` (0 outside the row).
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
-        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
-    if aggregation not in ("sum", "max"):
-        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
-    scale = default_scale(D, scale)
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
-    hs = _heads_tensor(heads, Hq, q.device)
-    Hg = hs.shape[0]
-    nv = budget_tensor("vertical", vertical, hs, head_offset, 0)
-    ns = budget_tensor("slash", slash, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, hs, head_offset, 0), nv)
-    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
-    width_v = _width("vertical", vertical, nv, vertical_width, N)
-    width_s = _width("slash", slash, ns, slash_width, N)
-
-    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(last_q)))
-    n_chunks = math.ceil(last_q / rc)
-    r_total = rc * n_chunks
-    bd = max(VS_OFFSET_TILE, rc)
-    n_tiles = max(1, math.ceil(N / bd))
-    block_d = max(_MIN_DOT, triton.next_power_of_2(D))
-    col = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
-    diag = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
-    if B * Hg > 0 and N > 0:
-        m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
-        l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
-        grid = (B * Hg, n_chunks, n_tiles)
-        common = (*q.stride(), *k.stride(), D)
-        _vs_stats_kernel[grid](q, k, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
-                               *common, RC=rc, BD=bd, BLOCK_D=block_d)
-        lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
-        _vs_scores_kernel[grid](q, k, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
-                                *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=aggregation == "max")
-    inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
-    col_m = torch.where(inside[:, None], col, float("-inf"))
-    diag_m = torch.where(inside[:, None], diag, float("-inf"))
-    v_idx = _select(col_m, sinks, nv, width_v)
-    s_idx = _select(diag_m, locs, ns, width_s)
-    return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
+    return build_vertical_slash_index(
+        _vs_scores_triton, q, k, vertical, slash, last_q=last_q, sink_columns=sink_columns,
+        local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
+        seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate)
 
 
 def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
@@ -305,6 +329,50 @@ def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
         _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, starts, out, hs.shape[0], nqb, block, *x.stride(), D,
                                               TT=tt, BLOCK_D=triton.next_power_of_2(D))
     return out
+
+
+def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
+                             seqstarts, heads, head_offset, return_scores, top_k_width, validate):
+    """Validation, pooled scores, masks and top-k around ``pooler`` (which mean-pools blocks):
+    shared by this module and :mod:`minference.torch_backend`."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    if not isinstance(force_diagonal, bool):
+        raise TypeError("force_diagonal must be a bool")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    hs = _heads_tensor(heads, Hq, q.device)
+    Hg = hs.shape[0]
+    tops = budget_tensor("top_k", top_k, hs, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, hs, head_offset, 0),
+                          tops - int(force_diagonal))
+    nqb = math.ceil(N / block)
+    width = _width("top_k", top_k, tops, top_k_width, nqb)
+    qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
+    km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
+    nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
+    J = torch.arange(nqb, device=q.device)
+    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
+    all_scores = (torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
+                  if return_scores else None)
+    chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))
+    for lo in range(0, nqb, chunk):
+        hi = min(nqb, lo + chunk)
+        I = J[lo:hi]
+        s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
+        ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
+        s = torch.where(ok[:, None], s, float("-inf"))
+        if all_scores is not None:
+            all_scores[:, :, lo:hi] = s
+        forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]
+        s = torch.where(forced[None] & ok[:, None], float("inf"), s)
+        if width == 0:
+            continue
+        values, idx = torch.topk(s, width, dim=-1, sorted=True)
+        keep = (torch.arange(width, device=q.device)[None, :] < tops[:, None])[None, :, None] & (values > float("-inf"))
+        out[:, :, lo:hi] = torch.where(keep, idx, -1).to(torch.int32)
+    return (out, all_scores) if return_scores else out
 
 
 def block_sparse_index(
@@ -341,41 +409,7 @@ def block_sparse_index(
         ``blocks [B, Hg, NQB, K]`` int32, -1 padded; with ``return_scores`` also the float32
         scores ``[B, Hg, NQB, NQB]`` (``-inf`` where not a candidate).
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    if not isinstance(force_diagonal, bool):
-        raise TypeError("force_diagonal must be a bool")
-    scale = default_scale(D, scale)
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
-    hs = _heads_tensor(heads, Hq, q.device)
-    Hg = hs.shape[0]
-    tops = budget_tensor("top_k", top_k, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, hs, head_offset, 0),
-                          tops - int(force_diagonal))
-    nqb = math.ceil(N / block)
-    width = _width("top_k", top_k, tops, top_k_width, nqb)
-    qm = pool_blocks(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
-    km = pool_blocks(k, block, lens, starts)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
-    nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
-    J = torch.arange(nqb, device=q.device)
-    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
-    all_scores = (torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
-                  if return_scores else None)
-    chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))
-    for lo in range(0, nqb, chunk):
-        hi = min(nqb, lo + chunk)
-        I = J[lo:hi]
-        s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
-        ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
-        s = torch.where(ok[:, None], s, float("-inf"))
-        if all_scores is not None:
-            all_scores[:, :, lo:hi] = s
-        forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]
-        s = torch.where(forced[None] & ok[:, None], float("inf"), s)
-        if width == 0:
-            continue
-        values, idx = torch.topk(s, width, dim=-1, sorted=True)
-        keep = (torch.arange(width, device=q.device)[None, :] < tops[:, None])[None, :, None] & (values > float("-inf"))
-        out[:, :, lo:hi] = torch.where(keep, idx, -1).to(torch.int32)
-    return (out, all_scores) if return_scores else out
+    return build_block_sparse_index(
+        pool_blocks, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
+        scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate)

@@ -9,6 +9,12 @@ The candidate sets are the formulas of :mod:`minference.reference.masks`, evalua
 of query rows instead of the whole square (``*_rows_mask`` below; the tests prove them equal to
 the reference masks row for row). Every entry point reads the row lengths on the host, so this
 backend synchronises on CUDA tensors: it is for portability, not for speed or graph capture.
+
+The index builders :func:`vertical_slash_index` and :func:`block_sparse_index` share validation,
+budgets and top-k selection with the Triton builders (:mod:`minference.kernels.estimate`); only
+the score computation differs: here the ``[Hg, r, n]`` probabilities of the sampled rows are
+materialised (fine on the host at the lengths this backend is for) and reduced with
+``scatter_reduce``, and blocks are pooled with reshapes.
 Rows outside a sequence and rows with an empty candidate set come out as zeros (log-sum-exp
 ``-inf``); heads not listed in ``heads`` are left untouched in ``out``.
 """
@@ -21,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from minference._checks import check_index, check_qkv, check_ragged, check_tensor, default_scale
-from minference.patterns import DEFAULT_BLOCK_SIZE
+from minference.kernels.estimate import build_block_sparse_index, build_vertical_slash_index
+from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 from minference.reference.estimators import head_ids, per_head_budget
 from minference.reference.masks import _scatter_set
 
@@ -34,6 +41,8 @@ __all__ = [
     "vertical_slash_rows_mask",
     "block_sparse_rows_mask",
     "causal_rows_mask",
+    "vertical_slash_index",
+    "block_sparse_index",
     "CHUNK_ELEMENTS",
 ]
 
@@ -191,3 +200,77 @@ def block_sparse_attention(
                 values=validate)
     return _attend(q, k, v, ids, lambda b, i0, i1: block_sparse_rows_mask(i0, i1, i1, blocks[b], block),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+
+def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, scale: float, aggregation: str):
+    """Column and diagonal scores ``[B, Hg, N]`` float32 from the materialised sampled rows."""
+    B, Hq, N, _ = q.shape
+    hq = hs.long()
+    hk = hq // (Hq // k.shape[1])
+    col = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
+    diag = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
+    reduce = "sum" if aggregation == "sum" else "amax"
+    for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        if n == 0:
+            continue
+        r = min(last_q, n)
+        qs = q[b, :, s + n - r : s + n].index_select(0, hq).float()  # [Hg, r, D]
+        ks = k[b, :, s : s + n].index_select(0, hk).float()  # [Hg, n, D]
+        i = torch.arange(n - r, n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, r, n]
+        probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)
+        col[b, :, :n] = probs.sum(1) if aggregation == "sum" else probs.amax(1)
+        delta = (i - j).clamp(min=0).expand(len(hq), r, n).reshape(len(hq), r * n)  # j > i carry p = 0
+        diag[b, :, :n].scatter_reduce_(-1, delta, probs.reshape(len(hq), r * n), reduce=reduce)
+    return col, diag
+
+
+def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
+                heads: torch.Tensor | None) -> torch.Tensor:
+    """Mean of the valid tokens of each block: ``[B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]`` fp32."""
+    B, H, N, D = x.shape
+    hs = torch.arange(H, device=x.device) if heads is None else heads.long()
+    nqb = -(-N // block)
+    out = torch.zeros(B, len(hs), nqb, D, dtype=torch.float32, device=x.device)
+    for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        nb = -(-n // block)
+        if nb == 0:
+            continue
+        rows = x[b, :, s : s + n].index_select(0, hs).float()
+        rows = F.pad(rows, (0, 0, 0, nb * block - n)).view(len(hs), nb, block, D)
+        counts = torch.clamp(n - torch.arange(nb, device=x.device) * block, max=block).float()
+        out[b, :, :nb] = rows.sum(2) / counts[:, None]
+    return out
+
+
+def vertical_slash_index(
+    q: torch.Tensor, k: torch.Tensor, vertical: int | torch.Tensor, slash: int | torch.Tensor, *,
+    last_q: int = DEFAULT_LAST_Q, sink_columns: int | torch.Tensor = 0, local_diagonals: int | torch.Tensor = 1,
+    aggregation: str = "sum", scale: float | None = None, seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None, heads: torch.Tensor | None = None, head_offset: int = 0,
+    return_scores: bool = False, vertical_width: int | None = None, slash_width: int | None = None,
+    validate: bool = True,
+):
+    """Vertical-slash index in plain PyTorch; same arguments and result as
+    :func:`minference.kernels.estimate.vertical_slash_index`."""
+    return build_vertical_slash_index(
+        _vs_scores_torch, q, k, vertical, slash, last_q=last_q, sink_columns=sink_columns,
+        local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
+        seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate)
+
+
+def block_sparse_index(
+    q: torch.Tensor, k: torch.Tensor, top_k: int | torch.Tensor, *, block: int = DEFAULT_BLOCK_SIZE,
+    sink_blocks: int | torch.Tensor = 0, force_diagonal: bool = True, scale: float | None = None,
+    seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None, head_offset: int = 0, return_scores: bool = False,
+    top_k_width: int | None = None, validate: bool = True,
+):
+    """Block-sparse routing in plain PyTorch; same arguments and result as
+    :func:`minference.kernels.estimate.block_sparse_index`."""
+    return build_block_sparse_index(
+        _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
+        scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate)

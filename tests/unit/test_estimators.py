@@ -1,6 +1,7 @@
-"""Online index builders (Triton, ``minference.kernels.estimate``) against their naive float64
-twins (``minference.reference.estimators``): scores within float32 rounding, selections as exact
-sets wherever the naive scores are not tied at the selection boundary."""
+"""Online index builders (Triton, ``minference.kernels.estimate``, and the plain PyTorch ones in
+``minference.torch_backend``) against their naive float64 twins
+(``minference.reference.estimators``): scores within float32 rounding, selections as exact sets
+wherever the naive scores are not tied at the selection boundary."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from minference.kernels import estimate as fast
+from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
 
+import minference.torch_backend as portable
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
 
-pytestmark = pytest.mark.interpret
+#: Fast implementations under test; the Triton ones run in the interpreter on the CPU.
+IMPLS = [pytest.param(triton_builders, id="triton", marks=pytest.mark.interpret), pytest.param(portable, id="torch")]
 
 #: Float32 score error allowed against the float64 twin (products of fp16/fp32 inputs summed
 #: over at most a few hundred terms: a few ulps of the largest score).
@@ -79,8 +82,9 @@ def _vs_case(data, dtype):
     return shape, q, k, vertical, slash, kw
 
 
+@pytest.mark.parametrize("fast", IMPLS)
 @given(st.data())
-def test_vertical_slash_matches_naive(data) -> None:
+def test_vertical_slash_matches_naive(fast, data) -> None:
     shape, q, k, vertical, slash, kw = _vs_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
     fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
@@ -91,8 +95,9 @@ def test_vertical_slash_matches_naive(data) -> None:
     assert_same_selection(fs, ns, ndiag, "slash")
 
 
+@pytest.mark.parametrize("fast", IMPLS)
 @given(st.data())
-def test_vertical_slash_invariants(data) -> None:
+def test_vertical_slash_invariants(fast, data) -> None:
     """Properties straight from the definition, independent of either implementation."""
     shape, q, k, vertical, slash, kw = _vs_case(data, torch.float32)
     fv, fs, _, _ = fast.vertical_slash_index(q, k, vertical, slash, **kw)
@@ -129,8 +134,9 @@ def _bs_case(data, dtype):
     return shape, q, k, _budget(data, H_global, 1, 8), kw
 
 
+@pytest.mark.parametrize("fast", IMPLS)
 @given(st.data())
-def test_block_sparse_matches_naive(data) -> None:
+def test_block_sparse_matches_naive(fast, data) -> None:
     shape, q, k, top_k, kw = _bs_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
     fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
     nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
@@ -141,8 +147,9 @@ def test_block_sparse_matches_naive(data) -> None:
     assert_same_selection(fb, nb, nscores, "blocks")
 
 
+@pytest.mark.parametrize("fast", IMPLS)
 @given(st.data())
-def test_block_sparse_invariants(data) -> None:
+def test_block_sparse_invariants(fast, data) -> None:
     shape, q, k, top_k, kw = _bs_case(data, torch.float32)
     blocks = fast.block_sparse_index(q, k, top_k, **kw)[0]
     lens = kw["seqlens"] if kw["seqlens"] is not None else torch.full((shape.B,), shape.N)
@@ -164,7 +171,8 @@ def test_block_sparse_invariants(data) -> None:
                 assert set(range(min(sinks[g], tops[g] - kw["force_diagonal"], I + 1))) <= got
 
 
-def test_vertical_slash_picks_planted_structure() -> None:
+@pytest.mark.parametrize("fast", IMPLS)
+def test_vertical_slash_picks_planted_structure(fast) -> None:
     """Keys built to attract every query (a column) and a key pattern that repeats at a fixed
     distance (a diagonal) are found, and the vertical rows stay within their budget."""
     torch.manual_seed(0)
@@ -184,7 +192,7 @@ def test_vertical_slash_picks_planted_structure() -> None:
 def test_budget_and_argument_errors() -> None:
     q = torch.randn(1, 2, 8, 16)
     k = torch.randn(1, 1, 8, 16)
-    for impl in (fast, naive):
+    for impl in (triton_builders, portable, naive):
         with pytest.raises(ValueError, match="aggregation"):
             impl.vertical_slash_index(q, k, 2, 2, aggregation="mean")
         with pytest.raises(ValueError, match="last_q"):
@@ -211,7 +219,7 @@ def test_builders_on_gpu_bf16(data) -> None:
     shape, q, k, vertical, slash, kw = _vs_case(data, dtype)
     q, k = q.cuda(), k.cuda()
     kw = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
-    fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    fv, fs, fcol, fdiag = triton_builders.vertical_slash_index(q, k, vertical, slash, **kw)
     nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
     torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
     torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
@@ -220,6 +228,6 @@ def test_builders_on_gpu_bf16(data) -> None:
     shape, q, k, top_k, kw = _bs_case(data, dtype)
     q, k = q.cuda(), k.cuda()
     kw = {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
-    fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
+    fb, fscores = triton_builders.block_sparse_index(q, k, top_k, **kw)
     nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
     assert_same_selection(fb.cpu(), nb.cpu(), nscores.cpu(), "blocks")
