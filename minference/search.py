@@ -47,6 +47,7 @@ __all__ = [
     "pattern_sets",
     "pattern_mask",
     "head_scores",
+    "plan_coverage",
     "search",
 ]
 
@@ -289,6 +290,35 @@ def head_scores(
             pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
     total = float((scored + 1).sum())
     return mass / scored.numel(), pairs / total
+
+
+def plan_coverage(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    plan: Sequence[Pattern],
+    *,
+    scale: float | None = None,
+    rows: int | None = None,
+    row_stride: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Captured mass and density of a per-head plan: head ``h`` of ``q [Hq, n, D]`` uses
+    ``plan[h]`` (``k [Hkv, n, D]``, GQA as in :func:`head_scores`).
+
+    Returns:
+        ``(mass [Hq], density [Hq])`` float64.
+    """
+    Hq = q.shape[0]
+    if len(plan) != Hq:
+        raise ValueError(f"plan must have one pattern per query head ({Hq}), got {len(plan)}")
+    group = Hq // k.shape[0]
+    mass = torch.zeros(Hq, dtype=torch.float64)
+    density = torch.zeros(Hq, dtype=torch.float64)
+    for pattern in dict.fromkeys(plan):
+        heads = [h for h, p in enumerate(plan) if p == pattern]
+        kv = torch.tensor([h // group for h in heads], device=k.device)
+        m, d = head_scores(q[heads], k[kv], [pattern], scale=scale, rows=rows, row_stride=row_stride)
+        mass[heads], density[heads] = m[:, 0], d[:, 0]
+    return mass, density
 
 
 @dataclass

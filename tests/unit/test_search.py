@@ -128,3 +128,13 @@ def test_row_stride_scores_the_sampled_rows():
     m = ashape_mask(n, 2, 8)[rows]
     assert torch.allclose(mass[:, 0], (probs[:, rows] * m).sum(dim=(1, 2)) / rows.numel(), atol=1e-5)
     assert torch.allclose(dens[:, 0], m.sum().double() / (rows + 1).sum().double())
+
+
+def test_plan_coverage_uses_each_heads_pattern():
+    q, k = qk()
+    plan = [AShape(sink=2, window=8), Dense(), AShape(sink=2, window=8), BlockSparse(top_k=2, block=16)]
+    mass, dens = S.plan_coverage(q, k, plan)
+    for h, p in enumerate(plan):
+        m, d = S.head_scores(q[h : h + 1], k[h // 2 : h // 2 + 1], [p])
+        assert float(mass[h]) == pytest.approx(float(m[0, 0])) and float(dens[h]) == pytest.approx(float(d[0, 0]))
+    assert float(mass[1]) == pytest.approx(1.0) and float(dens[1]) == pytest.approx(1.0)

