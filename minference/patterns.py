@@ -36,6 +36,11 @@ DEFAULT_LAST_Q = 64
 DEFAULT_BLOCK_SIZE = 64
 
 
+def _check_kind(pattern: object, kind: str) -> None:
+    if pattern.kind != kind:
+        raise ValueError(f"{type(pattern).__name__}.kind must be {kind!r}, got {pattern.kind!r}")
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -57,6 +62,7 @@ class AShape:
     kind: Literal["a_shape"] = "a_shape"
 
     def __post_init__(self) -> None:
+        _check_kind(self, "a_shape")
         _check_int("AShape.sink", self.sink, 0)
         _check_int("AShape.window", self.window, 1)
 
@@ -85,6 +91,7 @@ class VerticalSlash:
     kind: Literal["vertical_slash"] = "vertical_slash"
 
     def __post_init__(self) -> None:
+        _check_kind(self, "vertical_slash")
         _check_int("VerticalSlash.vertical", self.vertical, 0)
         _check_int("VerticalSlash.slash", self.slash, 1)
         _check_int("VerticalSlash.last_q", self.last_q, 1)
@@ -112,6 +119,7 @@ class BlockSparse:
     kind: Literal["block_sparse"] = "block_sparse"
 
     def __post_init__(self) -> None:
+        _check_kind(self, "block_sparse")
         _check_int("BlockSparse.top_k", self.top_k, 1)
         _check_int("BlockSparse.block", self.block, 1)
         _check_int("BlockSparse.sink_blocks", self.sink_blocks, 0)
@@ -124,6 +132,9 @@ class Dense:
     """Full causal attention (the fallback, and the choice for heads that resist sparsity)."""
 
     kind: Literal["dense"] = "dense"
+
+    def __post_init__(self) -> None:
+        _check_kind(self, "dense")
 
 
 Pattern = Union[AShape, VerticalSlash, BlockSparse, Dense]

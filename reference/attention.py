@@ -22,6 +22,7 @@ from minference._checks import (
     check_ragged,
     check_tensor,
     default_scale,
+    same_device,
 )
 
 __all__ = [
@@ -72,7 +73,13 @@ def masked_attention(
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise TypeError("mask must be a bool tensor")
-    mask = torch.broadcast_to(mask, (B, Hq, N, N))
+    if not same_device(mask.device, q.device):
+        raise ValueError(f"mask must be on {q.device}, got {mask.device}")
+    try:
+        mask = torch.broadcast_to(mask, (B, Hq, N, N))
+    except RuntimeError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to [B, Hq, N, N] = "
+                         f"{[B, Hq, N, N]}") from None
     scale = default_scale(D, scale)
     group = Hq // Hkv
     out = torch.zeros(B, Hq, N, D, dtype=torch.float64, device=q.device)
@@ -192,7 +199,8 @@ def ashape_attention(
     ids = _check_heads(heads, Hq, q.device)
     sinks = _per_head("sink", sink, ids, head_offset)
     windows = _per_head("window", window, ids, head_offset)
-    masks = torch.stack([ashape_mask(N, g, w, device=q.device) for g, w in zip(sinks, windows)])
+    masks = [ashape_mask(N, g, w, device=q.device) for g, w in zip(sinks, windows)]
+    masks = torch.stack(masks) if masks else torch.zeros(0, N, N, dtype=torch.bool, device=q.device)
     return _run(q, k, v, masks[None], ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
 
 

@@ -66,6 +66,12 @@ def assert_close_to_reference(
     o, r, rs = o[finite], r[finite], rs[finite]
     if o.numel() == 0:
         return
+    if not torch.isfinite(rs).all():
+        # a NaN or inf bound would let anything pass
+        raise AssertionError(f"{name}: the same-dtype reference is non-finite where ref64 is finite; "
+                             "the tolerance rule cannot be applied (inputs overflow the dtype?)")
+    if floor is None and out.dtype not in FLOORS:
+        raise AssertionError(f"{name}: no tolerance floor for dtype {out.dtype}; pass floor=")
     err = (o - r).abs()
     allowed = ATOL_FACTOR * float((rs - r).abs().max()) + (FLOORS[out.dtype] if floor is None else floor)
     if float(err.max()) > allowed:
