@@ -103,6 +103,7 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
         idx = t + offs_n
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
+        ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
         k, v = _load_kv(k_base, v_base, cols, ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
         s = _scores(q, k, qk_scale, PREC)
         keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]

@@ -65,6 +65,10 @@ def run_and_check(p: dict, kernel, twin, *args, **kwargs) -> None:
     q, k, v = p["q"], p["k"], p["v"]
     common = dict(seqlens=p["seqlens"], seqstarts=p["seqstarts"], heads=p["heads"])
     out = poison(torch.empty(s.B, s.Hq, s.N, s.D, dtype=dtype, device=DEVICE))
+    # padding tokens of q, k, v become NaN: a kernel that reads one into a softmax fails
+    pad = ~computed_region(dict(p, heads=None))[:, 0]  # [B, N]
+    for x in (q, k, v):
+        x.masked_fill_(pad[:, None, :, None].to(x.device), float("nan"))
     dev_args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
     res, lse = kernel(q, k, v, *dev_args, **{k_: _dev(x) for k_, x in common.items()}, **kwargs,
                       out=out, return_lse=True)
@@ -159,3 +163,25 @@ def test_gqa_ratio_and_scale():
         kernels.ashape_attention(q4, k3, k3, 2, 4)
     with pytest.raises(ValueError, match="scale"):
         kernels.ashape_attention(q, k, v, 2, 4, scale=-1.0)
+
+
+@pytest.mark.gpu
+def test_sync_free_without_validation():
+    """validate=False: no host synchronisation anywhere (conversion, normalisation, launch)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N = 1000
+    q = torch.randn(2, 4, N, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 2, N, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    vert = torch.randint(0, N, (2, 4, 50), device="cuda", dtype=torch.int32, generator=g)
+    blocks = torch.randint(-1, -(-N // 64), (2, 4, -(-N // 64), 8), device="cuda", dtype=torch.int32, generator=g)
+    lens = torch.tensor([N, 700], device="cuda", dtype=torch.int32)
+    budgets = torch.tensor([4, 8, 16, 32], device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.ashape_attention(q, k, k, budgets, budgets * 8, seqlens=lens, validate=False, return_lse=True)
+        kernels.vertical_slash_attention(q, k, k, vert, vert, seqlens=lens, validate=False, return_lse=True)
+        kernels.block_sparse_attention(q, k, k, blocks, seqlens=lens, validate=False, return_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

@@ -15,7 +15,7 @@ from test_kernel_common import DEVICE, problem, run_and_check
 
 from minference import kernels
 from minference import reference as ref
-from minference.testing.strategies import vertical_slash_indices
+from minference.testing.strategies import AttnShape, qkv, vertical_slash_indices
 
 pytestmark = pytest.mark.interpret
 
@@ -37,6 +37,19 @@ def test_dense_slash_band_runs_unmasked_tiles(data):
     slash = torch.arange(width, dtype=torch.int32).expand(s.B, p["Hg"], width).contiguous()
     vertical = torch.randint(0, s.N, (s.B, p["Hg"], 3), dtype=torch.int32,
                              generator=torch.Generator().manual_seed(width))
+    run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_columns_past_a_short_row_are_not_read(dtype):
+    """Every column chosen, ragged rows: the last block's columns beyond the row's end are padding
+    (poisoned with NaN) and must never be loaded, even though they lie before the block's end."""
+    s = AttnShape(B=3, Hq=2, Hkv=1, N=150, D=16)
+    q, k, v = qkv(s, dtype, DEVICE, seed=5)
+    p = dict(shape=s, dtype=dtype, seqlens=torch.tensor([37, 21, 150], dtype=torch.int32),
+             seqstarts=torch.tensor([0, 129, 0], dtype=torch.int32), heads=None, Hg=2, q=q, k=k, v=v)
+    vertical = torch.arange(s.N, dtype=torch.int32).expand(3, 2, s.N).contiguous()
+    slash = torch.full((3, 2, 1), -1, dtype=torch.int32)  # no slash range to absorb the columns
     run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
 
 
