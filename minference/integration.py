@@ -77,8 +77,8 @@ class LayerState:
         plan: patterns indexed by GLOBAL query head (length >= head_offset + local heads).
         sparse: False for layers left dense (progressive swap-in) or all-dense plans.
         head_offset: global id of this module's first query head (tensor parallelism).
-        dense_threshold: prompts shorter than this many tokens run dense (``None``: the
-            dispatcher's own default decides).
+        dense_threshold: prompts shorter than this many tokens run dense (``None``:
+            :data:`minference.dispatch.DENSE_THRESHOLD`, measured on the GPU).
         backend: dispatcher backend (``"auto"``, ``"triton"``, ``"torch"``).
         calls: how many calls took each path (see the module docstring).
         observer: optional ``fn(layer, query, key, seqlens, seqstarts)`` called on the sparse path
@@ -142,6 +142,14 @@ def _padding_rows(mask: torch.Tensor, n: int):
     return lens.to(torch.int32), starts.to(torch.int32)
 
 
+def _threshold(state: LayerState) -> int:
+    if state.dense_threshold is not None:
+        return state.dense_threshold
+    from minference.dispatch import DENSE_THRESHOLD
+
+    return DENSE_THRESHOLD
+
+
 def minference_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -165,7 +173,7 @@ def minference_attention(
         path = "dense_continue"
     elif not state.sparse:
         path = "dense_layer"
-    elif state.dense_threshold is not None and L < state.dense_threshold:
+    elif L < _threshold(state):
         path = "dense_short"
     elif getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None:
         path = "dense_mask"
@@ -182,8 +190,8 @@ def minference_attention(
         state.observer(state.layer, query, key, seqlens, seqstarts)
     out = sparse_prefill(
         query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
-        head_offset=state.head_offset, dense_threshold=state.dense_threshold, backend=state.backend,
-    )  # [B, Hq, L, D]
+        head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
+    )  # [B, Hq, L, D]; the length threshold was applied above
     if seqlens is not None:
         pos = torch.arange(L, device=out.device)
         pad = (pos[None, :] < seqstarts[:, None]) | (pos[None, :] >= (seqstarts + seqlens)[:, None])  # [B, L]
@@ -244,7 +252,8 @@ def patch(
             heads, kv heads, head dim, rope, weights fingerprint) raises
             :class:`~minference.config.ConfigMismatchError` unless ``allow_mismatch``.
         layers: layers that run sparse (default all); others stay dense (progressive swap-in).
-        dense_threshold: prompts shorter than this run dense (``None``: dispatcher default).
+        dense_threshold: prompts shorter than this run dense (``None``:
+            :data:`minference.dispatch.DENSE_THRESHOLD`; 0 always runs sparse).
         backend: dispatcher backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         head_offset: global id of local query head 0 (a tensor-parallel shard of the model).
         check_fingerprint: hash the weights to compare with the config's fingerprint (a
