@@ -1,0 +1,171 @@
+"""Sparse prefill dispatcher: one layer's attention from its per-head plan.
+
+:func:`sparse_prefill` groups the layer's heads by pattern (:mod:`minference.index`), builds each
+group's logical index online, converts and runs one kernel per group with ``heads=`` (a layer
+costs a handful of launches, never one per head), writing every group into one output. Below
+:data:`DENSE_THRESHOLD` tokens it runs dense attention instead (PyTorch SDPA, GQA-aware), because
+index building and sparse kernels only pay off on long prompts.
+
+Backends:
+
+* ``"triton"``: :mod:`minference.kernels` (CUDA, or the Triton interpreter on CPU tensors). The
+  whole path is free of host synchronisation (validation that reads values is done once, outside
+  CUDA graph capture), so it can be captured in a CUDA graph.
+* ``"torch"``: :mod:`minference.torch_backend`, portable PyTorch on any device (reads row lengths
+  on the host).
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from minference._checks import capturing, check_qkv, check_ragged, default_scale
+from minference.index import build_group_index, prepare_plan
+from minference.patterns import Pattern
+
+__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "BACKENDS", "resolve_backend"]
+
+#: Prompts shorter than this many tokens run dense attention. Measured on one H200 (Hq=32,
+#: Hkv=8, D=128, bf16, vertical-slash (1000, 6096) end to end vs cuDNN SDPA): see docs/dispatch.md.
+DENSE_THRESHOLD = 16384
+BACKENDS = ("auto", "triton", "torch")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for ``backend`` on ``device``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def _ops(backend: str) -> SimpleNamespace:
+    if backend == "triton":
+        from minference import kernels
+        from minference.kernels import estimate
+
+        return SimpleNamespace(builders=estimate, ashape=kernels.ashape_attention,
+                               vertical_slash=kernels.vertical_slash_attention,
+                               block_sparse=kernels.block_sparse_attention, dense=None)
+    import minference.torch_backend as tb
+
+    return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
+                           block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
+
+
+def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out):
+    """Causal dense attention on ``heads`` (the whole row) into ``out``: the torch backend's dense
+    path, or on Triton the A-shape kernel with no sink and a window as long as the prompt."""
+    if ops.dense is not None:
+        return ops.dense(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+                         validate=False)
+    return ops.ashape(q, k, v, 0, max(1, q.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                      heads=heads, out=out, validate=False)
+
+
+def dense_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal dense attention ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` -> ``[B,Hq,N,D]``.
+
+    Full rows go to PyTorch SDPA (``enable_gqa``: no repeated kv copies; cuDNN / flash on CUDA).
+    Ragged rows go to the backend's masked dense path; padding rows come out as zeros.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    if seqlens is None and seqstarts is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=default_scale(D, scale),
+                                              enable_gqa=Hq != Hkv)
+    ops = _ops(resolve_backend(backend, q.device))
+    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                        out=torch.zeros_like(q))
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: Sequence[Pattern],
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    head_offset: int = 0,
+    dense_threshold: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Prefill attention of one layer with each head's sparse pattern.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (transformers' layout, any strides; GQA:
+            query head ``h`` reads kv head ``h // (Hq // Hkv)``).
+        plan: patterns indexed by GLOBAL head id (``len(plan) >= head_offset + Hq``).
+        scale: softmax scale, default ``D ** -0.5``.
+        seqlens, seqstarts: ``[B]`` ragged rows (tokens of row ``b`` at ``seqstarts[b] ..
+            seqstarts[b] + seqlens[b] - 1``); padding rows of the output are zeros.
+        head_offset: global id of local query head 0 (tensor parallelism).
+        dense_threshold: run dense attention when ``N`` is below this (default
+            :data:`DENSE_THRESHOLD`; 0 forces the sparse path).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
+
+    Returns:
+        ``out [B, Hq, N, D]`` in q's dtype.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    name = resolve_backend(backend, q.device)
+    groups = prepare_plan(plan, Hq, head_offset, q.device)
+    if dense_threshold is None:
+        dense_threshold = DENSE_THRESHOLD
+    if isinstance(dense_threshold, bool) or not isinstance(dense_threshold, int) or dense_threshold < 0:
+        raise ValueError(f"dense_threshold must be a non-negative int, got {dense_threshold!r}")
+    scale = default_scale(D, scale)
+    if not capturing():  # value checks once here; everything below runs with validate=False
+        check_ragged(seqlens, seqstarts, B, N, q.device)
+    if name == "triton":
+        _check_triton_plan(groups, q)
+    if N < dense_threshold or all(g.group.kind == "dense" for g in groups):
+        return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name)
+    ops = _ops(name)
+    ragged = seqlens is not None or seqstarts is not None
+    out = torch.zeros_like(q) if ragged else torch.empty_like(q)
+    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+    for dg in groups:
+        kind = dg.group.kind
+        if kind == "a_shape":
+            ops.ashape(q, k, v, dg.budgets["sink"], dg.budgets["window"], heads=dg.heads, head_offset=head_offset,
+                       out=out, validate=False, **rows)
+        elif kind == "vertical_slash":
+            vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+            ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False, **rows)
+        elif kind == "block_sparse":
+            blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+            ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,
+                             **rows)
+        else:
+            _dense_heads(ops, q, k, v, dg.heads, out=out, **rows)
+    return out
+
+
+def _check_triton_plan(groups, q: torch.Tensor) -> None:
+    """Refuse, before any launch, what the Triton kernels cannot run."""
+    from minference.kernels import BLOCK_SIZES, SUPPORTED_HEAD_DIMS
+
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got D={q.shape[-1]}; "
+                         f"use backend='torch'")
+    for dg in groups:
+        if dg.group.kind == "block_sparse" and dg.group.key[0] not in BLOCK_SIZES:
+            raise ValueError(f"BlockSparse.block={dg.group.key[0]} (heads {list(dg.group.heads)}) is not one of the "
+                             f"triton backend's block sizes {BLOCK_SIZES}; use backend='torch'")

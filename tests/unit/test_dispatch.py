@@ -1,0 +1,219 @@
+"""sparse_prefill: per-head routing of a mixed plan, grouping into few launches, dense fallback,
+plan validation, tensor-parallel offsets, ragged rows, and (GPU) CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from minference.kernels import estimate
+from minference.reference import attention as ref
+
+import minference.torch_backend as tb
+from minference import dispatch
+from minference.dispatch import sparse_prefill
+from minference.index import group_heads
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+from minference.testing import assert_close_to_reference
+from minference.testing.strategies import AttnShape, qkv
+
+#: A plan exercising every kind, two vertical-slash groups and per-head budgets (9 heads).
+PLAN = [
+    VerticalSlash(vertical=8, slash=12, last_q=16, sink_columns=2, local_diagonals=3),
+    AShape(sink=4, window=24),
+    BlockSparse(top_k=3, block=16, sink_blocks=1),
+    VerticalSlash(vertical=5, slash=20, last_q=16, sink_columns=1, local_diagonals=1),
+    Dense(),
+    VerticalSlash(vertical=6, slash=9, last_q=40, aggregation="max"),
+    AShape(sink=1, window=50),
+    BlockSparse(top_k=2, block=32, sink_blocks=0, force_diagonal=True),
+    BlockSparse(top_k=4, block=16, sink_blocks=2),
+]
+BACKENDS = [pytest.param("triton", marks=pytest.mark.interpret), "torch"]
+
+
+def _builders(backend: str):
+    return estimate if backend == "triton" else tb
+
+
+def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders, compute_dtype):
+    """Head by head, independently of the dispatcher's grouping: the pattern's index from the
+    builder for that head alone, then the float64 (or same-dtype) reference twin."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    rows = dict(seqlens=seqlens, seqstarts=seqstarts)
+    for h in range(q.shape[1]):
+        p = plan[head_offset + h]
+        one = torch.tensor([h], dtype=torch.int32, device=q.device)
+        kw = dict(heads=one, compute_dtype=compute_dtype, **rows)
+        if isinstance(p, AShape):
+            o = ref.ashape_attention(q, k, v, p.sink, p.window, **kw)
+        elif isinstance(p, VerticalSlash):
+            vi, si = builders.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q,
+                                                   sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
+                                                   aggregation=p.aggregation, heads=one, **rows)
+            o = ref.vertical_slash_attention(q, k, v, vi, si, **kw)
+        elif isinstance(p, BlockSparse):
+            bi = builders.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks,
+                                             force_diagonal=p.force_diagonal, heads=one, **rows)
+            o = ref.block_sparse_attention(q, k, v, bi, block=p.block, **kw)
+        else:
+            o = ref.dense_attention(q, k, v, **kw)
+        out[:, h] = o[:, h]
+    return out
+
+
+def _valid(B, N, seqlens, seqstarts) -> torch.Tensor:
+    lens = seqlens if seqlens is not None else torch.full((B,), N)
+    starts = seqstarts if seqstarts is not None else torch.zeros(B, dtype=torch.long)
+    pos = torch.arange(N)[None, :]
+    return ((pos >= starts[:, None]) & (pos < (starts + lens)[:, None]))[:, None, :, None]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_mixed_plan_matches_per_head_reference(backend: str, ragged: bool) -> None:
+    shape = AttnShape(B=2, Hq=9, Hkv=3, N=113, D=32)
+    q, k, v = qkv(shape, torch.float32, "cpu", seed=3, layout="transposed")
+    seqlens = torch.tensor([113, 70], dtype=torch.int32) if ragged else None
+    seqstarts = torch.tensor([0, 30], dtype=torch.int32) if ragged else None
+    out = sparse_prefill(q, k, v, PLAN, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=_builders(backend))
+    r64 = _expected(q, k, v, PLAN, compute_dtype=torch.float64, **kw)
+    rsame = _expected(q, k, v, PLAN, compute_dtype=torch.float32, **kw)
+    valid = _valid(shape.B, shape.N, seqlens, seqstarts)
+    assert_close_to_reference(out, r64, rsame, where=valid)
+    assert bool((out[~valid.expand_as(out)] == 0).all()), "padding rows must be zeros"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_parallel_offset_selects_the_rank_patterns(backend: str) -> None:
+    """Rank 1 of 2: local heads 0..8 are global heads 9..17 and use those patterns."""
+    shape = AttnShape(B=1, Hq=9, Hkv=3, N=97, D=16)
+    q, k, v = qkv(shape, torch.float32, "cpu", seed=5)
+    plan = [Dense()] * 9 + list(reversed(PLAN))
+    out = sparse_prefill(q, k, v, plan, head_offset=9, dense_threshold=0, backend=backend)
+    r64 = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float64)
+    rsame = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float32)
+    assert_close_to_reference(out, r64, rsame)
+
+
+def test_one_launch_per_group(monkeypatch) -> None:
+    """Nine heads in five groups: one attention call per group, each with its heads."""
+    calls = []
+    for name in ("ashape_attention", "vertical_slash_attention", "block_sparse_attention", "dense_attention"):
+        real = getattr(tb, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls.append((_name, sorted(kw["heads"].tolist())))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(tb, name, spy)
+    q, k, v = qkv(AttnShape(B=1, Hq=9, Hkv=3, N=64, D=16), torch.float32, "cpu", seed=0)
+    sparse_prefill(q, k, v, PLAN, dense_threshold=0, backend="torch")
+    assert sorted(calls) == sorted([
+        ("ashape_attention", [1, 6]),
+        ("vertical_slash_attention", [0, 3]),
+        ("vertical_slash_attention", [5]),
+        ("block_sparse_attention", [2, 8]),
+        ("block_sparse_attention", [7]),
+        ("dense_attention", [4]),
+    ])
+    groups = group_heads(PLAN, 9)
+    assert [g.heads for g in groups if g.kind == "vertical_slash"] == [(0, 3), (5,)]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_below_threshold_runs_dense(ragged: bool, monkeypatch) -> None:
+    shape = AttnShape(B=2, Hq=4, Hkv=2, N=50, D=16)
+    q, k, v = qkv(shape, torch.float32, "cpu", seed=1)
+    seqlens = torch.tensor([50, 20], dtype=torch.int32) if ragged else None
+    seqstarts = torch.tensor([0, 25], dtype=torch.int32) if ragged else None
+    monkeypatch.setattr(tb, "vertical_slash_index", lambda *a, **kw: pytest.fail("index built below threshold"))
+    out = sparse_prefill(q, k, v, [VerticalSlash(vertical=2, slash=2)] * 4, seqlens=seqlens, seqstarts=seqstarts,
+                         dense_threshold=51, backend="torch")
+    r64 = ref.dense_attention(q, k, v, seqlens=seqlens, seqstarts=seqstarts)
+    rsame = ref.dense_attention(q, k, v, seqlens=seqlens, seqstarts=seqstarts, compute_dtype=torch.float32)
+    assert_close_to_reference(out, r64, rsame)
+
+
+def test_default_threshold_is_used(monkeypatch) -> None:
+    q, k, v = qkv(AttnShape(B=1, Hq=2, Hkv=1, N=40, D=16), torch.float32, "cpu", seed=2)
+    plan = [AShape(sink=1, window=2)] * 2
+    monkeypatch.setattr(dispatch, "DENSE_THRESHOLD", 41)
+    dense = sparse_prefill(q, k, v, plan, backend="torch")
+    monkeypatch.setattr(dispatch, "DENSE_THRESHOLD", 40)
+    sparse = sparse_prefill(q, k, v, plan, backend="torch")
+    torch.testing.assert_close(dense, ref.dense_attention(q, k, v).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sparse, ref.ashape_attention(q, k, v, 1, 2).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_plan_validation_errors() -> None:
+    q, k, v = qkv(AttnShape(B=1, Hq=4, Hkv=2, N=32, D=16), torch.float32, "cpu", seed=0)
+    with pytest.raises(ValueError, match="plan has 3 head patterns"):
+        sparse_prefill(q, k, v, [Dense()] * 3)
+    with pytest.raises(ValueError, match="global heads 2..5"):
+        sparse_prefill(q, k, v, [Dense()] * 5, head_offset=2)
+    with pytest.raises(TypeError, match=r"plan\[1\] must be a pattern"):
+        sparse_prefill(q, k, v, [Dense(), {"kind": "dense"}, Dense(), Dense()])
+    with pytest.raises(TypeError, match="plan must be a sequence"):
+        sparse_prefill(q, k, v, Dense())
+    with pytest.raises(ValueError, match="backend"):
+        sparse_prefill(q, k, v, [Dense()] * 4, backend="cuda")
+    with pytest.raises(ValueError, match="dense_threshold"):
+        sparse_prefill(q, k, v, [Dense()] * 4, dense_threshold=-1)
+    with pytest.raises(ValueError, match="head_offset"):
+        sparse_prefill(q, k, v, [Dense()] * 4, head_offset=-1)
+    with pytest.raises(ValueError, match="seqlens"):
+        sparse_prefill(q, k, v, [Dense()] * 4, seqlens=torch.tensor([33], dtype=torch.int32))
+    with pytest.raises(ValueError, match="BlockSparse.block=24"):
+        sparse_prefill(q, k, v, [BlockSparse(block=24)] * 4, backend="triton", dense_threshold=0)
+    with pytest.raises(ValueError, match="head dims"):
+        q5, k5, v5 = qkv(AttnShape(B=1, Hq=4, Hkv=2, N=32, D=20), torch.float32, "cpu", seed=0)
+        sparse_prefill(q5, k5, v5, [Dense()] * 4, backend="triton", dense_threshold=0)
+
+
+def _gpu_case(N: int, dtype=torch.bfloat16):
+    shape = AttnShape(B=2, Hq=8, Hkv=2, N=N, D=64)
+    q, k, v = qkv(shape, dtype, "cuda", seed=11)
+    plan = [
+        VerticalSlash(vertical=64, slash=128), AShape(sink=16, window=256), BlockSparse(top_k=8), Dense(),
+        VerticalSlash(vertical=32, slash=256, aggregation="max"), AShape(sink=4, window=64),
+        BlockSparse(top_k=4, block=128), VerticalSlash(vertical=100, slash=64, last_q=128),
+    ]
+    seqlens = torch.tensor([N, N - 301], dtype=torch.int32, device="cuda")
+    seqstarts = torch.tensor([0, 150], dtype=torch.int32, device="cuda")
+    return q, k, v, plan, seqlens, seqstarts
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_matches_eager() -> None:
+    """Capturing the whole triton path in a CUDA graph fails on any host synchronisation; the
+    replay on new inputs matches an eager call on them."""
+    q, k, v, plan, seqlens, seqstarts = _gpu_case(4096 + 37)
+    kw = dict(seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend="triton")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sparse_prefill(q, k, v, plan, **kw)  # compile, cache the plan's device tensors
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sparse_prefill(q, k, v, plan, **kw)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g, device="cuda", dtype=torch.float32).to(x.dtype))
+        graph.replay()
+        eager = sparse_prefill(q, k, v, plan, **kw)
+        torch.testing.assert_close(static_out, eager, rtol=2e-2, atol=2e-2)
+        assert not torch.isnan(static_out).any()
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_plan_bf16_matches_per_head_reference() -> None:
+    q, k, v, plan, seqlens, seqstarts = _gpu_case(1000)
+    out = sparse_prefill(q, k, v, plan, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend="triton")
+    kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=estimate)
+    r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, **kw)
+    rsame = _expected(q, k, v, plan, compute_dtype=torch.bfloat16, **kw)
+    assert_close_to_reference(out.cpu(), r64.cpu(), rsame.cpu(), where=_valid(2, 1000, seqlens.cpu(), seqstarts.cpu()))
