@@ -8,3 +8,8 @@ from minference.patterns import AShape, BlockSparse, Dense, Pattern, VerticalSla
 __version__ = "0.1.0"
 
 __all__ = ["AShape", "BlockSparse", "Dense", "Pattern", "VerticalSlash", "__version__"]
+
+from minference.config import PatternConfig, load_config  # noqa: E402
+from minference.integration import patch, unpatch  # noqa: E402
+
+__all__ += ["PatternConfig", "load_config", "patch", "unpatch"]
