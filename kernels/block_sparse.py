@@ -36,8 +36,9 @@ __all__ = ["block_sparse_attention", "BLOCK_SIZES"]
 BLOCK_SIZES = (16, 32, 64, 128)
 #: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
 _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
-_GPU_STAGES = 3
-_GPU_STAGES_FP32 = 2
+#: Pipeline stages by block size (K and V tiles of a 128 block in 3 stages overflow shared memory).
+_GPU_STAGES = {16: 3, 32: 3, 64: 3, 128: 2}
+_GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def _tiles(q: torch.Tensor, block: int) -> Tiles:
     if q.device.type != "cuda":
         return Tiles(block_m=block, block_n=block, num_warps=INTERPRET_TILES.num_warps,
                      num_stages=INTERPRET_TILES.num_stages)
-    stages = _GPU_STAGES_FP32 if q.dtype == torch.float32 else _GPU_STAGES
+    stages = (_GPU_STAGES_FP32 if q.dtype == torch.float32 else _GPU_STAGES)[block]
     return Tiles(block_m=block, block_n=block, num_warps=_GPU_WARPS[block], num_stages=stages)
 
 
