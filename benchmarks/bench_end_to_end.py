@@ -1,0 +1,152 @@
+"""End-to-end sparse prefill on the GPU: index build + conversion + kernel, next to cuDNN dense
+attention in the same run.
+
+``python benchmarks/bench_end_to_end.py --lengths 8192 32768 131072 --json out.json``
+
+Shape of record: B=1, Hq=32, Hkv=8, D=128, bf16, random normal inputs. Vertical-slash uses the
+published budgets (1000 columns, 6096 diagonals, last 64 queries, 30 sink columns, 100 local
+diagonals); every head gets the same pattern. For each length the table gives, median ms:
+
+* ``index``: :func:`minference.kernels.estimate.vertical_slash_index` (two Triton passes, the
+  log-sum-exp merge and the GPU top-k);
+* ``convert``: :func:`minference.kernels.convert_vertical_slash`;
+* ``kernel``: :func:`minference.kernels.vertical_slash_attention_physical`;
+* ``e2e``: :func:`minference.dispatch.sparse_prefill` (all of the above plus allocation);
+* ``dense``: ``scaled_dot_product_attention`` under the cuDNN backend (kv heads expanded to 32
+  outside the timing, since cuDNN's GQA support varies), causal.
+
+``--patterns`` adds A-shape (128, 4096) and block-sparse (top 100 of 64-blocks) end to end.
+Dense is measured only up to ``--dense-max`` (a 1M-token dense call alone takes ~19 s); beyond
+it the table says ``n/a`` and the docs extrapolate (causal attention cost grows as N^2).
+
+Timing: CUDA events around each call after one warm-up (compilation) call, median of
+``reps`` calls, ``reps`` chosen so one measurement takes about ``--budget-ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from minference.kernels import estimate
+
+from minference import kernels
+from minference.dispatch import sparse_prefill
+from minference.patterns import AShape, BlockSparse, VerticalSlash
+
+HQ, HKV, HEAD_DIM = 32, 8, 128
+VS = VerticalSlash(vertical=1000, slash=6096)
+ASHAPE = AShape(sink=128, window=4096)
+BLOCKS = BlockSparse(top_k=100)
+#: Timed calls per measurement are chosen to fill about this many milliseconds (at least MIN_REPS).
+BUDGET_MS = 300.0
+MIN_REPS, MAX_REPS = 3, 50
+
+
+def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
+    """Median ms of ``fn()`` after one warm-up call (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    first = start.elapsed_time(end)
+    reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms // max(first, 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cudnn_dense(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, kx, vx, is_causal=True)
+
+    return run
+
+
+def measure(N: int, *, dense_max: int, patterns: bool, budget_ms: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(N)
+    q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    row: dict = {"N": N}
+
+    def index():
+        return estimate.vertical_slash_index(
+            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
+            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, vertical_width=VS.vertical,
+            slash_width=VS.slash, validate=False)
+
+    vertical, slash = index()
+    block_m = kernels.vertical_slash_block_m(q)
+
+    def convert():
+        return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m)
+
+    phys = convert()
+    out = torch.empty_like(q)
+    row["index"] = time_ms(index, budget_ms)
+    row["convert"] = time_ms(convert, budget_ms)
+    row["kernel"] = time_ms(lambda: kernels.vertical_slash_attention_physical(q, k, v, phys, out=out, validate=False),
+                            budget_ms)
+    row["e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [VS] * HQ, dense_threshold=0), budget_ms)
+    row["tiles"] = int(kernels.vs_physical_tiles(phys, 64).sum())
+    if patterns:
+        row["ashape_e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [ASHAPE] * HQ, dense_threshold=0), budget_ms)
+        row["block_e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [BLOCKS] * HQ, dense_threshold=0), budget_ms)
+    if N <= dense_max:
+        try:
+            row["dense"] = time_ms(cudnn_dense(q, k, v), budget_ms)
+        except RuntimeError as err:  # cuDNN refused the shape: record the default SDPA instead
+            print(f"cuDNN SDPA failed at N={N}: {err}", file=sys.stderr)
+            row["dense_default_sdpa"] = time_ms(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), budget_ms)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 131072])
+    parser.add_argument("--dense-max", type=int, default=131072)
+    parser.add_argument("--patterns", action="store_true", help="also A-shape and block-sparse end to end")
+    parser.add_argument("--budget-ms", type=float, default=BUDGET_MS)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    rows = []
+    cols = ["N", "index", "convert", "kernel", "e2e", "dense", "ashape_e2e", "block_e2e", "tiles"]
+    print("| " + " | ".join(cols) + " | index/e2e | dense/e2e |")
+    print("|" + "---|" * (len(cols) + 2))
+    for N in args.lengths:
+        row = measure(N, dense_max=args.dense_max, patterns=args.patterns, budget_ms=args.budget_ms)
+        rows.append(row)
+        cells = [f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "n/a")) for c in cols]
+        ratio = row["index"] / row["e2e"]
+        speed = f"{row['dense'] / row['e2e']:.2f}" if "dense" in row else "n/a"
+        print("| " + " | ".join(cells) + f" | {ratio:.1%} | {speed} |", flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
