@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from minference._checks import check_index, check_ragged
@@ -22,8 +22,8 @@ from minference.testing.strategies import (
     vertical_slash_indices,
 )
 
-#: Search budget for "this case occurs" checks (deterministic; finds the case in a few draws).
-_FIND = settings(max_examples=300, database=None, derandomize=True,
+#: Search budget for "this case occurs" checks (deterministic, no shrinking of the found case).
+_FIND = settings(max_examples=300, database=None, derandomize=True, phases=(Phase.generate,),
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
