@@ -149,7 +149,13 @@ def run_main_job(
 
     modules = integ._attention_modules(model)
     layer_bar = tqdm(total=len(modules), desc="prefill", unit="layer", leave=False, disable=not progress)
-    hooks = [m.register_forward_hook(lambda *_: layer_bar.update(1)) for m in modules.values()]
+
+    def tick(_module, args, kwargs, _output) -> None:  # returns None: a value would replace the output
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is not None and hidden.shape[1] > 1:  # prefill calls only, not decode steps
+            layer_bar.update(1)
+
+    hooks = [m.register_forward_hook(tick, with_kwargs=True) for m in modules.values()]
     try:
         stages.set_postfix_str("dense prefill")
         dense = _prefill_and_decode(model, ids, steps, tokenizer)
