@@ -21,7 +21,7 @@ pytestmark = pytest.mark.model
 TINY_N, TINY_STEPS = 64, 4
 #: Prompt length and swap-in steps of the SmolLM2 test (CI budget; the full sweep is the CLI's).
 SMOLLM2_TOKENS = 2048
-SMOLLM2_LAYER_COUNTS = (1, 2, 30)
+SMOLLM2_LAYER_COUNTS = (1, 15, 30)
 
 
 def tiny_model(arch: str):

@@ -333,3 +333,18 @@ def test_padding_rows_refuses_other_masks():
     assert I._padding_rows(window, n) is False
     assert I._padding_rows(torch.ones(1, 1, n, n, dtype=torch.bool), n) is False  # not causal
     assert I.padding_rows(None, n) is None
+
+
+def test_cli_registers_run_search_sweep():
+    import argparse
+
+    from minference.main_job import add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["run", "--tokens", "2048", "--backend", "torch", "--no-progress"])
+    assert (args.tokens, args.backend, args.dense_threshold, args.no_progress) == (2048, "torch", 0, True)
+    args = parser.parse_args(["search", "--out", "x.json", "--target-density", "0.25"])
+    assert args.out == "x.json" and args.target_density == 0.25
+    args = parser.parse_args(["sweep", "--layers", "1", "5", "30"])
+    assert args.layers == [1, 5, 30]

