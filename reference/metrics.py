@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from minference._checks import check_ragged, check_tensor
+from minference._checks import check_ragged, check_tensor, same_device
 
 __all__ = [
     "REGIONS",
@@ -70,7 +70,7 @@ def _check_probs_mask(probs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Te
 
 def _check_mask(mask: torch.Tensor, shape, device) -> torch.Tensor:
     check_tensor("mask", mask, dtypes=(torch.bool,))
-    if mask.device != torch.device(device):
+    if not same_device(mask.device, device):
         raise ValueError(f"mask must be on {device}, got {mask.device}")
     try:
         return torch.broadcast_to(mask, shape)
@@ -153,7 +153,7 @@ def _check_outputs(out, ref, seqlens, seqstarts) -> tuple[torch.Tensor, torch.Te
     check_tensor("ref", ref, rank=4, dtypes=_FLOAT)
     if out.shape != ref.shape:
         raise ValueError(f"out and ref must have one shape, got {tuple(out.shape)} and {tuple(ref.shape)}")
-    if out.device != ref.device:
+    if not same_device(out.device, ref.device):
         raise ValueError(f"out and ref must be on one device, got {out.device} and {ref.device}")
     B, _, N, _ = out.shape
     valid = _physical_valid(seqlens, seqstarts, B, N, out.device)[:, None, :, None]  # [B, 1, N, 1]
