@@ -173,3 +173,12 @@ def test_metrics_reject_bad_inputs() -> None:
         pair_count(causal_mask(4))
     with pytest.raises(ValueError, match="seqlens"):
         pair_count(causal_mask(4).expand(2, 1, 4, 4), seqlens=torch.tensor([1, 2, 3]))
+
+
+def test_metrics_reject_mixed_devices() -> None:
+    probs = _uniform_probs(1, 1, 4)
+    with pytest.raises(ValueError, match="mask must be on"):
+        captured_mass(probs, causal_mask(4).to("meta"))
+    ref = _outputs()
+    with pytest.raises(ValueError, match="one device"):
+        relative_error(ref.to("meta"), ref)
