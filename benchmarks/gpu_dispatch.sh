@@ -19,7 +19,7 @@ if has tests; then
     export MINFERENCE_HYPOTHESIS_PROFILE=${MINFERENCE_HYPOTHESIS_PROFILE:-ci}
     log "gpu tests (profile $MINFERENCE_HYPOTHESIS_PROFILE)"
     timeout "${T_TESTS:-70}" python -m pytest tests/unit/test_estimators.py tests/unit/test_dispatch.py -m gpu -q \
-        -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30
+        -p no:cacheprovider -n "${XDIST:-4}" 2>&1 | tee "$OUT/tests.log" | tail -30
     log "tests rc=$?"
 fi
 if has bench; then
