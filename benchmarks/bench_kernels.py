@@ -357,6 +357,35 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
     return rows
 
 
+#: Tile configurations the ``--sweep`` mode compares (block_m, block_n, warps, stages).
+SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)]
+
+
+def sweep(N: int, Hkv: int, seed: int) -> str:
+    """Time A-shape and VS-local under each tile configuration of :data:`SWEEP` (tuning aid)."""
+    from minference.kernels import _common
+
+    q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    vertical, slash = vs_indices("local", N, HQ, torch.Generator().manual_seed(seed), "cuda")
+    default = _common.GPU_TILES
+    lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | VS local kernel ms |", "|---|---|---|"]
+    try:
+        for bm, bn, warps, stages in SWEEP:
+            _common.GPU_TILES = _common.Tiles(bm, bn, warps, stages)
+            index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
+            a, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, validate=False)))
+            b, note = _try(lambda: _bench(  # noqa: B023
+                lambda: kernels.vertical_slash_attention_physical(q, k, v, index, validate=False)))  # noqa: B023
+            fmt = lambda x: "failed" if x is None else f"{x:.2f}"  # noqa: E731
+            lines.append(f"| {bm}x{bn} w{warps} s{stages} | {fmt(a)} | {fmt(b)} {note} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    finally:
+        _common.GPU_TILES = default
+    return "\n".join(lines)
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| N | Hkv | method | ms | logical TFLOP/s | physical TFLOP/s | logical pairs/head | note |",
              "|---|---|---|---|---|---|---|---|"]
@@ -379,7 +408,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--sweep", action="store_true", help="first compare tile configurations at the first length")
     args = ap.parse_args(argv)
+    if args.sweep:
+        print(sweep(args.lengths[0], args.hkv[0], args.seed), flush=True)
     rows = run(args.lengths, args.hkv, args.methods, args.seed, flex=not args.no_flex)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, B=1 Hq={HQ} D={HEAD_DIM} bf16, "
           f"do_bench median")

@@ -21,7 +21,7 @@ if has tests; then
     export MINFERENCE_HYPOTHESIS_PROFILE
     timeout "${T_TESTS:-70}" python -m pytest tests/unit/test_kernel_common.py tests/unit/test_kernel_ashape.py \
         tests/unit/test_kernel_vertical_slash.py tests/unit/test_kernel_block_sparse.py \
-        -m "gpu or interpret" -q --maxfail=6 -p no:cacheprovider -n "${XDIST:-8}" 2>&1 | tee "$OUT/tests.log" | tail -25
+        -m "gpu or interpret" -q --maxfail=6 -p no:cacheprovider --durations=8 -n "${XDIST:-14}" 2>&1 | tee "$OUT/tests.log" | tail -25
     log "tests rc=$?"
 fi
 if has sanitize; then

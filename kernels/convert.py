@@ -25,8 +25,12 @@ Fields (``R = NS``, ``NQB = ceil(n / block_m)``):
   ``run_count [B, H]``.
 * ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``.
 * ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_prefix [B, H, n + 1]``
-  int32 its prefix sums (an O(1) test that a whole tile lies on chosen diagonals, so the kernel
-  skips masking there); ``col_mask [B, H, n]`` int8: 1 where ``j`` is a chosen column.
+  int32 its prefix sums (an O(1) test that a run has no hole, so the kernel runs the tiles of a
+  hole-free run that lie wholly on its diagonals without any mask); ``diag_bits [B, H, NW]``
+  int64, the same set packed 64 offsets a word after :data:`BITS_PAD_WORDS` zero words (offsets
+  below 0 read as "not chosen"), so a masked tile builds its ``[rows, 64]`` diagonal mask from
+  two words per row instead of a gather per element; ``col_mask [B, H, n]`` int8: 1 where ``j``
+  is a chosen column.
 
 The loop that turns the format back into the dense mask the kernel computes (this is
 :func:`vs_index_to_dense`, which counts visits so tests can also prove no pair is read twice)::
@@ -54,9 +58,12 @@ import torch.nn.functional as F
 
 from minference._checks import check_tensor, same_device
 
-__all__ = ["VSIndex", "convert_vertical_slash", "vs_index_to_dense", "vs_physical_tiles"]
+__all__ = ["BITS_PAD_WORDS", "VSIndex", "convert_vertical_slash", "vs_index_to_dense", "vs_physical_tiles"]
 
 _INT = (torch.int32, torch.int64)
+#: Zero words in front of ``diag_bits``: a tile reads offsets down to ``-(block_m + block_n - 2)``.
+BITS_PAD_WORDS = 4
+_WORD = 64
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class VSIndex:
     col_count: torch.Tensor
     diag_mask: torch.Tensor
     diag_prefix: torch.Tensor
+    diag_bits: torch.Tensor
     col_mask: torch.Tensor
 
 
@@ -146,6 +154,10 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
 
     diag_mask = _membership(s, n)  # [B, H, n]
     diag_prefix = F.pad(diag_mask.cumsum(-1, dtype=torch.int32), (1, 0)).contiguous()  # [B, H, n+1]
+    words = -(-n // _WORD)
+    padded = F.pad(diag_mask, (BITS_PAD_WORDS * _WORD, (words + 1) * _WORD - n)).view(B, H, -1, _WORD)
+    weights = torch.ones(_WORD, dtype=torch.int64, device=dev) << torch.arange(_WORD, device=dev)
+    diag_bits = (padded.to(torch.int64) * weights).sum(-1)  # distinct bits: the sum is the OR
 
     # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0
     # iff m0 - c lies in [δa - block_m + 1, δb] for some run, i.e. y in [δa, δb + block_m - 1]
@@ -173,6 +185,7 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
         col_count=col_count,
         diag_mask=diag_mask,
         diag_prefix=diag_prefix,
+        diag_bits=diag_bits.contiguous(),
         col_mask=col_mask,
     )
 

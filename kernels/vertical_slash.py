@@ -27,7 +27,7 @@ from minference.kernels._common import (
     prepare,
     qkv_strides,
 )
-from minference.kernels.convert import VSIndex, convert_vertical_slash
+from minference.kernels.convert import _WORD, BITS_PAD_WORDS, VSIndex, convert_vertical_slash
 
 from minference._checks import check_index
 
@@ -35,14 +35,45 @@ __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "ver
 
 
 @triton.jit
+def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd,
+                    qk_scale, t_begin, t_end, hi, bits_base, cm_base,
+                    MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
+    ending at ``hi``. Masked tiles keep ``(i - j ∈ D or j ∈ C) and j <= i``; the diagonal part comes
+    from the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
+    window assembled from two words."""
+    for t in range(t_begin, t_end, BLOCK_N):
+        cols = t + offs_n  # [BN]
+        col_ok = cols < hi
+        k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
+        s = _scores(q, k, qk_scale, PREC)  # [BM, BN]
+        if MASKED:
+            x0 = rows - t - (BLOCK_N - 1)  # [BM] lowest offset the row needs (may be < 0)
+            word = (x0 >> 6) + PAD_WORDS
+            shift = (x0 & 63).to(tl.uint64)
+            w0 = tl.load(bits_base + word, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
+            w1 = tl.load(bits_base + word + 1, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
+            upper = tl.where(shift == 0, 0, w1 << ((64 - shift) & 63))
+            window = (w0 >> shift) | upper  # [BM] bit b = offset x0 + b
+            bit = (BLOCK_N - 1 - offs_n).to(tl.uint64)  # [BN] offset of key t + c is x0 + BN - 1 - c
+            on_diag = ((window[:, None] >> bit[None, :]) & 1) != 0
+            on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
+            keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
+            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
-            run_start, run_end, run_count, col_index, col_count, diag_mask, diag_prefix, col_mask,
-            n_idx, n_runs, n_cols, qk_scale,
+            run_start, run_end, run_count, col_index, col_count, diag_prefix, diag_bits, col_mask,
+            n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
-            RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
     if m0 >= row_len:
         return
@@ -63,7 +94,7 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
     n_qblk = tl.num_programs(0)
     rs_base = run_start + bg * n_runs
     re_base = run_end + bg * n_runs
-    dm_base = diag_mask + bg * n_idx
+    bits_base = diag_bits + bg * n_words
     dp_base = diag_prefix + bg * (n_idx + 1)
     cm_base = col_mask + bg * n_idx
     ci_base = col_index + (bg * n_qblk + qblk) * n_cols
@@ -74,28 +105,30 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
     rows_full = m0 + BLOCK_M <= row_len
     last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
 
-    # slash runs: disjoint key ranges [max(0, m0 - δb), m0 + BM - 1 - δa] of this block
+    # slash runs: disjoint key ranges [max(0, m0 - δb), m0 + BM - 1 - δa] of this block. In a run
+    # without holes, tile t lies wholly on chosen diagonals when its offsets m0 - t - BN + 1 ..
+    # m0 + BM - 1 - t fit in [δa, δb]: those tiles (a contiguous stretch) run with no mask at all.
     nr = tl.load(run_count + bg)
     for r in range(0, nr):
-        lo = tl.maximum(m0 - tl.load(re_base + r), 0)
-        hi = tl.minimum(m0 + BLOCK_M - 1 - tl.load(rs_base + r), last_row) + 1
-        for t in range(lo, hi, BLOCK_N):
-            cols = t + offs_n  # [BN]
-            col_ok = cols < hi
-            k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
-            s = _scores(q, k, qk_scale, PREC)  # [BM, BN]
-            # every diagonal of the tile, m0 - (t + BN - 1) .. m0 + BM - 1 - t, chosen?
-            d_lo = tl.maximum(m0 - (t + BLOCK_N - 1), 0)
-            d_hi = tl.minimum(m0 + BLOCK_M - 1 - t, n_idx - 1)
-            on_all = tl.load(dp_base + d_hi + 1) - tl.load(dp_base + d_lo) == BLOCK_M + BLOCK_N - 1
-            full = rows_full & (t + BLOCK_N <= hi) & (t + BLOCK_N - 1 <= m0) & on_all
-            if not full:
-                delta = rows[:, None] - cols[None, :]  # [BM, BN]
-                live = (delta >= 0) & row_ok[:, None] & col_ok[None, :]
-                on_diag = tl.load(dm_base + tl.where(live, delta, 0), mask=live, other=0) != 0
-                on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
-                s = tl.where(live & (on_diag | on_col[None, :]), s, float("-inf"))
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+        da = tl.load(rs_base + r)
+        db = tl.load(re_base + r)
+        lo = tl.maximum(m0 - db, 0)
+        hi = tl.minimum(m0 + BLOCK_M - 1 - da, last_row) + 1
+        solid = tl.load(dp_base + db + 1) - tl.load(dp_base + da) == db - da + 1
+        k_b = tl.maximum(m0 + 1 - da - lo, 0) // BLOCK_N  # tiles whose last key is <= m0 - δa
+        k_b = tl.minimum(k_b, tl.maximum(hi - lo, 0) // BLOCK_N)  # ... and inside the range
+        k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - db - lo, 0), BLOCK_N), k_b)
+        k_a = tl.where(solid & rows_full, k_a, 0)
+        k_b = tl.where(solid & rows_full, k_b, 0)
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                        skn, skd, svn, svd, qk_scale, lo, lo + k_a * BLOCK_N, hi, bits_base,
+                                        cm_base, True, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                        skn, skd, svn, svd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
+                                        bits_base, cm_base, False, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                        skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, bits_base,
+                                        cm_base, True, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
 
     # leftover vertical columns of this block (ascending, none inside a key range)
     nc = tl.load(col_count + bg * n_qblk + qblk)
@@ -143,6 +176,8 @@ def vertical_slash_attention_physical(
         raise TypeError(f"index must be a VSIndex, got {type(index).__name__}")
     if index.block_m != prep.tiles.block_m:
         raise ValueError(f"index.block_m={index.block_m} but the kernel runs blocks of {prep.tiles.block_m} rows")
+    if prep.tiles.block_n > _WORD or prep.tiles.block_m + prep.tiles.block_n - 2 > BITS_PAD_WORDS * _WORD:
+        raise ValueError(f"vertical-slash tiles {prep.tiles} exceed the packed diagonal window")
     if index.n != prep.N:
         raise ValueError(f"index.n={index.n} but the sequence length is {prep.N}")
     if tuple(index.run_count.shape) != (prep.B, prep.Hg):
@@ -155,10 +190,10 @@ def vertical_slash_attention_physical(
         _vs_fwd[prep.grid()](
             q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
             index.run_start, index.run_end, index.run_count, index.col_index, index.col_count,
-            index.diag_mask, index.diag_prefix, index.col_mask,
-            prep.N, index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
+            index.diag_prefix, index.diag_bits, index.col_mask,
+            prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse),
+            **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS,
         )
     return finish(prep, return_lse)
 
