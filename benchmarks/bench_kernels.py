@@ -359,6 +359,8 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
 
 #: Tile configurations the ``--sweep`` mode compares (block_m, block_n, warps, stages).
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)]
+#: Block-sparse (warps, stages) compared by ``--sweep`` (its tile is the routing block).
+BS_SWEEP = [(4, 3), (4, 4), (8, 3), (4, 2)]
 
 
 def sweep(N: int, Hkv: int, seed: int) -> str:
@@ -383,6 +385,21 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
         _common.GPU_TILES = default
+    from minference.kernels import block_sparse
+
+    blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")
+    warps0, stages0 = dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES)
+    lines += ["", f"| block-sparse 64 (N={N}, Hkv={Hkv}) | ms |", "|---|---|"]
+    try:
+        for warps, stages in BS_SWEEP:
+            block_sparse._GPU_WARPS[BS_BLOCK], block_sparse._GPU_STAGES[BS_BLOCK] = warps, stages
+            c, note = _try(lambda: _bench(lambda: kernels.block_sparse_attention(q, k, v, blocks, block=BS_BLOCK,
+                                                                               validate=False)))
+            lines.append(f"| w{warps} s{stages} | {'failed' if c is None else f'{c:.2f}'} {note} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    finally:
+        block_sparse._GPU_WARPS.update(warps0)
+        block_sparse._GPU_STAGES.update(stages0)
     return "\n".join(lines)
 
 
