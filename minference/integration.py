@@ -242,6 +242,7 @@ def patch(
     head_offset: int = 0,
     allow_mismatch: bool = False,
     check_fingerprint: bool = True,
+    check_partition: bool | None = None,
 ) -> torch.nn.Module:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
@@ -258,6 +259,10 @@ def patch(
         head_offset: global id of local query head 0 (a tensor-parallel shard of the model).
         check_fingerprint: hash the weights to compare with the config's fingerprint (a
             tensor-parallel shard hashes differently from the full model: pass False there).
+        check_partition: verify with one all-gather that the ranks' head offsets tile the
+            config's heads (:func:`minference.distributed.check_head_partition`); default: when
+            the model holds fewer heads than the config (a shard) and ``torch.distributed`` is
+            initialised with more than one rank (a collective: every rank must call ``patch``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -298,6 +303,23 @@ def patch(
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
         setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend))
+    first = min(modules)
+    local, total = _local_heads(modules[first], cfg), len(config.plan(first))
+    if check_partition is None:
+        import torch.distributed as dist
+
+        sharded = local < total  # a head shard (not a data-parallel replica of the whole model)
+        check_partition = sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if check_partition:
+        from minference.distributed import check_head_partition
+
+        try:
+            check_head_partition(head_offset, local, total)
+        except ValueError:
+            for module in modules.values():
+                if hasattr(module, STATE_ATTR):
+                    delattr(module, STATE_ATTR)
+            raise
     register()
     previous = getattr(model.config, "_attn_implementation", None)
     setattr(model, MODEL_ATTR, {"previous": previous})

@@ -78,7 +78,13 @@ def _worker(rank: int, port: int, path: str) -> None:
         with torch.no_grad():
             out["model_tp"] = sharded(ids).logits
         out["model_counts"] = I.call_counts(sharded)
-        I.patch(sharded, config, head_offset=0, dense_threshold=0, check_fingerprint=False)
+        try:
+            I.patch(sharded, config, head_offset=0, dense_threshold=0, check_fingerprint=False)
+            out["model_wrong_offset_error"] = None
+        except ValueError as err:
+            out["model_wrong_offset_error"] = str(err)
+        out["model_patched_after_error"] = I.is_patched(sharded)
+        I.patch(sharded, config, head_offset=0, dense_threshold=0, check_fingerprint=False, check_partition=False)
         with torch.no_grad():
             out["model_tp_wrong"] = sharded(ids).logits
         torch.save(out, f"{path}/rank{rank}.pt")
@@ -114,6 +120,12 @@ def test_sharded_model_equals_single_process(results):
         assert r["model_counts"]["sparse"] == 2
         torch.testing.assert_close(r["model_tp"], r["model_full"], atol=1e-4, rtol=0)
         assert (r["model_tp_wrong"] - r["model_full"]).abs().max() > 1e-2
+
+
+def test_patch_catches_a_wrong_offset(results):
+    for r in results:
+        assert "do not tile" in r["model_wrong_offset_error"]
+        assert r["model_patched_after_error"] is False
 
 
 @pytest.mark.parametrize(

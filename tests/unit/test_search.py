@@ -102,6 +102,8 @@ def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
     model = LlamaForCausalLM(cfg).eval()
     prompts = [torch.randint(0, 64, (160,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
     res = S.search(model, prompts, target_density=0.4, min_mass=0.0, seed=7, progress=False)
+    assert model.config._attn_implementation == "sdpa"  # the observer is gone again
+    assert not any(hasattr(m, "minference_observer") for m in model.modules())
     assert res.mass.shape == (2, 4, 4)
     assert bool((res.mass <= 1 + 1e-6).all()) and bool((res.mass > 0).all())
     chosen = res.config.layers
