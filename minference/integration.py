@@ -34,6 +34,7 @@ attention output.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ from typing import Any
 
 import torch
 
-from minference.config import PatternConfig, model_signature
+from minference.config import PatternConfig, load_config, model_signature
 from minference.patterns import Dense, Pattern
 
 __all__ = [
@@ -249,7 +250,8 @@ def patch(
     Args:
         model: a transformers causal LM (Llama, Qwen2, Phi-3, GLM-4, ... any model whose
             attention calls ``AttentionInterface``).
-        config: the PatternConfig; it is checked against the model and a mismatch (layers,
+        config: the PatternConfig (or a path to one, native or MInference format); it is
+            checked against the model and a mismatch (layers,
             heads, kv heads, head dim, rope, weights fingerprint) raises
             :class:`~minference.config.ConfigMismatchError` unless ``allow_mismatch``.
         layers: layers that run sparse (default all); others stay dense (progressive swap-in).
@@ -266,8 +268,10 @@ def patch(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(config, (str, os.PathLike)):
+        config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
     if not isinstance(config, PatternConfig):
-        raise TypeError(f"config must be a PatternConfig (see minference.load_config), got {type(config).__name__}")
+        raise TypeError(f"config must be a PatternConfig or a path to one, got {type(config).__name__}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if dense_threshold is not None and (isinstance(dense_threshold, bool) or not isinstance(dense_threshold, int)

@@ -269,7 +269,7 @@ def test_dynamic_patterns_route_and_stay_finite():
     assert not torch.equal(got, dense)
 
 
-def test_patch_checks_the_config_against_the_model():
+def test_patch_checks_the_config_against_the_model(tmp_path):
     model = tiny_model("llama")
     other = tiny_model("llama", seed=1)
     cfg = ashape_config(other)
@@ -278,6 +278,13 @@ def test_patch_checks_the_config_against_the_model():
     assert not I.is_patched(model)
     I.patch(model, cfg, allow_mismatch=True)
     I.unpatch(model)
+    path = tmp_path / "cfg.json"
+    cfg.save(path)
+    with pytest.raises(ConfigMismatchError, match="weights_fingerprint"):
+        I.patch(model, str(path))
+    I.patch(other, path)
+    assert I.is_patched(other)
+    I.unpatch(other)
     small = PatternConfig(model_signature(tiny_model("llama")).__class__(
         model_id="x", architecture=None, num_layers=1, num_heads=HEADS), [[Dense()] * HEADS])
     with pytest.raises(ConfigMismatchError, match="num_layers"):
