@@ -229,3 +229,40 @@ def test_fingerprint_sees_a_single_changed_weight(model):
         finally:
             w[0, 0] = old
     assert C.weights_fingerprint(model) == before
+
+
+def _patterns():
+    from hypothesis import strategies as st
+
+    small = st.integers(0, 10_000)
+    pos = st.integers(1, 10_000)
+    return st.one_of(
+        st.builds(AShape, sink=small, window=pos),
+        st.builds(VerticalSlash, vertical=small, slash=pos, last_q=pos, sink_columns=small, local_diagonals=small,
+                  aggregation=st.sampled_from(["sum", "max"])),
+        st.builds(BlockSparse, top_k=pos, block=pos, sink_blocks=small, force_diagonal=st.booleans()),
+        st.just(Dense()),
+    )
+
+
+def test_any_config_round_trips_and_any_negative_budget_is_refused():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @given(st.lists(st.lists(_patterns(), min_size=3, max_size=3), min_size=1, max_size=3), st.data())
+    def check(layers, data):
+        sig = C.ModelSignature(model_id="m", architecture=None, num_layers=len(layers), num_heads=3)
+        cfg = C.PatternConfig(sig, layers)
+        raw = json.dumps(cfg.to_dict()).encode()
+        assert C.load_config(raw).layers == layers
+        d = json.loads(raw)
+        l = data.draw(st.integers(0, len(layers) - 1))
+        h = data.draw(st.integers(0, 2))
+        fields = [k for k, v in d["layers"][l][h].items() if isinstance(v, int) and not isinstance(v, bool)]
+        if fields:
+            name = data.draw(st.sampled_from(fields))
+            d["layers"][l][h][name] = -1
+            with pytest.raises(C.ConfigError, match=rf"\$\.layers\[{l}\]\[{h}\]\.{name}: must be >= "):
+                C.load_config(d)
+
+    check()
