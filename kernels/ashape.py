@@ -54,7 +54,8 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d
     return acc, m_i, l_i
 
 
-@triton.jit
+# index sizes only scale index addresses: specialising on them would only multiply compiles
+@triton.jit(do_not_specialize=["head_offset"])
 def _ashape_fwd(Q, K, V, O, LSE, lens, starts, heads, sinks, windows, head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                 slb, slh, sln,

@@ -41,7 +41,8 @@ _GPU_STAGES = {16: 3, 32: 3, 64: 3, 128: 2}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
-@triton.jit
+# index sizes only scale index addresses: specialising on them would only multiply compiles
+@triton.jit(do_not_specialize=["n_k"])
 def _bs_fwd(Q, K, V, O, LSE, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,

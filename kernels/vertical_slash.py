@@ -65,7 +65,8 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs
     return acc, m_i, l_i
 
 
-@triton.jit
+# index sizes only scale index addresses: specialising on them would only multiply compiles
+@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
 def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
             run_start, run_end, run_count, col_index, col_count, diag_prefix, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
