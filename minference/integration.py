@@ -19,8 +19,8 @@ path                 when                                                       
 ``dense_short``      prompt shorter than ``dense_threshold`` tokens                        dense
 ``dense_mask``       a mask that is not causal + contiguous padding (packed sequences,     dense
                      sliding windows, custom masks), or a sliding-window layer
-``dense_layer``      the layer is not in ``layers`` (progressive swap-in) or its plan is   dense
-                     all :class:`~minference.patterns.Dense`
+``dense_layer``      the layer is not in ``layers`` (progressive swap-in), its plan is     dense
+                     all :class:`~minference.patterns.Dense`, or attention dropout is on
 ==================== ==================================================================== ======
 
 Dense paths call transformers' own SDPA attention, so they equal an unpatched model bit for bit.
@@ -172,7 +172,7 @@ def minference_attention(
         path = "dense_decode"
     elif L != S:
         path = "dense_continue"
-    elif not state.sparse:
+    elif not state.sparse or dropout:
         path = "dense_layer"
     elif L < _threshold(state):
         path = "dense_short"
@@ -192,11 +192,7 @@ def minference_attention(
     out = sparse_prefill(
         query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
         head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
-    )  # [B, Hq, L, D]; the length threshold was applied above
-    if seqlens is not None:
-        pos = torch.arange(L, device=out.device)
-        pad = (pos[None, :] < seqstarts[:, None]) | (pos[None, :] >= (seqstarts + seqlens)[:, None])  # [B, L]
-        out = out.masked_fill(pad[:, None, :, None], 0)
+    )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
     return out.transpose(1, 2), None
 
 
