@@ -166,8 +166,8 @@ _SCHEMA_TEXT = r"""{
       "additionalProperties": false,
       "properties": {
         "kind": {"const": "a_shape"},
-        "sink": {"type": "integer", "minimum": 0},
-        "window": {"type": "integer", "minimum": 1}
+        "sink": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "window": {"type": "integer", "minimum": 1, "maximum": 2147483647}
       }
     },
     "vertical_slash": {
@@ -176,11 +176,11 @@ _SCHEMA_TEXT = r"""{
       "additionalProperties": false,
       "properties": {
         "kind": {"const": "vertical_slash"},
-        "vertical": {"type": "integer", "minimum": 0},
-        "slash": {"type": "integer", "minimum": 1},
-        "last_q": {"type": "integer", "minimum": 1},
-        "sink_columns": {"type": "integer", "minimum": 0},
-        "local_diagonals": {"type": "integer", "minimum": 0},
+        "vertical": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "slash": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+        "last_q": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+        "sink_columns": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "local_diagonals": {"type": "integer", "minimum": 0, "maximum": 2147483647},
         "aggregation": {"enum": ["sum", "max"]}
       }
     },
@@ -190,9 +190,9 @@ _SCHEMA_TEXT = r"""{
       "additionalProperties": false,
       "properties": {
         "kind": {"const": "block_sparse"},
-        "top_k": {"type": "integer", "minimum": 1},
-        "block": {"type": "integer", "minimum": 1},
-        "sink_blocks": {"type": "integer", "minimum": 0},
+        "top_k": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+        "block": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+        "sink_blocks": {"type": "integer", "minimum": 0, "maximum": 2147483647},
         "force_diagonal": {"type": "boolean"}
       }
     },
@@ -512,6 +512,8 @@ def _read_json(source: str | os.PathLike | bytes) -> Any:
         raise ConfigError(f"config is not UTF-8 text: {err}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"config is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ConfigError("config is nested too deeply to be a pattern config") from None
 
 
 def load_config(

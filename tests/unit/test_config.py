@@ -266,3 +266,12 @@ def test_any_config_round_trips_and_any_negative_budget_is_refused():
                 C.load_config(d)
 
     check()
+
+
+def test_deep_nesting_and_huge_budgets_are_refused(sig):
+    with pytest.raises(C.ConfigError, match="nested too deeply"):
+        C.load_config(b"[" * 100_000 + b"]" * 100_000)
+    data = make_config(sig).to_dict()
+    data["layers"][0][0]["window"] = 2**40
+    with pytest.raises(C.ConfigError, match=r"\$\.layers\[0\]\[0\]\.window: must be <= 2147483647"):
+        C.load_config(data)
