@@ -122,9 +122,10 @@ def _attend(q, k, v, ids, rows_mask: RowsMask, *, scale, seqlens, seqstarts, out
             i1 = min(n, i0 + chunk)
             mask = rows_mask(b, i0, i1)  # [Hg, C, i1]
             qc = q[b, :, s + i0 : s + i1].index_select(0, hq)  # [Hg, C, D]
-            o = F.scaled_dot_product_attention(qc, kb[:, :i1], vb[:, :i1], attn_mask=mask, scale=scale)
-            some = mask.any(-1, keepdim=True)
-            out[b, hq, s + i0 : s + i1] = torch.where(some, o, torch.zeros((), dtype=o.dtype, device=o.device))
+            # 4-D operands reach the fused CPU kernel; 3-D ones fall back to the unfused math path.
+            o = F.scaled_dot_product_attention(qc[None], kb[None, :, :i1], vb[None, :, :i1], attn_mask=mask[None],
+                                               scale=scale)[0]
+            out[b, hq, s + i0 : s + i1] = o.masked_fill_(~mask.any(-1, keepdim=True), 0)
             if lse is not None:
                 logits = torch.matmul(qc.float(), kb[:, :i1].float().transpose(-1, -2)) * scale
                 lse[b, hq, s + i0 : s + i1] = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)
