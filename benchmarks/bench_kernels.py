@@ -319,14 +319,16 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
     out = torch.empty_like(q)
     gqa = Hkv != HQ
 
-    def flex_row(name: str, build, pairs: int) -> None:
+    def flex_row(name: str, build, pairs: int, block: int = FLEX_BLOCK) -> None:
         if flex_api is None:
             return
         BlockMask, flex_attention = flex_api
+        # flex's kernel tile must divide the mask's block (its default 128 does not divide 64)
+        options = None if block == FLEX_BLOCK else {"BLOCK_M": block, "BLOCK_N": block}
 
         def timed() -> float:
             bmask = build(BlockMask)
-            return _bench(lambda: flex_attention(q, k, v, block_mask=bmask, enable_gqa=gqa))
+            return _bench(lambda: flex_attention(q, k, v, block_mask=bmask, enable_gqa=gqa, kernel_options=options))
 
         ms, note = _try(timed)
         rows.append(Row(N, Hkv, f"FlexAttention {name}", ms, pairs, None, note))
@@ -368,7 +370,7 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
         pairs, tiles = bs_pairs(blocks, N)
         ms = _bench(lambda: kernels.block_sparse_attention(q, k, v, blocks, block=BS_BLOCK, out=out, validate=False))
         rows.append(Row(N, Hkv, "minference block-sparse top-100", ms, pairs // HQ, tiles * BS_BLOCK**2 // HQ))
-        flex_row("block-sparse top-100", lambda BM: flex_bs_mask(BM, blocks, N), pairs // HQ)
+        flex_row("block-sparse top-100", lambda BM: flex_bs_mask(BM, blocks, N), pairs // HQ, BS_BLOCK)
 
     if "ashape" in methods:
         pairs = ashape_pairs(N, A_SINK, A_WINDOW)
