@@ -26,7 +26,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32) if CUDA else (torch.floa
 #: Head dims drawn: every supported one on the GPU; on CPU the cheapest plus a padded one.
 HEAD_DIMS = kernels.SUPPORTED_HEAD_DIMS if CUDA else (16, 64, 80)
 #: Longest sequence drawn: several interpreter tiles (16) on CPU, several 128-row tiles on GPU.
-MAX_N = 700 if CUDA else 100
+MAX_N = 700 if CUDA else 160
 SEED = st.integers(0, 2**31 - 1)
 
 
