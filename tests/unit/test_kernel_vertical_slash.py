@@ -131,3 +131,36 @@ def test_bad_indices():
         kernels.vertical_slash_attention(q, k, k, good[:, :1], good)
     with pytest.raises(ValueError, match="vertical axis 1 must have size 1"):
         kernels.vertical_slash_attention(q, k, k, good, good, heads=torch.tensor([1], device=DEVICE))
+
+
+@given(data=st.data())
+def test_physical_tile_count_matches_the_kernel_loop(data):
+    """``vs_physical_tiles`` (used for physical throughput) counts what the kernel's loops visit."""
+    n = data.draw(st.integers(1, 120), label="n")
+    block_m, block_n = data.draw(st.sampled_from(((16, 16), (32, 16), (128, 64))), label="tiles")
+    vertical, slash = data.draw(vertical_slash_indices(1, 2, n), label="index")
+    index = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m)
+    got = kernels.vs_physical_tiles(index, block_n)
+    for h in range(2):
+        want = 0
+        for m0 in range(0, n, block_m):
+            last = min(m0 + block_m, n) - 1
+            for r in range(int(index.run_count[0, h])):
+                lo = max(m0 - int(index.run_end[0, h, r]), 0)
+                hi = min(m0 + block_m - 1 - int(index.run_start[0, h, r]), last) + 1
+                want += len(range(lo, hi, block_n))
+            want += -(-int(index.col_count[0, h, m0 // block_m]) // block_n)
+        assert int(got[0, h]) == want
+
+
+def test_physical_index_must_match_the_kernel():
+    q = torch.randn(1, 2, 40, 16, device=DEVICE)
+    k = torch.randn(1, 1, 40, 16, device=DEVICE)
+    idx = torch.zeros(1, 2, 1, dtype=torch.int32, device=DEVICE)
+    bm = kernels.vertical_slash_block_m(q)
+    with pytest.raises(ValueError, match="block_m"):
+        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(idx, idx, 40, block_m=bm + 1))
+    with pytest.raises(ValueError, match="index.n"):
+        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(idx, idx, 41, block_m=bm))
+    with pytest.raises(TypeError, match="VSIndex"):
+        kernels.vertical_slash_attention_physical(q, k, k, (idx, idx))
