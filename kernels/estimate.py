@@ -1,9 +1,11 @@
 """Online index builders: vertical-slash estimation and block-sparse routing on the device.
 
 Same semantics as the naive twins in :mod:`minference.reference.estimators` (read their module
-docstring for the exact selection rule). Nothing here synchronises with the host when the
-per-head budgets are device tensors (or ints) and the output widths are given, so a whole
-prefill that uses these builders can be captured in a CUDA graph.
+docstring for the exact selection rule); validation, budgets and the top-k selection are shared
+with the PyTorch builders (:mod:`minference.index`), only the scores are computed here. Nothing
+synchronises with the host when the per-head budgets are device tensors (or ints) and the
+output widths are given, so a whole prefill that uses these builders can be captured in a
+CUDA graph.
 
 Vertical-slash estimation never materialises the ``r x N`` probability matrix beyond one tile.
 The key axis is walked in tiles of ``BD`` diagonal offsets: for the sampled rows ``i_r`` and the
@@ -25,20 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from minference._checks import check_qkv, check_ragged, check_tensor, default_scale
+from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
-__all__ = [
-    "vertical_slash_index",
-    "block_sparse_index",
-    "build_vertical_slash_index",
-    "build_block_sparse_index",
-    "pool_blocks",
-    "budget_tensor",
-    "select_top",
-]
+__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks"]
 
-_INT = (torch.int32, torch.int64)
 #: Diagonal offsets per program of the vertical-slash estimator (the key window is twice this).
 VS_OFFSET_TILE = 64
 #: Sampled query rows per program of the vertical-slash estimator (at most VS_OFFSET_TILE).
@@ -47,8 +40,6 @@ VS_ROW_CHUNK = 64
 _MIN_DOT = 16
 #: Tokens pooled per loop step of the block pooling kernel.
 POOL_TOKEN_TILE = 64
-#: Upper bound on the elements of one chunk of block-routing scores (bounds temporary memory).
-ROUTING_CHUNK_ELEMENTS = 1 << 27
 
 
 @triton.jit
@@ -167,58 +158,6 @@ def _pool_kernel(x_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr, Hs, NQB, block
     tl.store(out_ptr + (pid_bh.to(tl.int64) * NQB + I) * D + d, acc / count, mask=d < D)
 
 
-def _heads_tensor(heads: torch.Tensor | None, Hq: int, device) -> torch.Tensor:
-    if heads is None:
-        return torch.arange(Hq, dtype=torch.int32, device=device)
-    check_tensor("heads", heads, rank=1, dtypes=_INT)
-    if heads.device != torch.device(device) and torch.device(device).type != heads.device.type:
-        raise ValueError(f"heads must be on {device}, got {heads.device}")
-    return heads.to(device=device, dtype=torch.int32)
-
-
-def budget_tensor(name: str, value: int | torch.Tensor, heads: torch.Tensor, head_offset: int,
-                  minimum: int) -> torch.Tensor:
-    """Per computed head budget ``[Hg]`` int64 on the heads' device, from an int or a 1-D int
-    tensor indexed by global head id ``head_offset + h`` (no host sync for device tensors)."""
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
-    if isinstance(value, int):
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return torch.full(heads.shape, value, dtype=torch.int64, device=heads.device)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
-    check_tensor(name, value, rank=1, dtypes=_INT)
-    return value.to(device=heads.device, dtype=torch.int64)[heads.long() + head_offset]
-
-
-def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: int | None, cap: int) -> int:
-    """Output index width: ``given``, else the largest budget of the computed heads (a host read
-    for tensor budgets), capped at ``cap``."""
-    if given is not None:
-        if isinstance(given, bool) or not isinstance(given, int) or given < 0:
-            raise ValueError(f"{name}_width must be a non-negative int, got {given!r}")
-        return min(given, cap)
-    top = value if isinstance(value, int) else int(per_head.max()) if per_head.numel() else 0
-    return min(top, cap)
-
-
-def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int) -> torch.Tensor:
-    """Top ``width`` of ``scores [B, Hg, M]`` (-inf = invalid) after forcing positions
-    ``< forced [Hg]``, truncated to ``budget [Hg]`` per head; int32, -1 padded."""
-    B, Hg, M = scores.shape
-    if width == 0:
-        return torch.empty(B, Hg, 0, dtype=torch.int32, device=scores.device)
-    pos = torch.arange(M, device=scores.device)
-    scores = torch.where((pos[None, :] < forced[:, None])[None] & (scores > float("-inf")),
-                         float("inf"), scores)
-    values, idx = torch.topk(scores, width, dim=-1, sorted=True)
-    keep = (torch.arange(width, device=scores.device)[None, :] < budget[:, None])[None] & (values > float("-inf"))
-    return torch.where(keep, idx, -1).to(torch.int32)
-
-
 def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, scale: float, aggregation: str):
     """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes."""
     B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
@@ -242,32 +181,6 @@ def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, scale: float, aggrega
         _vs_scores_kernel[grid](q, k, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
                                 *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=aggregation == "max")
     return col, diag
-
-
-def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, sink_columns, local_diagonals,
-                               aggregation, scale, seqlens, seqstarts, heads, head_offset, return_scores,
-                               vertical_width, slash_width, validate):
-    """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
-    column and diagonal scores): shared by this module and :mod:`minference.torch_backend`."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
-        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
-    if aggregation not in ("sum", "max"):
-        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
-    scale = default_scale(D, scale)
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
-    hs = _heads_tensor(heads, Hq, q.device)
-    nv = budget_tensor("vertical", vertical, hs, head_offset, 0)
-    ns = budget_tensor("slash", slash, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, hs, head_offset, 0), nv)
-    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
-    width_v = _width("vertical", vertical, nv, vertical_width, N)
-    width_s = _width("slash", slash, ns, slash_width, N)
-    col, diag = scorer(q, k, hs, lens, starts, last_q, scale, aggregation)
-    inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
-    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
-    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)
-    return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
 def vertical_slash_index(
@@ -321,7 +234,7 @@ def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
     """Mean of the valid tokens of each block: ``x [B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]``
     float32 (heads ``heads`` or all; blocks with no valid token are 0)."""
     B, H, N, D = x.shape
-    hs = _heads_tensor(heads, H, x.device)
+    hs = heads_tensor(heads, H, x.device)
     nqb = math.ceil(N / block)
     out = torch.zeros(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)
     if out.numel():
@@ -329,50 +242,6 @@ def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
         _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, starts, out, hs.shape[0], nqb, block, *x.stride(), D,
                                               TT=tt, BLOCK_D=triton.next_power_of_2(D))
     return out
-
-
-def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
-                             seqstarts, heads, head_offset, return_scores, top_k_width, validate):
-    """Validation, pooled scores, masks and top-k around ``pooler`` (which mean-pools blocks):
-    shared by this module and :mod:`minference.torch_backend`."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    if not isinstance(force_diagonal, bool):
-        raise TypeError("force_diagonal must be a bool")
-    scale = default_scale(D, scale)
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
-    hs = _heads_tensor(heads, Hq, q.device)
-    Hg = hs.shape[0]
-    tops = budget_tensor("top_k", top_k, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, hs, head_offset, 0),
-                          tops - int(force_diagonal))
-    nqb = math.ceil(N / block)
-    width = _width("top_k", top_k, tops, top_k_width, nqb)
-    qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
-    km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
-    nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
-    J = torch.arange(nqb, device=q.device)
-    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
-    all_scores = (torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
-                  if return_scores else None)
-    chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))
-    for lo in range(0, nqb, chunk):
-        hi = min(nqb, lo + chunk)
-        I = J[lo:hi]
-        s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
-        ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
-        s = torch.where(ok[:, None], s, float("-inf"))
-        if all_scores is not None:
-            all_scores[:, :, lo:hi] = s
-        forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]
-        s = torch.where(forced[None] & ok[:, None], float("inf"), s)
-        if width == 0:
-            continue
-        values, idx = torch.topk(s, width, dim=-1, sorted=True)
-        keep = (torch.arange(width, device=q.device)[None, :] < tops[:, None])[None, :, None] & (values > float("-inf"))
-        out[:, :, lo:hi] = torch.where(keep, idx, -1).to(torch.int32)
-    return (out, all_scores) if return_scores else out
 
 
 def block_sparse_index(

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-from minference.kernels.estimate import select_top
 
 import minference.torch_backend as tb
 from minference.dispatch import sparse_prefill
+from minference.index import select_top
 from minference.patterns import AShape, Pattern, VerticalSlash
 
 #: Name the capturing attention function is registered under with transformers.
