@@ -2,6 +2,8 @@
 attention in the same run.
 
 ``python benchmarks/bench_end_to_end.py --lengths 8192 32768 131072 --json out.json``
+(script: the breakdown table), or ``python -m pytest benchmarks/bench_end_to_end.py -m bench
+--benchmark-only`` (pytest-benchmark: end to end only, smooth inputs).
 
 Shape of record: B=1, Hq=32, Hkv=8, D=128, bf16. Vertical-slash uses the
 published budgets (1000 columns, 6096 diagonals, last 64 queries, 30 sink columns, 100 local
@@ -43,6 +45,7 @@ import math
 import statistics
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from minference.kernels import estimate
@@ -197,6 +200,21 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
                           indent=1)
+
+
+@pytest.mark.bench
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [32768, 131072])
+def test_bench_vertical_slash_end_to_end(benchmark, N: int) -> None:
+    """pytest-benchmark: VS (1000, 6096) ``sparse_prefill`` end to end on smooth inputs."""
+    q, k, v = smooth_qkv(N, seed=N)
+    plan = [VS] * HQ
+
+    def run():
+        sparse_prefill(q, k, v, plan, dense_threshold=0)
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(run, rounds=10, warmup_rounds=1)
 
 
 if __name__ == "__main__":
