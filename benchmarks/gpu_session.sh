@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything GPU-side; every log lands in $OUT.
+# Stages run in the order STAGES lists them, each under its own wall-clock bound:
+#   install    editable install against the machine's CUDA torch/triton (no network)
+#   tests:P    the GPU test tier under hypothesis profile P (ci or gpu): every gpu- or
+#              interpret-marked test in tests/unit, on CUDA (T_TESTS seconds, XDIST workers)
+#   sanitize   compute-sanitizer memcheck over benchmarks/sanitize_fuzz.py (all three kernels)
+#   bench      benchmarks/bench_kernels.py $BENCH_ARGS   (kernels vs cuDNN / FlexAttention)
+#   bench2     benchmarks/bench_kernels.py $BENCH_ARGS2
+#   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
+# e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log() { echo "=== $* [$(date +%T)]" | tee -a "$OUT/summary.txt"; }
+
+install() {
+    python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+        | tee -a "$OUT/summary.txt"
+}
+tests() {  # hypothesis profile
+    log "gpu test tier (hypothesis profile $1)"
+    MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout "${T_TESTS:-300}" python -m pytest tests/unit -m "gpu or interpret" \
+        -q -rfE -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
+    log "tests rc=$?"
+}
+sanitize() {
+    log "compute-sanitizer memcheck on benchmarks/sanitize_fuzz.py"
+    local cs
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SAN:-45}" "$cs" --tool memcheck --print-limit 20 \
+        python benchmarks/sanitize_fuzz.py 2>&1 | tee "$OUT/sanitize.log" | tail -4
+    log "sanitize rc=$?"
+}
+run_bench() {  # name, script, time bound, arguments
+    log "$1: $2 $4"
+    # shellcheck disable=SC2086
+    timeout "$3" python "$2" $4 --json "$OUT/$1.json" 2>"$OUT/$1.err" | tee "$OUT/$1.md"
+    log "$1 rc=$?"
+    tail -5 "$OUT/$1.err"
+}
+
+log "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
+    case $stage in
+        install) install ;;
+        tests:*) tests "${stage#tests:}" ;;
+        sanitize) sanitize ;;
+        bench) run_bench bench benchmarks/bench_kernels.py "${T_BENCH:-90}" "${BENCH_ARGS:-}" ;;
+        bench2) run_bench bench2 benchmarks/bench_kernels.py "${T_BENCH2:-90}" "${BENCH_ARGS2:-}" ;;
+        e2e) run_bench e2e benchmarks/bench_end_to_end.py "${T_E2E:-90}" "${E2E_ARGS:-}" ;;
+        *) echo "unknown stage $stage" ;;
+    esac
+done
+cat "$OUT/summary.txt"
