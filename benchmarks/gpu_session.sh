@@ -22,8 +22,8 @@ install() {
 }
 tests() {  # hypothesis profile
     log "gpu test tier (hypothesis profile $1)"
-    MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout "${T_TESTS:-300}" python -m pytest tests/unit -m "gpu or interpret" \
-        -q -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
+    MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest tests/unit -m "gpu or triton" \
+        -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
     log "tests rc=$?"
 }
 sanitize() {

@@ -1,8 +1,11 @@
 """pytest plugin (entry point ``minference``): markers, hypothesis profiles, device fixture.
 
-Markers: ``gpu`` (needs CUDA; skipped without it), ``interpret`` (runs Triton kernels under
-``TRITON_INTERPRET=1`` on CPU), ``layer`` (tier 2, real model layers), ``model`` (tier 3, whole
-model), ``bench`` (pytest-benchmark, GPU timings).
+Markers: ``gpu`` (needs CUDA; skipped without it), ``triton`` (runs Triton kernels on the
+``device`` fixture's device: CUDA when present, else the interpreter on CPU — the kernel tier
+that runs on both), ``interpret`` (runs Triton kernels on CPU tensors under
+``TRITON_INTERPRET=1``; skipped when the interpreter is off, as on a GPU runner), ``layer``
+(tier 2, real model layers), ``model`` (tier 3, whole model), ``bench`` (pytest-benchmark, GPU
+timings).
 
 Hypothesis profiles: ``ci`` (bounded, CPU) and ``gpu`` (many examples). The profile comes from
 ``MINFERENCE_HYPOTHESIS_PROFILE``, else ``gpu`` when CUDA is available, else ``ci``.
@@ -19,7 +22,8 @@ import pytest
 
 MARKERS = {
     "gpu": "needs a CUDA GPU; skipped when none is present",
-    "interpret": "runs Triton kernels under TRITON_INTERPRET=1 on the CPU",
+    "triton": "runs Triton kernels on the device fixture's device (CUDA, else the CPU interpreter)",
+    "interpret": "runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; skipped when it is off",
     "layer": "tier 2: dense vs sparse on real model layers",
     "model": "tier 3: whole-model progressive swap-in",
     "bench": "pytest-benchmark timing on the GPU",
@@ -55,12 +59,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_interp = pytest.mark.skip(reason="CPU interpreter test; TRITON_INTERPRET is off in this run")
+    cuda, interpreting = _cuda(), os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(no_gpu)
+        if "interpret" in item.keywords and not interpreting:
+            item.add_marker(no_interp)
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import ashape_budgets, tp_offsets
 
-pytestmark = pytest.mark.interpret
+pytestmark = pytest.mark.triton
 
 
 @given(data=st.data())

@@ -14,7 +14,7 @@ from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import block_sparse_indices
 
-pytestmark = pytest.mark.interpret
+pytestmark = pytest.mark.triton
 
 #: Routing blocks drawn: the GPU default and its neighbours; small ones under the interpreter.
 BLOCKS = (32, 64, 128) if CUDA else (16, 32)

@@ -20,6 +20,8 @@ from minference.testing import assert_close_to_reference, assert_not_written, po
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
 
 CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.triton
+
 DEVICE = "cuda" if CUDA else "cpu"
 #: The interpreter computes bf16 wrongly without raising: bf16 is a GPU-only dtype here.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32) if CUDA else (torch.float16, torch.float32)

@@ -17,7 +17,7 @@ from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import AttnShape, qkv, vertical_slash_indices
 
-pytestmark = pytest.mark.interpret
+pytestmark = pytest.mark.triton
 
 
 @given(data=st.data())
