@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minference._checks import check_int
 from minference.patterns import Pattern
 
 __all__ = [
@@ -60,21 +61,13 @@ class HeadShard:
         return len(self.q)
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def head_shard(num_heads: int, num_kv_heads: int, rank: int, world: int) -> HeadShard:
     """Heads of ``rank`` out of ``world`` for a layer with ``num_heads`` query and
     ``num_kv_heads`` kv heads (both must divide by ``world``)."""
-    _check_int("num_heads", num_heads, 1)
-    _check_int("num_kv_heads", num_kv_heads, 1)
-    _check_int("world", world, 1)
-    _check_int("rank", rank, 0)
+    check_int("num_heads", num_heads, 1)
+    check_int("num_kv_heads", num_kv_heads, 1)
+    check_int("world", world, 1)
+    check_int("rank", rank, 0)
     if rank >= world:
         raise ValueError(f"rank must be < world ({world}), got {rank}")
     if num_heads % num_kv_heads:

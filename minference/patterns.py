@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal, Union
 
+from minference._checks import check_int
+
 __all__ = [
     "AShape",
     "VerticalSlash",
@@ -41,13 +43,6 @@ def _check_kind(pattern: object, kind: str) -> None:
         raise ValueError(f"{type(pattern).__name__}.kind must be {kind!r}, got {pattern.kind!r}")
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 @dataclass(frozen=True)
 class AShape:
     """Attention sinks plus a local sliding window (the "A" shape of the attention map).
@@ -63,8 +58,8 @@ class AShape:
 
     def __post_init__(self) -> None:
         _check_kind(self, "a_shape")
-        _check_int("AShape.sink", self.sink, 0)
-        _check_int("AShape.window", self.window, 1)
+        check_int("AShape.sink", self.sink, 0)
+        check_int("AShape.window", self.window, 1)
 
 
 @dataclass(frozen=True)
@@ -92,11 +87,11 @@ class VerticalSlash:
 
     def __post_init__(self) -> None:
         _check_kind(self, "vertical_slash")
-        _check_int("VerticalSlash.vertical", self.vertical, 0)
-        _check_int("VerticalSlash.slash", self.slash, 1)
-        _check_int("VerticalSlash.last_q", self.last_q, 1)
-        _check_int("VerticalSlash.sink_columns", self.sink_columns, 0)
-        _check_int("VerticalSlash.local_diagonals", self.local_diagonals, 0)
+        check_int("VerticalSlash.vertical", self.vertical, 0)
+        check_int("VerticalSlash.slash", self.slash, 1)
+        check_int("VerticalSlash.last_q", self.last_q, 1)
+        check_int("VerticalSlash.sink_columns", self.sink_columns, 0)
+        check_int("VerticalSlash.local_diagonals", self.local_diagonals, 0)
         if self.aggregation not in ("sum", "max"):
             raise ValueError(f"VerticalSlash.aggregation must be 'sum' or 'max', got {self.aggregation!r}")
 
@@ -120,9 +115,9 @@ class BlockSparse:
 
     def __post_init__(self) -> None:
         _check_kind(self, "block_sparse")
-        _check_int("BlockSparse.top_k", self.top_k, 1)
-        _check_int("BlockSparse.block", self.block, 1)
-        _check_int("BlockSparse.sink_blocks", self.sink_blocks, 0)
+        check_int("BlockSparse.top_k", self.top_k, 1)
+        check_int("BlockSparse.block", self.block, 1)
+        check_int("BlockSparse.sink_blocks", self.sink_blocks, 0)
         if not isinstance(self.force_diagonal, bool):
             raise TypeError("BlockSparse.force_diagonal must be a bool")
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from minference._checks import check_int
+
 __all__ = [
     "TEXT_DIR",
     "EVAL_TEXTS",
@@ -107,14 +109,6 @@ def _answer_ids(tokenizer, question: str, answer: str) -> list[int]:
     return full[len(q) :]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def passkey_prompt(
     tokenizer, n_tokens: int, key: int | str | None, depth: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +126,8 @@ def passkey_prompt(
         ``(input_ids [n_tokens], answer_ids [L])`` int64: the prompt, ending in
         ``"The pass key is "``, and the key's tokens as they follow it.
     """
-    _check_int("n_tokens", n_tokens, 1)
-    _check_int("seed", seed, 0)
+    check_int("n_tokens", n_tokens, 1)
+    check_int("seed", seed, 0)
     if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
     rng = random.Random(seed)
@@ -169,9 +163,9 @@ def calibration_prompts(tokenizer, n_tokens: int, count: int, seed: int) -> list
     Returns:
         list of ``count`` int64 tensors ``[n_tokens]``.
     """
-    _check_int("n_tokens", n_tokens, 1)
-    _check_int("count", count, 0)
-    _check_int("seed", seed, 0)
+    check_int("n_tokens", n_tokens, 1)
+    check_int("count", count, 0)
+    check_int("seed", seed, 0)
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
