@@ -4,8 +4,8 @@ For every calibration prompt the model runs dense attention once while an observ
 (:func:`minference.integration.observe_attention`) reads each layer's real queries and keys. Per
 query head it computes the full causal softmax ``P [n, n]`` and, for every candidate pattern,
 the set of keys each query would read — for the dynamic patterns the set the ONLINE index
-builder picks from these very ``q, k`` (the rules of :mod:`minference.reference.estimators`,
-vectorised here) — then
+builder picks from these very ``q, k`` (:mod:`minference.torch_backend`'s builders, which share
+their selection with the Triton ones through :mod:`minference.index`) — then
 
 * ``mass``: captured attention mass, ``sum_{(i,j) in set} P[i, j] / n`` (1 = lossless), and
 * ``density``: the fraction of the ``n (n + 1) / 2`` causal pairs the set holds.
@@ -37,6 +37,8 @@ from minference.config import (
     model_signature,
 )
 from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
+from minference.reference.masks import _scatter_set
+from minference.torch_backend import block_sparse_index, vertical_slash_index
 
 __all__ = [
     "DEFAULT_TARGET_DENSITY",
@@ -136,74 +138,30 @@ def candidate_patterns(
     return out
 
 
-def _topk_set(scores: torch.Tensor, forced: int, budget: int) -> torch.Tensor:
-    """``[..., n]`` bool: indices ``< forced`` plus the best-scoring others, ``budget`` in all."""
-    n = scores.shape[-1]
-    budget = min(budget, n)
-    if budget <= 0:
-        return torch.zeros_like(scores, dtype=torch.bool)
-    s = scores.clone()
-    s[..., : min(forced, budget)] = float("inf")
-    idx = torch.topk(s, budget, dim=-1).indices
-    out = torch.zeros_like(scores, dtype=torch.bool)
-    return out.scatter_(-1, idx, True)
-
-
 def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online vertical-slash choice for heads ``q [H, n, D]``, ``k [H, n, D]`` (kv already
-    expanded): ``(columns [H, n], offsets [H, n])`` bool, by the rule of
-    :func:`minference.reference.estimators.vertical_slash_index`."""
-    H, n, _ = q.shape
-    r = min(p.last_q, n)
-    qs = q[:, n - r :].double()
-    logits = torch.einsum("hid,hjd->hij", qs, k.double()) * scale  # [H, r, n]
-    i = torch.arange(n - r, n, device=q.device)[:, None]
-    j = torch.arange(n, device=q.device)[None, :]
-    probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [H, r, n]
-    agg = (lambda x, d: x.sum(d)) if p.aggregation == "sum" else (lambda x, d: x.amax(d))
-    col = agg(probs, 1)  # [H, n]
-    delta = (i - j).clamp(min=-1)  # [r, n]; -1 marks j > i
-    diag = torch.zeros(H, n + 1, dtype=torch.float64, device=q.device)
-    target = torch.where(delta >= 0, delta, torch.full_like(delta, n)).expand(H, r, n).reshape(H, -1)
-    if p.aggregation == "sum":
-        diag.scatter_add_(1, target, probs.reshape(H, -1))
-    else:
-        diag.scatter_reduce_(1, target, probs.reshape(H, -1), reduce="amax", include_self=True)
-    cols = _topk_set(col, min(p.sink_columns, p.vertical), p.vertical)
-    offs = _topk_set(diag[:, :n], min(max(p.local_diagonals, 1), p.slash), p.slash)
-    return cols, offs
+    """``(columns [H, n], offsets [H, n])`` bool: the online builder's vertical-slash index for
+    ``q, k [H, n, D]``, as sets."""
+    n = q.shape[1]
+    v_idx, s_idx = vertical_slash_index(
+        q[None], k[None], p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
+        local_diagonals=p.local_diagonals, aggregation=p.aggregation, scale=scale, validate=False)
+    return _scatter_set(n, v_idx[0]), _scatter_set(n, s_idx[0])
 
 
 def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) -> torch.Tensor:
-    """Online block routing for ``q [H, n, D]``, ``k [H, n, D]``: ``[H, NQB, NKB]`` bool, by the
-    rule of :func:`minference.reference.estimators.block_sparse_index`."""
-    H, n, D = q.shape
-    nb = -(-n // p.block)
-    pad = nb * p.block - n
-    counts = torch.full((nb,), float(p.block), dtype=torch.float64, device=q.device)
-    counts[-1] = p.block - pad
-
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.pad(x.double(), (0, 0, 0, pad))
-        return x.view(H, nb, p.block, D).sum(2) / counts[:, None]
-
-    score = torch.einsum("hid,hjd->hij", pool(q), pool(k)) * scale  # [H, nb, nb]
-    I = torch.arange(nb, device=q.device)[:, None]
-    J = torch.arange(nb, device=q.device)[None, :]
-    score = score.masked_fill(J > I, float("-inf"))
-    forced = (J < min(p.sink_blocks, p.top_k - int(p.force_diagonal))) & (J <= I)
-    if p.force_diagonal:
-        forced = forced | (J == I)
-    score = torch.where(forced, torch.full_like(score, float("inf")), score)
-    budget = min(p.top_k, nb)
-    idx = torch.topk(score, budget, dim=-1).indices  # [H, nb, budget]
-    chosen = torch.zeros(H, nb, nb, dtype=torch.bool, device=q.device).scatter_(-1, idx, True)
-    return chosen & (J <= I)
+    """``[H, NQB, NKB]`` bool: the online builder's block routing for ``q, k [H, n, D]``, as sets."""
+    nb = -(-q.shape[1] // p.block)
+    blocks = block_sparse_index(
+        q[None], k[None], p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
+        scale=scale, validate=False)
+    return _scatter_set(nb, blocks[0])
 
 
 def pattern_sets(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, scale: float):
-    """The online choice of ``pattern`` for heads ``q, k [H, n, D]`` (kv expanded): columns and
-    offsets (vertical-slash), chosen blocks (block-sparse), or ``None`` (static patterns)."""
+    """The online choice of ``pattern`` for heads ``q, k [H, n, D]`` (kv expanded), made by
+    :func:`minference.torch_backend.vertical_slash_index` / :func:`~minference.torch_backend.block_sparse_index`:
+    columns and offsets ``[H, n]`` bool (vertical-slash), chosen blocks ``[H, NQB, NKB]`` bool
+    (block-sparse), or ``None`` (static patterns)."""
     if isinstance(pattern, VerticalSlash):
         return _vs_sets(q, k, pattern, scale)
     if isinstance(pattern, BlockSparse):

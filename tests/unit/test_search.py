@@ -140,3 +140,27 @@ def test_plan_coverage_uses_each_heads_pattern():
         m, d = S.head_scores(q[h : h + 1], k[h // 2 : h // 2 + 1], [p])
         assert float(mass[h]) == pytest.approx(float(m[0, 0])) and float(dens[h]) == pytest.approx(float(d[0, 0]))
     assert float(mass[1]) == pytest.approx(1.0) and float(dens[1]) == pytest.approx(1.0)
+
+
+def test_default_candidates_choose_what_the_reference_builders_choose():
+    """The dynamic candidates the search scores (default fields, GQA kv) pick the reference sets."""
+    n = 160
+    q, k = qk(n, seed=3)
+    for p in S.candidate_patterns(n, 0.3, block=16):
+        sets = S.pattern_sets(p, q, k.repeat_interleave(2, dim=0), q.shape[-1] ** -0.5)
+        if isinstance(p, VerticalSlash):
+            v_idx, s_idx = E.vertical_slash_index(q[None], k[None], p.vertical, p.slash, last_q=p.last_q,
+                                                  sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
+                                                  aggregation=p.aggregation)
+            for h in range(q.shape[0]):
+                assert set(torch.nonzero(sets[0][h]).flatten().tolist()) == {x for x in v_idx[0, h].tolist() if x >= 0}
+                assert set(torch.nonzero(sets[1][h]).flatten().tolist()) == {x for x in s_idx[0, h].tolist() if x >= 0}
+        elif isinstance(p, BlockSparse):
+            ref = E.block_sparse_index(q[None], k[None], p.top_k, block=p.block, sink_blocks=p.sink_blocks,
+                                       force_diagonal=p.force_diagonal)
+            for h in range(q.shape[0]):
+                for I in range(sets.shape[1]):
+                    assert set(torch.nonzero(sets[h, I]).flatten().tolist()) == {x for x in ref[0, h, I].tolist()
+                                                                                 if x >= 0}
+        else:
+            assert sets is None
