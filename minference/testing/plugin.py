@@ -26,7 +26,7 @@ MARKERS = {
     "interpret": "runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; skipped when it is off",
     "layer": "tier 2: dense vs sparse on real model layers",
     "model": "tier 3: whole-model progressive swap-in",
-    "bench": "pytest-benchmark timing on the GPU",
+    "bench": "pytest-benchmark timing on the GPU; skipped when none is present",
 }
 
 PROFILES = {
@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     no_interp = pytest.mark.skip(reason="CPU interpreter test; TRITON_INTERPRET is off in this run")
     cuda, interpreting = _cuda(), os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
-        if "gpu" in item.keywords and not cuda:
+        if ("gpu" in item.keywords or "bench" in item.keywords) and not cuda:
             item.add_marker(no_gpu)
         if "interpret" in item.keywords and not interpreting:
             item.add_marker(no_interp)
