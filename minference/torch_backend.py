@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from minference._checks import check_index, check_qkv, check_ragged, check_tensor, default_scale
 from minference.index import build_block_sparse_index, build_vertical_slash_index
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
-from minference.reference.estimators import head_ids, per_head_budget
+from minference.reference.attention import head_ids, per_head_budget
 from minference.reference.masks import _scatter_set
 
 __all__ = [

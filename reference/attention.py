@@ -132,8 +132,8 @@ def _finish(out_lse, return_lse):
     return (out, lse) if return_lse else out
 
 
-def _check_heads(heads, Hq: int, device) -> list[int]:
-    """Local query heads to compute: ``heads`` (1-D int tensor of distinct ids) or all."""
+def head_ids(heads: torch.Tensor | None, Hq: int) -> list[int]:
+    """Local query heads to compute: ``heads`` (1-D int tensor of distinct ids) or all ``Hq``."""
     if heads is None:
         return list(range(Hq))
     check_tensor("heads", heads, rank=1, dtypes=(torch.int32, torch.int64))
@@ -141,6 +141,31 @@ def _check_heads(heads, Hq: int, device) -> list[int]:
     if len(set(ids)) != len(ids) or any(h < 0 or h >= Hq for h in ids):
         raise ValueError(f"heads must be distinct ids in [0, {Hq}), got {ids}")
     return ids
+
+
+def per_head_budget(name: str, value: int | torch.Tensor, ids: list[int], head_offset: int,
+                    minimum: int) -> list[int]:
+    """Budget per computed head from an int or a 1-D int tensor indexed by global head id."""
+    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
+        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
+    if isinstance(value, int):
+        values = [value] * len(ids)
+    elif isinstance(value, torch.Tensor):
+        check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
+        every = value.tolist()
+        if ids and head_offset + max(ids) >= len(every):
+            raise ValueError(
+                f"{name} has {len(every)} entries but global head {head_offset + max(ids)} is needed "
+                f"(head_offset {head_offset})"
+            )
+        values = [every[head_offset + h] for h in ids]
+    else:
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
+    if any(x < minimum for x in values):
+        raise ValueError(f"{name} must be >= {minimum} for every head, got {values}")
+    return values
 
 
 def _run(q, k, v, head_masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse):
@@ -160,29 +185,9 @@ def dense_attention(
 ):
     """Causal dense attention in float64 (the ``Dense`` pattern)."""
     _, Hq, _, N, _ = check_qkv(q, k, v)
-    ids = _check_heads(heads, Hq, q.device)
+    ids = head_ids(heads, Hq)
     masks = causal_mask(N, q.device).expand(1, len(ids), N, N)
     return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
-
-
-def _per_head(name: str, value, ids: list[int], head_offset: int) -> list[int]:
-    """Budget per computed head from an int, or a 1-D int tensor indexed by global head id."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor")
-    if isinstance(value, int):
-        return [value] * len(ids)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
-    check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
-    values = value.tolist()
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    if ids and head_offset + max(ids) >= len(values):
-        raise ValueError(
-            f"{name} has {len(values)} entries but global head {head_offset + max(ids)} is needed "
-            f"(head_offset {head_offset})"
-        )
-    return [values[head_offset + h] for h in ids]
 
 
 def ashape_attention(
@@ -196,9 +201,9 @@ def ashape_attention(
         heads: local query heads to compute (default all); other heads come out as zeros.
     """
     _, Hq, _, N, _ = check_qkv(q, k, v)
-    ids = _check_heads(heads, Hq, q.device)
-    sinks = _per_head("sink", sink, ids, head_offset)
-    windows = _per_head("window", window, ids, head_offset)
+    ids = head_ids(heads, Hq)
+    sinks = per_head_budget("sink", sink, ids, head_offset, 0)
+    windows = per_head_budget("window", window, ids, head_offset, 1)
     masks = [ashape_mask(N, g, w, device=q.device) for g, w in zip(sinks, windows)]
     masks = torch.stack(masks) if masks else torch.zeros(0, N, N, dtype=torch.bool, device=q.device)
     return _run(q, k, v, masks[None], ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
@@ -216,7 +221,7 @@ def vertical_slash_attention(
         slash: ``[B, Hg, NS]`` int diagonal offsets ``δ = i - j``, -1 padded.
     """
     B, Hq, _, N, _ = check_qkv(q, k, v)
-    ids = _check_heads(heads, Hq, q.device)
+    ids = head_ids(heads, Hq)
     check_index("vertical", vertical, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
     check_index("slash", slash, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
     masks = vertical_slash_mask(N, vertical, slash)
@@ -237,7 +242,7 @@ def block_sparse_attention(
     B, Hq, _, N, _ = check_qkv(q, k, v)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    ids = _check_heads(heads, Hq, q.device)
+    ids = head_ids(heads, Hq)
     nb = -(-N // block)
     check_index("blocks", blocks, rank=4, lead=(B, len(ids), nb), device=q.device, upper=max(nb, 1))
     masks = block_sparse_mask(N, blocks, block)

@@ -38,49 +38,13 @@ from __future__ import annotations
 import math
 
 import torch
+from minference.reference.attention import head_ids, per_head_budget
 
-from minference._checks import check_qkv, check_ragged, check_tensor, default_scale
+from minference._checks import check_qkv, check_ragged, default_scale
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
-__all__ = ["vertical_slash_index", "block_sparse_index", "head_ids", "per_head_budget"]
+__all__ = ["vertical_slash_index", "block_sparse_index"]
 
-_INT = (torch.int32, torch.int64)
-
-
-def head_ids(heads: torch.Tensor | None, Hq: int) -> list[int]:
-    """Local query heads to compute: ``heads`` (1-D int tensor of distinct ids) or all ``Hq``."""
-    if heads is None:
-        return list(range(Hq))
-    check_tensor("heads", heads, rank=1, dtypes=_INT)
-    ids = heads.tolist()
-    if len(set(ids)) != len(ids) or any(h < 0 or h >= Hq for h in ids):
-        raise ValueError(f"heads must be distinct ids in [0, {Hq}), got {ids}")
-    return ids
-
-
-def per_head_budget(name: str, value: int | torch.Tensor, ids: list[int], head_offset: int,
-                    minimum: int) -> list[int]:
-    """Budget per computed head from an int or a 1-D int tensor indexed by global head id."""
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
-    if isinstance(value, int):
-        values = [value] * len(ids)
-    elif isinstance(value, torch.Tensor):
-        check_tensor(name, value, rank=1, dtypes=_INT)
-        every = value.tolist()
-        if ids and head_offset + max(ids) >= len(every):
-            raise ValueError(
-                f"{name} has {len(every)} entries but global head {head_offset + max(ids)} is needed "
-                f"(head_offset {head_offset})"
-            )
-        values = [every[head_offset + h] for h in ids]
-    else:
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
-    if any(x < minimum for x in values):
-        raise ValueError(f"{name} must be >= {minimum} for every head, got {values}")
-    return values
 
 
 def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
