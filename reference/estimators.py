@@ -46,7 +46,6 @@ from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 __all__ = ["vertical_slash_index", "block_sparse_index"]
 
 
-
 def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
     B, _, _, N, _ = check_qkv(q, k, k)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
