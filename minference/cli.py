@@ -28,7 +28,7 @@ import torch
 __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
 #: Modules whose ``add_cli(subparsers)`` adds subcommands (imported when the parser is built).
-SUBCOMMAND_MODULES = ("minference.main_job",)
+SUBCOMMAND_MODULES = ("minference.main_job", "minference.plots")
 
 #: Demo problem size: small enough for the Triton interpreter on a laptop CPU.
 DEMO_TOKENS = 256
