@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minference._checks import check_qkv, check_ragged, check_tensor, default_scale, same_device
+from minference._checks import check_finite_rows, check_qkv, check_ragged, check_tensor, default_scale, same_device
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -267,6 +267,9 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     partial = seqlens is not None or seqstarts is not None or heads is not None
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not _capturing())
     heads = check_heads(heads, Hq, q.device, values=validate)
+    if validate and not _capturing():
+        check_finite_rows({"q": q if heads is None else q.index_select(1, heads.long()), "k": k, "v": v},
+                          lens, starts)
     Hg = Hq if heads is None else heads.shape[0]
     if out is None:
         alloc = torch.zeros if partial else torch.empty

@@ -120,6 +120,25 @@ def check_head_offset(head_offset: int, Hq: int, H_index: int, name: str) -> Non
         )
 
 
+def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor) -> None:
+    """Raise if a ``[B, H, N, D]`` tensor holds NaN or inf on a token inside its row.
+
+    Padding tokens (outside ``starts[b] .. starts[b] + lens[b] - 1``) may hold anything: they are
+    never read. One reduction over D per tensor (in float32, or float64 for float32/64 inputs, so
+    a finite row never overflows), then one host read.
+    """
+    for name, x in tensors.items():
+        B, _, N, _ = x.shape
+        pos = torch.arange(N, device=x.device)
+        valid = (pos[None, :] >= starts[:, None]) & (pos[None, :] < (starts + lens)[:, None])  # [B, N]
+        acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+        bad = ~torch.isfinite(x.sum(dim=-1, dtype=acc)).all(dim=1)  # [B, N]
+        hit = bad & valid
+        if bool(hit.any()):
+            b, t = (int(i) for i in hit.nonzero()[0])
+            raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (inside the row's length)")
+
+
 def default_scale(D: int, scale: float | None) -> float:
     if scale is None:
         return D ** -0.5

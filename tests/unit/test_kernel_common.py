@@ -159,6 +159,36 @@ def test_bad_ragged(which):
         _calls(q, k, v, seqlens=torch.tensor([10, 10], device=DEVICE))[which]()
 
 
+@pytest.mark.parametrize("which", range(3))
+def test_nan_or_inf_inside_a_row_is_refused(which):
+    q, k, v = _small()
+    for name, value in (("q", float("nan")), ("k", float("inf")), ("v", float("-inf"))):
+        bad = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        bad[name][0, 0, 7, 3] = value
+        with pytest.raises(ValueError, match=f"{name} holds NaN or inf at batch row 0, token 7"):
+            _calls(bad["q"], bad["k"], bad["v"])[which]()
+    # padding tokens may hold anything: they are never read, so they are not checked
+    lens, starts = torch.tensor([12], device=DEVICE), torch.tensor([4], device=DEVICE)
+    pad = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+    for x in pad.values():
+        x[:, :, :4] = float("nan")
+        x[:, :, 16:] = float("nan")
+    out = _calls(pad["q"], pad["k"], pad["v"], seqlens=lens, seqstarts=starts)[which]()
+    assert torch.isfinite(out[:, :, 4:16]).all()
+    # an unselected query head is not checked either
+    q_bad = q.clone()
+    q_bad[0, 1] = float("nan")
+    sel = torch.tensor([0], device=DEVICE)
+    vert = torch.zeros(1, 1, 2, dtype=torch.int32, device=DEVICE)
+    blocks = torch.zeros(1, 1, 2, 1, dtype=torch.int32, device=DEVICE)
+    calls = [
+        lambda: kernels.ashape_attention(q_bad, k, v, 2, 4, heads=sel),
+        lambda: kernels.vertical_slash_attention(q_bad, k, v, vert, vert, heads=sel),
+        lambda: kernels.block_sparse_attention(q_bad, k, v, blocks, block=16, heads=sel),
+    ]
+    assert torch.isfinite(calls[which]()[:, 0]).all()
+
+
 def test_gqa_ratio_and_scale():
     q, k, v = _small()
     q4, k3 = torch.randn(1, 4, 20, 64, device=DEVICE).half(), torch.randn(1, 3, 20, 64, device=DEVICE).half()
