@@ -120,6 +120,14 @@ def check_head_offset(head_offset: int, Hq: int, H_index: int, name: str) -> Non
         )
 
 
+def token_mask(seqlens, seqstarts, B: int, N: int, device, *, values: bool = True) -> torch.Tensor:
+    """``[B, N]`` bool: position ``t`` of the N axis holds one of row ``b``'s tokens
+    (``seqstarts[b] <= t < seqstarts[b] + seqlens[b]``; defaults: full rows)."""
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, device, values=values)
+    pos = torch.arange(N, device=lens.device)[None, :]
+    return (pos >= starts[:, None]) & (pos < (starts + lens)[:, None])
+
+
 def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor) -> None:
     """Raise if a ``[B, H, N, D]`` tensor holds NaN or inf on a token inside its row.
 
@@ -129,8 +137,7 @@ def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor) -
     """
     for name, x in tensors.items():
         B, _, N, _ = x.shape
-        pos = torch.arange(N, device=x.device)
-        valid = (pos[None, :] >= starts[:, None]) & (pos[None, :] < (starts + lens)[:, None])  # [B, N]
+        valid = token_mask(lens, starts, B, N, x.device, values=False)  # [B, N]
         acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
         bad = ~torch.isfinite(x.sum(dim=-1, dtype=acc)).all(dim=1)  # [B, N]
         hit = bad & valid

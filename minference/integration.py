@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from minference._checks import token_mask
 from minference.config import PatternConfig, load_config, model_signature
 from minference.patterns import Dense, Pattern
 
@@ -137,8 +138,7 @@ def _padding_rows(mask: torch.Tensor, n: int):
         return False
     lens = valid.sum(dim=1)
     starts = torch.where(lens > 0, valid.int().argmax(dim=1), torch.zeros_like(lens))
-    contiguous = (pos[None, :] >= starts[:, None]) & (pos[None, :] < (starts + lens)[:, None])
-    if not torch.equal(contiguous, valid):
+    if not torch.equal(token_mask(lens, starts, valid.shape[0], n, mask.device, values=False), valid):
         return False
     return lens.to(torch.int32), starts.to(torch.int32)
 

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from minference._checks import check_ragged, check_tensor, same_device
+from minference._checks import check_ragged, check_tensor, same_device, token_mask
 
 __all__ = [
     "REGIONS",
@@ -83,12 +83,6 @@ def _logical_valid(seqlens, B: int, N: int, device) -> torch.Tensor:
     lens, _ = check_ragged(seqlens, None, B, N, device)
     return torch.arange(N, device=device)[None, :] < lens[:, None]
 
-
-def _physical_valid(seqlens, seqstarts, B: int, N: int, device) -> torch.Tensor:
-    """``[B, N]`` bool: physical position ``t`` holds one of row ``b``'s tokens."""
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, device)
-    t = torch.arange(N, device=device)[None, :]
-    return (t >= starts[:, None]) & (t < (starts + lens)[:, None])
 
 
 def captured_mass_per_query(probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -156,7 +150,7 @@ def _check_outputs(out, ref, seqlens, seqstarts) -> tuple[torch.Tensor, torch.Te
     if not same_device(out.device, ref.device):
         raise ValueError(f"out and ref must be on one device, got {out.device} and {ref.device}")
     B, _, N, _ = out.shape
-    valid = _physical_valid(seqlens, seqstarts, B, N, out.device)[:, None, :, None]  # [B, 1, N, 1]
+    valid = token_mask(seqlens, seqstarts, B, N, out.device)[:, None, :, None]  # [B, 1, N, 1]
     zero = torch.zeros((), dtype=torch.float64, device=out.device)
     return torch.where(valid, out.double(), zero), torch.where(valid, ref.double(), zero), valid
 

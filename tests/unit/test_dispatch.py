@@ -10,6 +10,7 @@ from minference.reference import attention as ref
 
 import minference.torch_backend as tb
 from minference import dispatch
+from minference._checks import token_mask
 from minference.dispatch import sparse_prefill
 from minference.index import group_heads
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
@@ -62,10 +63,7 @@ def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, bui
 
 
 def _valid(B, N, seqlens, seqstarts) -> torch.Tensor:
-    lens = seqlens if seqlens is not None else torch.full((B,), N)
-    starts = seqstarts if seqstarts is not None else torch.zeros(B, dtype=torch.long)
-    pos = torch.arange(N)[None, :]
-    return ((pos >= starts[:, None]) & (pos < (starts + lens)[:, None]))[:, None, :, None]
+    return token_mask(seqlens, seqstarts, B, N, "cpu")[:, None, :, None]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -16,6 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from minference import kernels
+from minference._checks import token_mask
 from minference.testing import assert_close_to_reference, assert_not_written, poison
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
 
@@ -52,10 +53,7 @@ def _dev(x):
 def computed_region(p: dict) -> torch.Tensor:
     """``[B, Hq, N]`` bool: rows of computed heads inside each row's length."""
     s = p["shape"]
-    lens = p["seqlens"] if p["seqlens"] is not None else torch.full((s.B,), s.N)
-    starts = p["seqstarts"] if p["seqstarts"] is not None else torch.zeros(s.B, dtype=torch.int32)
-    pos = torch.arange(s.N)
-    rows = (pos >= starts[:, None]) & (pos < (starts + lens)[:, None])  # [B, N]
+    rows = token_mask(p["seqlens"], p["seqstarts"], s.B, s.N, "cpu")  # [B, N]
     head = torch.zeros(s.Hq, dtype=torch.bool)
     head[p["heads"].long() if p["heads"] is not None else slice(None)] = True
     return rows[:, None, :] & head[None, :, None]

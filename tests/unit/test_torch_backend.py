@@ -11,6 +11,7 @@ from minference.reference import attention as ref
 from minference.reference import masks
 
 import minference.torch_backend as tb
+from minference._checks import token_mask
 from minference.testing import assert_close_to_reference, assert_not_written, poison
 from minference.testing.strategies import (
     ashape_budgets,
@@ -61,10 +62,7 @@ def test_rows_masks_equal_reference_masks(data) -> None:
 
 def _valid_rows(shape, seqlens, seqstarts) -> torch.Tensor:
     """``[B, 1, N, 1]`` bool: physical positions that hold a token of their row."""
-    lens = seqlens if seqlens is not None else torch.full((shape.B,), shape.N)
-    starts = seqstarts if seqstarts is not None else torch.zeros(shape.B, dtype=torch.long)
-    pos = torch.arange(shape.N)[None, :]
-    return ((pos >= starts[:, None]) & (pos < (starts + lens)[:, None]))[:, None, :, None]
+    return token_mask(seqlens, seqstarts, shape.B, shape.N, "cpu")[:, None, :, None]
 
 
 def _check(data, run_fast, run_ref, shape, q, k, v, seqlens, seqstarts, heads, dtype) -> None:
