@@ -41,17 +41,15 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _program_ids(lens_ptr, starts_ptr, heads_ptr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 HAS_HEADS: tl.constexpr):
-    """Decode the program id: ``(b, g, h, kvh, qblk, m0, row_len, row_start)``."""
+def _program_ids(lens_ptr, starts_ptr, heads_ptr, group, BLOCK_M: tl.constexpr):
+    """Decode the program id: ``(b, g, h, kvh, qblk, m0, row_len, row_start)``. The GQA group and
+    the computed heads are runtime values (one scalar load): as constexprs they only multiplied the
+    compiled variants."""
     qblk = tl.num_programs(0) - 1 - tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
-    if HAS_HEADS:
-        h = tl.load(heads_ptr + g)
-    else:
-        h = g
-    kvh = h // GROUP
+    h = tl.load(heads_ptr + g)
+    kvh = h // group
     row_len = tl.load(lens_ptr + b)
     row_start = tl.load(starts_ptr + b)
     return b, g, h, kvh, qblk, qblk * BLOCK_M, row_len, row_start
@@ -202,18 +200,23 @@ class Prepared:
     def meta(self, q: torch.Tensor, return_lse: bool) -> dict:
         """Constexprs and launch options common to every kernel."""
         return dict(
-            GROUP=self.Hq // self.Hkv,
+            group=self.Hq // self.Hkv,
             HEAD_DIM=self.D,
             BLOCK_D=self.block_d,
             EVEN_D=self.block_d == self.D,
             BLOCK_M=self.tiles.block_m,
             BLOCK_N=self.tiles.block_n,
-            HAS_HEADS=self.heads is not None,
             RETURN_LSE=return_lse,
             PREC=dot_precision(q.dtype),
             num_warps=self.tiles.num_warps,
             num_stages=self.tiles.num_stages,
         )
+
+    def head_ids(self) -> torch.Tensor:
+        """The computed local heads as the kernels read them (all heads when none were given)."""
+        if self.heads is not None:
+            return self.heads
+        return torch.arange(self.Hq, dtype=torch.int32, device=self.out.device)
 
     def lse_arg(self) -> tuple[torch.Tensor, int]:
         """LSE pointer and its row stride (the output itself stands in when no LSE is asked)."""

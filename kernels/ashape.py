@@ -59,10 +59,10 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d
 def _ashape_fwd(Q, K, V, O, LSE, lens, starts, heads, sinks, windows, head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                 slb, slh, sln,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+                group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
     sink = tl.load(sinks + head_offset + h)
@@ -183,7 +183,7 @@ def ashape_attention(
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
         _ashape_fwd[prep.grid()](
-            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.head_ids(),
             sinks, windows, head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse),
         )

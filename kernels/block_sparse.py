@@ -46,10 +46,10 @@ _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 def _bs_fwd(Q, K, V, O, LSE, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
-            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+            group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -161,7 +161,7 @@ def block_sparse_attention(
     if prep.Hg > 0 and prep.N > 0:
         off, count, has_diag = normalize_blocks(blocks)
         _bs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.head_ids(),
             off, count, has_diag, off.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse),

@@ -72,10 +72,10 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
-            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HEADS: tl.constexpr,
+            group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, GROUP, BLOCK_M, HAS_HEADS)
+    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -189,7 +189,7 @@ def vertical_slash_attention_physical(
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
         _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.heads if prep.heads is not None else prep.lens,
+            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.head_ids(),
             index.run_start, index.run_end, index.run_count, index.col_index, index.col_count,
             index.diag_prefix, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
