@@ -19,7 +19,7 @@ Vertical columns are deduplicated and, per query block, the ones that lie inside
 ranges or beyond its last row are **removed**; the rest are compacted into ``col_index[b, h, I,
 :col_count[b, h, I]]`` (ascending). The kernel reads them as gathered key tiles, masked ``j <= i``.
 
-Fields (``R = NS``, ``NQB = ceil(n / block_m)``):
+Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
 
 * ``run_start, run_end [B, H, R]`` int32: ``δa``, ``δb`` of each run (ascending), -1 past
   ``run_count [B, H]``.
@@ -31,6 +31,20 @@ Fields (``R = NS``, ``NQB = ceil(n / block_m)``):
   below 0 read as "not chosen"), so a masked tile builds its ``[rows, 64]`` diagonal mask from
   two words per row instead of a gather per element; ``col_mask [B, H, n]`` int8: 1 where ``j``
   is a chosen column.
+* ``dense [B, H]`` bool: the head's index was replaced by the dense causal one (below).
+
+Dense fallback (``dense_over``)
+-------------------------------
+
+A head whose offsets scatter over the prompt touches nearly every key tile and must mask every
+one (2-3x the cost of a dense causal head). With ``dense_over`` given, a head whose converted
+index runs more than ``dense_over`` times the key tiles of the dense causal index (both counted
+by :func:`vs_physical_tiles` at length ``n``) gets the dense causal index instead: one run
+``[0, n - 1]`` (every offset chosen), no columns. The kernel runs it like causal dense attention:
+unmasked tiles up to the diagonal, the causal mask on the diagonal tiles only. The head then
+computes **dense** causal attention (a superset of its sparse set). The choice is made with
+``torch.where`` on device values: no host synchronisation. Counts use the padded length ``n``
+(the converter does not see row lengths); the kernel still clips the run to each row's length.
 
 The loop that turns the format back into the dense mask the kernel computes (this is
 :func:`vs_index_to_dense`, which counts visits so tests can also prove no pair is read twice)::
@@ -51,19 +65,40 @@ The loop that turns the format back into the dense mask the kernel computes (thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from minference._checks import check_tensor, same_device
+from minference._checks import check_int, check_tensor, same_device
 
-__all__ = ["BITS_PAD_WORDS", "VSIndex", "convert_vertical_slash", "vs_index_to_dense", "vs_physical_tiles"]
+__all__ = [
+    "BITS_PAD_WORDS",
+    "DENSE_OVER",
+    "VSIndex",
+    "convert_vertical_slash",
+    "vs_index_to_dense",
+    "vs_physical_tiles",
+]
 
 _INT = (torch.int32, torch.int64)
 #: Zero words in front of ``diag_bits``: a tile reads offsets down to ``-(block_m + block_n - 2)``.
 BITS_PAD_WORDS = 4
 _WORD = 64
+
+#: Default ``dense_over`` (the dispatcher's): replace a head by the dense causal index when its
+#: index runs more than half the dense causal key tiles. Measured on the H200 (docs/kernels.md,
+#: 128K, bf16): a masked tile costs about twice an unmasked one (VS scattered, nearly every tile
+#: masked: 193 physical TFLOP/s; VS local and A-shape, mostly unmasked: 357-425). A head of ``T``
+#: tiles costs between ``T`` and ``2T`` unmasked-tile units; its dense replacement (one solid run:
+#: unmasked but for the diagonal tiles) costs about ``D``, the dense tile count. Replacing wins
+#: when ``2T > D`` for an all-masked head, hence 0.5. At long prompts the heads above 0.5 are the
+#: scattered ones (local runs of the estimator's ~6K offsets run ~2*(NS + block_m)/N of the
+#: dense tiles: ~10% at 128K), whose tiles are nearly all masked, so each replacement is a gain
+#: (731 ms -> about D at the unmasked rate, ~350 ms, at 128K). A mostly-unmasked head crosses
+#: 0.5 only below N ~ 4*(NS + block_m) (~25K), where it can lose up to 2x on a short prefill.
+DENSE_OVER = 0.5
 
 
 @dataclass(frozen=True)
@@ -81,6 +116,7 @@ class VSIndex:
     diag_prefix: torch.Tensor
     diag_bits: torch.Tensor
     col_mask: torch.Tensor
+    dense: torch.Tensor
 
 
 def _sorted_set(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,7 +145,58 @@ def _compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     return out[..., :K].contiguous(), keep.sum(-1, dtype=torch.int32)
 
 
-def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, *, block_m: int) -> VSIndex:
+def _diag_tables(diag_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``diag_prefix [..., n + 1]`` int32 and ``diag_bits [..., NW]`` int64 of ``diag_mask [..., n]``."""
+    *lead, n = diag_mask.shape
+    dev = diag_mask.device
+    diag_prefix = F.pad(diag_mask.cumsum(-1, dtype=torch.int32), (1, 0)).contiguous()
+    words = -(-n // _WORD)
+    padded = F.pad(diag_mask, (BITS_PAD_WORDS * _WORD, (words + 1) * _WORD - n)).view(*lead, -1, _WORD)
+    weights = torch.ones(_WORD, dtype=torch.int64, device=dev) << torch.arange(_WORD, device=dev)
+    diag_bits = (padded.to(torch.int64) * weights).sum(-1)  # distinct bits: the sum is the OR
+    return diag_prefix, diag_bits.contiguous()
+
+
+def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
+    """The dense causal index of one head, ``[1, 1]`` leading dims: one run ``[0, n - 1]``, no columns."""
+    runs = torch.full((1, 1, R), -1, dtype=torch.int32, device=device)
+    diag_mask = torch.ones(1, 1, n, dtype=torch.int8, device=device)
+    diag_prefix, diag_bits = _diag_tables(diag_mask)
+    nqb = -(-n // block_m)
+    return VSIndex(
+        block_m=block_m,
+        n=n,
+        run_start=runs.index_fill(-1, torch.tensor([0], device=device), 0),
+        run_end=runs.index_fill(-1, torch.tensor([0], device=device), n - 1),
+        run_count=torch.ones(1, 1, dtype=torch.int32, device=device),
+        col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
+        col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
+        diag_mask=diag_mask,
+        diag_prefix=diag_prefix,
+        diag_bits=diag_bits,
+        col_mask=torch.zeros(1, 1, n, dtype=torch.int8, device=device),
+        dense=torch.ones(1, 1, dtype=torch.bool, device=device),
+    )
+
+
+def _check_dense_over(dense_over: object) -> None:
+    if dense_over is None:
+        return
+    if isinstance(dense_over, bool) or not isinstance(dense_over, (int, float)):
+        raise TypeError(f"dense_over must be a float or None, got {type(dense_over).__name__}")
+    if not math.isfinite(dense_over) or dense_over < 0:
+        raise ValueError(f"dense_over must be a finite number >= 0 (None disables the fallback), got {dense_over}")
+
+
+def convert_vertical_slash(
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    n: int,
+    *,
+    block_m: int,
+    dense_over: float | None = None,
+    block_n: int = 64,
+) -> VSIndex:
     """Logical vertical-slash index -> :class:`VSIndex` for query blocks of ``block_m`` rows.
 
     Args:
@@ -119,6 +206,11 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
         n: sequence length (positions ``0 .. n-1``).
         block_m: query rows per block; must equal the kernel's query tile
             (:func:`minference.kernels.vertical_slash_block_m`).
+        dense_over: if given (a finite number ``>= 0``; :data:`DENSE_OVER` is the dispatcher's
+            default), a head whose index runs more than ``dense_over`` times the key tiles of the
+            dense causal index gets the dense causal index instead (``dense[b, h]`` True; see
+            "Dense fallback" in the module docstring). ``None``: never.
+        block_n: the kernel's key tile, used only to count tiles for ``dense_over``.
 
     Returns:
         :class:`VSIndex` on the indices' device. No host synchronisation.
@@ -129,13 +221,13 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
         raise ValueError(f"vertical and slash must share [B, H], got {tuple(vertical.shape)} and {tuple(slash.shape)}")
     if not same_device(vertical.device, slash.device):
         raise ValueError(f"vertical and slash must be on one device, got {vertical.device} and {slash.device}")
-    for name, value, lo in (("n", n, 0), ("block_m", block_m, 1)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < lo:
-            raise ValueError(f"{name} must be >= {lo}, got {value}")
+    check_int("n", n, 0)
+    check_int("block_m", block_m, 1)
+    check_int("block_n", block_n, 1)
+    _check_dense_over(dense_over)
     B, H, NV = vertical.shape
     NS = slash.shape[-1]
+    R = max(NS, 1)  # room for the one run of the dense fallback even without offsets
     dev = slash.device
     nqb = -(-n // block_m)
 
@@ -146,18 +238,14 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
     starts = s_valid & (s - prev > block_m)
     ends = s_valid & ((nxt - s > block_m) | (nxt >= n))
     run_id = starts.long().cumsum(-1) - 1
-    run_start = torch.full((B, H, NS + 1), -1, dtype=torch.int32, device=dev)
-    run_start.scatter_(-1, torch.where(starts, run_id, NS), s.to(torch.int32))
-    run_end = torch.full((B, H, NS + 1), -1, dtype=torch.int32, device=dev)
-    run_end.scatter_(-1, torch.where(ends, run_id, NS), s.to(torch.int32))
+    run_start = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
+    run_start.scatter_(-1, torch.where(starts, run_id, R), s.to(torch.int32))
+    run_end = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
+    run_end.scatter_(-1, torch.where(ends, run_id, R), s.to(torch.int32))
     run_count = starts.sum(-1, dtype=torch.int32)
 
     diag_mask = _membership(s, n)  # [B, H, n]
-    diag_prefix = F.pad(diag_mask.cumsum(-1, dtype=torch.int32), (1, 0)).contiguous()  # [B, H, n+1]
-    words = -(-n // _WORD)
-    padded = F.pad(diag_mask, (BITS_PAD_WORDS * _WORD, (words + 1) * _WORD - n)).view(B, H, -1, _WORD)
-    weights = torch.ones(_WORD, dtype=torch.int64, device=dev) << torch.arange(_WORD, device=dev)
-    diag_bits = (padded.to(torch.int64) * weights).sum(-1)  # distinct bits: the sum is the OR
+    diag_prefix, diag_bits = _diag_tables(diag_mask)  # [B, H, n+1], [B, H, NW]
 
     # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0
     # iff m0 - c lies in [δa - block_m + 1, δb] for some run, i.e. y in [δa, δb + block_m - 1]
@@ -175,19 +263,33 @@ def convert_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, n: int, 
     inside = cover[..., None, :].expand(B, H, nqb, span).gather(-1, y.clamp(0, span - 1))
     keep = c_first[..., None, :] & (y >= 0) & ~inside
     col_index, col_count = _compact(c[..., None, :].expand(B, H, nqb, NV), keep)
-    return VSIndex(
+    index = VSIndex(
         block_m=block_m,
         n=n,
-        run_start=run_start[..., :NS].contiguous(),
-        run_end=run_end[..., :NS].contiguous(),
+        run_start=run_start[..., :R].contiguous(),
+        run_end=run_end[..., :R].contiguous(),
         run_count=run_count,
         col_index=col_index,
         col_count=col_count,
         diag_mask=diag_mask,
         diag_prefix=diag_prefix,
-        diag_bits=diag_bits.contiguous(),
+        diag_bits=diag_bits,
         col_mask=col_mask,
+        dense=torch.zeros(B, H, dtype=torch.bool, device=dev),
     )
+    if dense_over is None or n == 0:
+        return index
+    full = _dense_causal(n, block_m, R, NV, dev)
+    limit = dense_over * vs_physical_tiles(full, block_n).double()  # [1, 1]
+    over = vs_physical_tiles(index, block_n).double() > limit  # [B, H]
+    picked = {}
+    for f in fields(VSIndex):
+        value = getattr(index, f.name)
+        if isinstance(value, torch.Tensor):
+            sel = over.view(B, H, *([1] * (value.dim() - 2)))
+            value = torch.where(sel, getattr(full, f.name), value).contiguous()
+        picked[f.name] = value
+    return VSIndex(**picked)
 
 
 def vs_index_to_dense(index: VSIndex) -> torch.Tensor:
@@ -195,7 +297,8 @@ def vs_index_to_dense(index: VSIndex) -> torch.Tensor:
 
     The loop of the module docstring, vectorised over positions. For a correct index every
     entry is 0 or 1 and the nonzero pattern equals
-    :func:`minference.reference.vertical_slash_mask`.
+    :func:`minference.reference.vertical_slash_mask`, or the causal mask for heads replaced by
+    the dense fallback (``index.dense``).
     """
     B, H = index.run_count.shape
     n, bm = index.n, index.block_m
