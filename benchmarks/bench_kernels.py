@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import pytest
 import torch
+from minference.kernels import ashape as _ashape
 from minference.kernels._common import GPU_TILES
 from minference.kernels.block_sparse import normalize_blocks
 
@@ -54,10 +55,11 @@ BS_TOP_K = 100
 BS_BLOCK = 64
 A_SINK = 128
 A_WINDOW = 4096
-#: The kernels' GPU tiles (for physical tile counts): see minference.kernels._common.GPU_TILES.
+#: The kernels' GPU tiles (for physical tile counts): minference.kernels._common.GPU_TILES for
+#: vertical-slash, the A-shape kernel's own 2-byte tiles.
 VS_BLOCK_N = GPU_TILES.block_n
-A_BLOCK_M = GPU_TILES.block_m
-A_BLOCK_N = GPU_TILES.block_n
+A_BLOCK_M = _ashape._GPU_TILES_2BYTE.block_m
+A_BLOCK_N = _ashape._GPU_TILES_2BYTE.block_n
 #: FlexAttention's block size for the vertical-slash and A-shape masks (its default).
 FLEX_BLOCK = 128
 #: do_bench budgets (milliseconds of warm-up and of timed repetitions).
@@ -395,11 +397,11 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
     k = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     vertical, slash = vs_indices("local", N, HQ, torch.Generator().manual_seed(seed), "cuda")
-    default = _common.GPU_TILES
+    default, default_a = _common.GPU_TILES, _ashape._GPU_TILES_2BYTE
     lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | VS local kernel ms |", "|---|---|---|"]
     try:
         for bm, bn, warps, stages in SWEEP:
-            _common.GPU_TILES = _common.Tiles(bm, bn, warps, stages)
+            _common.GPU_TILES = _ashape._GPU_TILES_2BYTE = _common.Tiles(bm, bn, warps, stages)
             index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
             a, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, validate=False)))
             b, note = _try(lambda: _bench(  # noqa: B023
@@ -408,7 +410,7 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
             lines.append(f"| {bm}x{bn} w{warps} s{stages} | {fmt(a)} | {fmt(b)} {note} |")
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
-        _common.GPU_TILES = default
+        _common.GPU_TILES, _ashape._GPU_TILES_2BYTE = default, default_a
     from minference.kernels import block_sparse
 
     blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")

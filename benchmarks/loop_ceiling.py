@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     big = [torch.randn(args.heads, args.n, D, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(3)]
     flops = 4 * D * args.heads * pairs(args.n, args.window, 128)
     results = []
-    print(f"| load | ws | fma | BMxBN | warps | stages | ms | TFLOP/s | check |")
+    print("| load | ws | fma | BMxBN | warps | stages | ms | TFLOP/s | check |")
     print("|---|---|---|---|---|---|---|---|---|")
     for cfg in variants():
         row = dict(cfg)
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
                 row["status"] = f"mismatch {err:.3g}"
             else:
                 o = torch.empty_like(big[0])
-                ms = triton.testing.do_bench(lambda: launch(*big, o, args.window, cfg), warmup=50, rep=300)
+                ms = triton.testing.do_bench(lambda: launch(*big, o, args.window, cfg), warmup=50, rep=300)  # noqa: B023
                 row["ms"] = ms
                 row["tflops"] = flops / ms / 1e9
                 row["status"] = "ok"

@@ -7,8 +7,11 @@ Conventions inside every kernel:
   query blocks launched last-first so the longest causal rows start earliest;
 * positions are *logical* (0 = the row's first token); the row's tokens sit at physical
   ``seqstarts[b] + i`` on the N axis, so a pointer is ``base + (start + i) * stride_n``;
-* scores live in the log2 domain: ``s = (q . k) * scale * log2(e)``, masked entries are ``-inf``
-  *before* the running max, and the update uses ``exp2``;
+* the softmax lives in the log2 domain: raw products ``q . k`` are masked with ``-inf`` *before*
+  the running max, which is kept as ``max(q . k) * scale * log2(e)``, and the update is
+  ``exp2(s * scale * log2(e) - m)`` (one fused multiply-add per score);
+* unmasked tiles whose keys all lie inside the row may load K/V through tensor descriptors
+  (TMA on Hopper, ``DESC``); masked tiles always use pointer loads with ``other=0``.
 * the epilogue writes only rows ``i < seqlens[b]`` and only the computed head; an empty row
   (no key at all) is written as zeros with log-sum-exp ``-inf``.
 """
@@ -91,23 +94,35 @@ def _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd,
 
 
 @triton.jit
-def _scores(q, k, qk_scale, PREC: tl.constexpr):
-    """``[BLOCK_M, BLOCK_N]`` fp32 scores in the log2 domain (``qk_scale = scale * log2 e``)."""
-    return tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+def _load_kv_desc(desc_k, desc_v, b, kvh, p0, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """K and V rows ``p0 .. p0 + BLOCK_N - 1`` (physical) through tensor descriptors (TMA on
+    Hopper). Only for tiles whose keys all lie inside the row: nothing here masks."""
+    k = desc_k.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = desc_v.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
+    return k, v
 
 
 @triton.jit
-def _softmax_update(acc, m_i, l_i, s, v, PREC: tl.constexpr):
+def _scores(q, k, PREC: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]`` raw fp32 products ``q . k``; :func:`_softmax_update` applies the
+    scale (masking with ``-inf`` before that is exact: the scale is positive)."""
+    return tl.dot(q, tl.trans(k), input_precision=PREC)
+
+
+@triton.jit
+def _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC: tl.constexpr):
     """One online-softmax step over a tile: the only copy, used by all three kernels.
 
-    ``s [BM, BN]`` are log2-domain scores with every excluded entry already ``-inf``; ``acc
-    [BM, BD]`` is the unnormalised output, ``m_i`` the running max, ``l_i`` the running
-    denominator (all fp32). A row that has seen only ``-inf`` keeps ``m_i = -inf, l_i = 0``.
+    ``s [BM, BN]`` are raw products with every excluded entry already ``-inf``; ``qk_scale =
+    scale * log2 e > 0``. ``acc [BM, BD]`` is the unnormalised output, ``m_i`` the running max in
+    the log2 domain, ``l_i`` the running denominator (all fp32). The row max is taken on the raw
+    products and scaled once per row, so each score costs one fused multiply-add before ``exp2``.
+    A row that has seen only ``-inf`` keeps ``m_i = -inf, l_i = 0``.
     """
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
@@ -290,6 +305,27 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
         else:
             lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     return Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q))
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int, *, interpreter: bool = False):
+    """Host tensor descriptors of K and V (blocks of ``[1, 1, block_n, D]``), or ``(None, None)``
+    where the pointer path must run: CPU/interpreter, a head dim that is not a power of two, a
+    last dimension that is not contiguous, or a base or stride that is not 16-byte aligned (what
+    TMA requires). The kernels read them only in unmasked tiles (``DESC``). ``interpreter=True``
+    also builds them for CPU tensors under the interpreter (tests of the descriptor path)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    on_gpu = k.device.type == "cuda" and not interpreting()
+    if not (on_gpu or (interpreter and interpreting())) or k.shape[-1] != block_d or block_d * k.element_size() < 16:
+        return None, None
+    for x in (k, v):
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
+            return None, None
+    if k.shape[-2] == 0 or k.shape[0] == 0 or k.shape[1] == 0:
+        return None, None
+    blk = [1, 1, block_n, block_d]
+    return (TensorDescriptor(k, list(k.shape), list(k.stride()), blk),
+            TensorDescriptor(v, list(v.shape), list(v.stride()), blk))
 
 
 def qkv_strides(q, k, v, out) -> list[int]:

@@ -17,12 +17,14 @@ from minference.kernels._common import (
     INTERPRET_TILES,
     Tiles,
     _load_kv,
+    _load_kv_desc,
     _load_rows,
     _program_ids,
     _scores,
     _softmax_update,
     _store_rows,
     finish,
+    kv_descriptors,
     prepare,
     qkv_strides,
 )
@@ -43,12 +45,12 @@ _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_k"])
-def _bs_fwd(Q, K, V, O, LSE, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
+def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            RETURN_LSE: tl.constexpr, PREC: tl.constexpr):
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -74,19 +76,23 @@ def _bs_fwd(Q, K, V, O, LSE, lens, starts, heads, kv_blocks, kv_count, has_diag,
     # off-diagonal blocks: every key precedes row m0 and lies inside the row, so no mask
     # (query rows past the row's end compute throw-away values and are never stored)
     for kk in range(0, tl.load(kv_count + slot)):
-        cols = tl.load(ids + kk) * BLOCK_N + offs_n  # [BN]
-        k, v = _load_kv(k_base, v_base, cols, cols < row_len, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
-        s = _scores(q, k, qk_scale, PREC)
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+        t = tl.load(ids + kk) * BLOCK_N
+        if DESC:
+            k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
+        else:
+            cols = t + offs_n  # [BN]
+            k, v = _load_kv(k_base, v_base, cols, cols < row_len, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
+        s = _scores(q, k, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     if tl.load(has_diag + slot) != 0:
         cols = m0 + offs_n
         col_ok = cols < row_len
         k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
-        s = _scores(q, k, qk_scale, PREC)
+        s = _scores(q, k, PREC)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
@@ -160,10 +166,11 @@ def block_sparse_attention(
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
         off, count, has_diag = normalize_blocks(blocks)
+        desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _bs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.head_ids(),
+            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
             off, count, has_diag, off.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse),
+            **prep.meta(q, return_lse), DESC=desc_k is not None,
         )
     return finish(prep, return_lse)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from minference.kernels._common import (
     _load_kv,
+    _load_kv_desc,
     _load_rows,
     _program_ids,
     _scores,
@@ -24,6 +25,7 @@ from minference.kernels._common import (
     _store_rows,
     default_tiles,
     finish,
+    kv_descriptors,
     prepare,
     qkv_strides,
 )
@@ -35,10 +37,10 @@ __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "ver
 
 
 @triton.jit
-def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd,
-                    qk_scale, t_begin, t_end, hi, bits_base, cm_base,
-                    MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-                    PREC: tl.constexpr):
+def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows, row_ok, offs_n,
+                    offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, hi, bits_base, cm_base,
+                    MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
     ending at ``hi``. Masked tiles keep ``(i - j ∈ D or j ∈ C) and j <= i``; the diagonal part comes
     from the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
@@ -46,8 +48,11 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
         col_ok = cols < hi
-        k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
-        s = _scores(q, k, qk_scale, PREC)  # [BM, BN]
+        if DESC and not MASKED:  # unmasked tiles lie inside the range, hence inside the row
+            k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
+        else:
+            k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
+        s = _scores(q, k, PREC)  # [BM, BN]
         if MASKED:
             x0 = rows - t - (BLOCK_N - 1)  # [BM] lowest offset the row needs (may be < 0)
             word = (x0 >> 6) + PAD_WORDS
@@ -61,20 +66,20 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs
             on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
             keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
             s = tl.where(keep & row_ok[:, None], s, float("-inf"))
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
 
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
-def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
+def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
             run_start, run_end, run_count, col_index, col_count, diag_prefix, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr):
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -121,15 +126,18 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
         k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - db - lo, 0), BLOCK_N), k_b)
         k_a = tl.where(solid & rows_full, k_a, 0)
         k_b = tl.where(solid & rows_full, k_b, 0)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
+                                        row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo, lo + k_a * BLOCK_N, hi, bits_base,
-                                        cm_base, True, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                        cm_base, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
+                                        row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
-                                        bits_base, cm_base, False, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, rows, row_ok, offs_n, offs_d, d_ok,
+                                        bits_base, cm_base, False, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
+                                        row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, bits_base,
-                                        cm_base, True, PAD_WORDS, BLOCK_N, EVEN_D, PREC)
+                                        cm_base, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # leftover vertical columns of this block (ascending, none inside a key range)
     nc = tl.load(col_count + bg * n_qblk + qblk)
@@ -139,10 +147,10 @@ def _vs_fwd(Q, K, V, O, LSE, lens, starts, heads,
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
         ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
         k, v = _load_kv(k_base, v_base, cols, ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
-        s = _scores(q, k, qk_scale, PREC)
+        s = _scores(q, k, PREC)
         keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
         s = tl.where(keep, s, float("-inf"))
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
@@ -188,13 +196,14 @@ def vertical_slash_attention_physical(
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
+        desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, prep.lens, prep.starts, prep.head_ids(),
+            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
             index.run_start, index.run_end, index.run_count, index.col_index, index.col_count,
             index.diag_prefix, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS,
+            **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
         )
     return finish(prep, return_lse)
 
