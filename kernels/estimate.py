@@ -17,6 +17,13 @@ the logits, normalises them and reduces them into column scores (over the window
 diagonal scores (after a register gather that skews the window so a diagonal becomes a column).
 Tiles overlap in keys and row chunks overlap in offsets, so both reductions land with one
 atomic per key / offset per program (add for ``sum``, max for ``max``).
+
+Extra sampled rows (``extra_rows > 0``) are far apart, so they share no offset window: the same
+two passes run a second time (``SPREAD``) with row positions read from a ``[B, E]`` tensor
+(computed on the device, :func:`minference.index.extra_row_positions`) and tiles of ``2 * BD``
+consecutive keys. Columns still reduce over the chunk's rows before their atomic; each owned
+(row, key) pair lands on its own offset, so the diagonal scores take one atomic per pair. With
+``extra_rows = 0`` nothing of this is launched.
 """
 
 from __future__ import annotations
@@ -43,34 +50,59 @@ POOL_TOKEN_TILE = 64
 
 
 @triton.jit
-def _vs_logits(q_ptr, k_ptr, b, h, kvh, i0, d0, n, start, lo_row, scale,
+def _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, kvh, pid_c, pid_t, n, start, last_q, scale, R_TOTAL,
                sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-               RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Logits ``[RC, 2 BD]`` of rows ``i0 + r`` against the window of keys this tile owns
-    (``-inf`` elsewhere), plus the key positions ``[2 BD]`` of the window."""
+               RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
+    """Logits ``[RC, 2 BD]`` of the sampled rows of chunk ``pid_c`` against the keys tile
+    ``pid_t`` owns (``-inf`` elsewhere), the ownership mask, and the row ``[RC]`` and key
+    ``[2 BD]`` positions.
+
+    Last rows (``SPREAD`` False): rows ``n - R_TOTAL + pid_c * RC + r``, tile = the offsets
+    ``[pid_t BD, (pid_t + 1) BD)``, whose keys fall in one window of ``2 BD``. Extra rows
+    (``SPREAD``): rows read from ``pos_ptr [B, R_TOTAL]`` (-1 = none), tile = the keys
+    ``[pid_t 2BD, (pid_t + 1) 2BD)`` (the rows are far apart, so no offset window is shared)."""
     r = tl.arange(0, RC)
     c = tl.arange(0, 2 * BD)
     d = tl.arange(0, BLOCK_D)
-    i = i0 + r  # [RC] logical query positions
-    row_ok = (i >= lo_row) & (i < n)
-    jb = i0 - d0 - (BD - 1)
-    j = jb + c  # [2 BD] logical key positions
-    key_ok = (j >= 0) & (j < n)
+    if SPREAD:
+        i = tl.load(pos_ptr + b.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC] logical query positions
+        row_ok = i >= 0
+        j = pid_t * (2 * BD) + c  # [2 BD] logical key positions
+        key_ok = (j >= 0) & (j < n)
+        own = row_ok[:, None] & key_ok[None, :] & (i[:, None] >= j[None, :])
+    else:
+        i0 = n - R_TOTAL + pid_c * RC
+        d0 = pid_t * BD
+        i = i0 + r
+        row_ok = (i >= tl.maximum(n - last_q, 0)) & (i < n)
+        j = i0 - d0 - (BD - 1) + c
+        key_ok = (j >= 0) & (j < n)
+        delta = i[:, None] - j[None, :]
+        own = row_ok[:, None] & key_ok[None, :] & (delta >= d0) & (delta < d0 + BD)
     q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
     k_off = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + (start + j).to(tl.int64)[:, None] * skn + d[None, :] * skd
     kt = tl.load(k_ptr + k_off, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
     s = tl.dot(qt, tl.trans(kt)) * scale  # [RC, 2 BD] fp32
-    delta = i[:, None] - j[None, :]
-    own = row_ok[:, None] & key_ok[None, :] & (delta >= d0) & (delta < d0 + BD)
-    return tl.where(own, s, float("-inf")), own, j
+    return tl.where(own, s, float("-inf")), own, i, j
 
 
 @triton.jit
-def _vs_stats_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr,
+def _vs_tile_empty(pid_t, n, last_q, BD: tl.constexpr, SPREAD: tl.constexpr):
+    """Whether tile ``pid_t`` owns no (row, key) pair of a row of length ``n``: past the row's
+    offsets, or (extra rows, all before ``n - min(last_q, n)``) past every extra row's keys."""
+    if SPREAD:
+        empty = pid_t * (2 * BD) >= n - tl.minimum(last_q, n)
+    else:
+        empty = pid_t * BD >= n
+    return empty
+
+
+@triton.jit
+def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr,
                      Hg, group, last_q, scale, R_TOTAL, T,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-                     RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr):
+                     RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -78,13 +110,10 @@ def _vs_stats_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
     start = tl.load(starts_ptr + b)
-    d0 = pid_t * BD
-    if d0 >= n:
+    if _vs_tile_empty(pid_t, n, last_q, BD, SPREAD):
         return
-    i0 = n - R_TOTAL + pid_c * RC
-    lo_row = tl.maximum(n - last_q, 0)
-    s, own, j = _vs_logits(q_ptr, k_ptr, b, h, h // group, i0, d0, n, start, lo_row, scale,
-                           sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D)
+    s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
+                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D, SPREAD)
     m = tl.max(s, axis=1)  # [RC]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
@@ -95,10 +124,11 @@ def _vs_stats_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr
 
 
 @triton.jit
-def _vs_scores_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, col_ptr, diag_ptr,
+def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, col_ptr, diag_ptr,
                       Hg, group, last_q, scale, R_TOTAL, N,
                       sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-                      RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr):
+                      RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr,
+                      SPREAD: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -106,30 +136,37 @@ def _vs_scores_kernel(q_ptr, k_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, co
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
     start = tl.load(starts_ptr + b)
-    d0 = pid_t * BD
-    if d0 >= n:
+    if _vs_tile_empty(pid_t, n, last_q, BD, SPREAD):
         return
-    i0 = n - R_TOTAL + pid_c * RC
-    lo_row = tl.maximum(n - last_q, 0)
-    s, own, j = _vs_logits(q_ptr, k_ptr, b, h, h // group, i0, d0, n, start, lo_row, scale,
-                           sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D)
+    s, own, i, j = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
+                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D, SPREAD)
     r = tl.arange(0, RC)
     lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC]
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     p = tl.where(own, tl.exp(s - lse_safe[:, None]), 0.0)  # [RC, 2 BD]
-    t = tl.arange(0, BD)
-    skew = r[:, None] - t[None, :] + (BD - 1)  # column of the window holding key i_r - (d0 + t)
-    p_diag = tl.gather(p, skew, axis=1)  # [RC, BD]
     key_ok = (j >= 0) & (j < n)
     col_base = col_ptr + pid_bh.to(tl.int64) * N
     diag_base = diag_ptr + pid_bh.to(tl.int64) * N
-    dd = d0 + t
     if USE_MAX:
         tl.atomic_max(col_base + j, tl.max(p, axis=0), mask=key_ok)
-        tl.atomic_max(diag_base + dd, tl.max(p_diag, axis=0), mask=dd < n)
     else:
         tl.atomic_add(col_base + j, tl.sum(p, axis=0), mask=key_ok)
-        tl.atomic_add(diag_base + dd, tl.sum(p_diag, axis=0), mask=dd < n)
+    if SPREAD:
+        # Far-apart rows share no offsets inside a tile: one atomic per owned (row, key) pair.
+        delta = i[:, None] - j[None, :]
+        if USE_MAX:
+            tl.atomic_max(diag_base + delta, p, mask=own)
+        else:
+            tl.atomic_add(diag_base + delta, p, mask=own)
+    else:
+        t = tl.arange(0, BD)
+        skew = r[:, None] - t[None, :] + (BD - 1)  # column of the window holding key i_r - (d0 + t)
+        p_diag = tl.gather(p, skew, axis=1)  # [RC, BD]
+        dd = pid_t * BD + t
+        if USE_MAX:
+            tl.atomic_max(diag_base + dd, tl.max(p_diag, axis=0), mask=dd < n)
+        else:
+            tl.atomic_add(diag_base + dd, tl.sum(p_diag, axis=0), mask=dd < n)
 
 
 @triton.jit
@@ -158,28 +195,45 @@ def _pool_kernel(x_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr, Hs, NQB, block
     tl.store(out_ptr + (pid_bh.to(tl.int64) * NQB + I) * D + d, acc / count, mask=d < D)
 
 
-def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, scale: float, aggregation: str):
-    """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes."""
+def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: bool, col, diag,
+               n_rows: int, spread: bool):
+    """Both passes over one row set (the last rows, or the extra rows ``pos``), reducing into
+    ``col`` and ``diag``: 2 launches and one ``logsumexp``."""
     B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     Hg = hs.shape[0]
-    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(last_q)))
-    n_chunks = math.ceil(last_q / rc)
+    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(n_rows)))
+    n_chunks = math.ceil(n_rows / rc)
     r_total = rc * n_chunks
-    bd = max(VS_OFFSET_TILE, rc)
-    n_tiles = max(1, math.ceil(N / bd))
+    bd = VS_OFFSET_TILE if spread else max(VS_OFFSET_TILE, rc)
+    n_tiles = max(1, math.ceil(N / (2 * bd if spread else bd)))
     block_d = max(_MIN_DOT, triton.next_power_of_2(D))
+    if spread:
+        pos = torch.nn.functional.pad(pos.to(torch.int32), (0, r_total - pos.shape[1]), value=-1).contiguous()
+    else:
+        pos = lens  # unread
+    m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
+    grid = (B * Hg, n_chunks, n_tiles)
+    common = (*q.stride(), *k.stride(), D)
+    _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
+                           *common, RC=rc, BD=bd, BLOCK_D=block_d, SPREAD=spread)
+    lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
+    _vs_scores_kernel[grid](q, k, pos, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
+                            *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=use_max, SPREAD=spread)
+
+
+def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
+                      aggregation: str):
+    """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes over the last
+    rows, and two more over the extra rows ``rows [B, E]`` (-1 = none) when given."""
+    B, Hg, N = q.shape[0], hs.shape[0], q.shape[2]
     col = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
     diag = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
     if B * Hg > 0 and N > 0:
-        m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
-        l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
-        grid = (B * Hg, n_chunks, n_tiles)
-        common = (*q.stride(), *k.stride(), D)
-        _vs_stats_kernel[grid](q, k, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
-                               *common, RC=rc, BD=bd, BLOCK_D=block_d)
-        lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
-        _vs_scores_kernel[grid](q, k, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
-                                *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=aggregation == "max")
+        use_max = aggregation == "max"
+        _vs_passes(q, k, hs, lens, starts, None, last_q, scale, use_max, col, diag, last_q, spread=False)
+        if rows is not None and rows.shape[1] > 0:
+            _vs_passes(q, k, hs, lens, starts, rows, last_q, scale, use_max, col, diag, rows.shape[1], spread=True)
     return col, diag
 
 
@@ -190,6 +244,7 @@ def vertical_slash_index(
     slash: int | torch.Tensor,
     *,
     last_q: int = DEFAULT_LAST_Q,
+    extra_rows: int = 0,
     sink_columns: int | torch.Tensor = 0,
     local_diagonals: int | torch.Tensor = 1,
     aggregation: str = "sum",
@@ -203,13 +258,16 @@ def vertical_slash_index(
     slash_width: int | None = None,
     validate: bool = True,
 ):
-    """Vertical-slash index from the last ``last_q`` queries of each row (two Triton passes).
+    """Vertical-slash index from the last ``last_q`` queries of each row and ``extra_rows`` earlier
+    ones (two Triton passes per row set).
 
     Args:
         q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``).
         vertical, slash: column / offset budgets (forced included): ints, or 1-D int tensors
             indexed by global head ``head_offset + h`` (keep them on q's device for no sync).
         last_q: sampled query rows per batch row (the last ones; fewer when a row is shorter).
+        extra_rows: further sampled rows spread evenly over the earlier part of each row (0: none,
+            and no extra launch).
         sink_columns, local_diagonals: forced leading columns / offsets (``δ = 0`` always).
         aggregation: ``"sum"`` or ``"max"`` over the sampled rows.
         heads: local query heads to compute (``Hg`` of them); default all.
@@ -223,7 +281,7 @@ def vertical_slash_index(
         scores ``(col [B, Hg, N], diag [B, Hg, N])`` (0 outside the row).
     """
     return build_vertical_slash_index(
-        _vs_scores_triton, q, k, vertical, slash, last_q=last_q, sink_columns=sink_columns,
+        _vs_scores_triton, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
         vertical_width=vertical_width, slash_width=slash_width, validate=validate)

@@ -181,7 +181,8 @@ _SCHEMA_TEXT = r"""{
         "last_q": {"type": "integer", "minimum": 1, "maximum": 2147483647},
         "sink_columns": {"type": "integer", "minimum": 0, "maximum": 2147483647},
         "local_diagonals": {"type": "integer", "minimum": 0, "maximum": 2147483647},
-        "aggregation": {"enum": ["sum", "max"]}
+        "aggregation": {"enum": ["sum", "max"]},
+        "extra_rows": {"type": "integer", "minimum": 0, "maximum": 2147483647}
       }
     },
     "block_sparse": {

@@ -8,8 +8,8 @@ of a tensor-parallel run owns the local query heads ``0..Hq-1``, which are globa
 Heads are grouped so that a layer costs a handful of launches, never one per head:
 
 * every :class:`~minference.patterns.AShape` head in one group (budgets per head);
-* :class:`~minference.patterns.VerticalSlash` heads by ``(last_q, aggregation)`` (the sampled
-  rows and the reduction are kernel-wide; budgets, sinks and local diagonals are per head);
+* :class:`~minference.patterns.VerticalSlash` heads by ``(last_q, extra_rows, aggregation)`` (the
+  sampled rows and the reduction are kernel-wide; budgets, sinks and local diagonals are per head);
 * :class:`~minference.patterns.BlockSparse` heads by ``(block, force_diagonal)``;
 * every :class:`~minference.patterns.Dense` head in one group.
 
@@ -48,6 +48,7 @@ __all__ = [
     "select_top",
     "build_vertical_slash_index",
     "build_block_sparse_index",
+    "extra_row_positions",
     "ROUTING_CHUNK_ELEMENTS",
 ]
 
@@ -120,7 +121,7 @@ def validate_plan(plan: object, Hq: int, head_offset: int) -> tuple[Pattern, ...
 
 def _key(pattern: Pattern) -> tuple:
     if isinstance(pattern, VerticalSlash):
-        return (pattern.last_q, pattern.aggregation)
+        return (pattern.last_q, pattern.extra_rows, pattern.aggregation)
     if isinstance(pattern, BlockSparse):
         return (pattern.block, pattern.force_diagonal)
     return ()
@@ -199,9 +200,9 @@ def build_group_index(
     common = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
                   validate=validate)
     if g.kind == "vertical_slash":
-        last_q, aggregation = g.key
-        return builders.vertical_slash_index(q, k, last_q=last_q, aggregation=aggregation, **group.budgets,
-                                             **group.widths, **common)
+        last_q, extra_rows, aggregation = g.key
+        return builders.vertical_slash_index(q, k, last_q=last_q, extra_rows=extra_rows, aggregation=aggregation,
+                                             **group.budgets, **group.widths, **common)
     if g.kind == "block_sparse":
         block, force_diagonal = g.key
         return builders.block_sparse_index(q, k, block=block, force_diagonal=force_diagonal, **group.budgets,
@@ -261,14 +262,39 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     return torch.where(keep, idx, -1).to(torch.int32)
 
 
-def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, sink_columns, local_diagonals,
-                               aggregation, scale, seqlens, seqstarts, heads, head_offset, return_scores,
-                               vertical_width, slash_width, validate):
+def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int) -> torch.Tensor:
+    """The extra sampled query rows of each batch row (see
+    :mod:`minference.reference.estimators`): ``[B, E]`` int64 logical positions, -1 for none.
+
+    For a row of length ``n`` with ``m = n - min(last_q, n)`` earlier rows, entry ``k`` is
+    ``floor((k + 1) * m / (extra_rows + 1))`` unless it repeats entry ``k - 1`` (tiny rows) or
+    ``m = 0``. ``E = min(extra_rows, N)``, used in place of ``extra_rows``: both are ``>= m``
+    when they differ (``m < N``), and any count ``>= m`` samples every earlier row (the points
+    are less than one apart), so the set is the same and the tensor stays ``O(N)`` wide. Tensor
+    ops on the lengths' device; no host sync.
+    """
+    E = min(extra_rows, N)
+    m = lens.long() - lens.long().clamp(max=last_q)  # [B]
+    pos = torch.arange(1, E + 1, device=lens.device)[None, :] * m[:, None] // (E + 1)  # [B, E]
+    keep = pos < m[:, None]
+    keep[:, 1:] &= pos[:, 1:] != pos[:, :-1]
+    return torch.where(keep, pos, -1)
+
+
+def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_rows, sink_columns,
+                               local_diagonals, aggregation, scale, seqlens, seqstarts, heads, head_offset,
+                               return_scores, vertical_width, slash_width, validate):
     """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
-    column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`."""
+    column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
+
+    ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation)`` gets the extra sampled
+    rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
+    """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
         raise ValueError(f"last_q must be a positive int, got {last_q!r}")
+    if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
+        raise ValueError(f"extra_rows must be a non-negative int, got {extra_rows!r}")
     if aggregation not in ("sum", "max"):
         raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
     scale = default_scale(D, scale)
@@ -280,7 +306,8 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, sink_co
     locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
     width_v = _width("vertical", vertical, nv, vertical_width, N)
     width_s = _width("slash", slash, ns, slash_width, N)
-    col, diag = scorer(q, k, hs, lens, starts, last_q, scale, aggregation)
+    rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
+    col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation)
     inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
     v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
     s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)

@@ -64,7 +64,8 @@ class AShape:
 
 @dataclass(frozen=True)
 class VerticalSlash:
-    """A few key columns plus a few diagonals, chosen online from the last ``last_q`` queries.
+    """A few key columns plus a few diagonals, chosen online from the last ``last_q`` queries
+    (and optionally ``extra_rows`` earlier ones).
 
     Attributes:
         vertical: number of key columns kept (``|C|``), forced sinks included.
@@ -75,6 +76,9 @@ class VerticalSlash:
             itself and is always kept even when this is 0).
         aggregation: how the sampled rows' probabilities reduce to one score per column or
             diagonal: ``"sum"`` or ``"max"``.
+        extra_rows: further query rows, spread evenly over the part of the prompt before the
+            last ``last_q``, that join the estimate (0: the last rows only; the exact rule is in
+            :mod:`minference.reference.estimators`).
     """
 
     vertical: int = 1000
@@ -83,6 +87,7 @@ class VerticalSlash:
     sink_columns: int = 30
     local_diagonals: int = 100
     aggregation: Literal["sum", "max"] = "sum"
+    extra_rows: int = 0
     kind: Literal["vertical_slash"] = "vertical_slash"
 
     def __post_init__(self) -> None:
@@ -92,6 +97,7 @@ class VerticalSlash:
         check_int("VerticalSlash.last_q", self.last_q, 1)
         check_int("VerticalSlash.sink_columns", self.sink_columns, 0)
         check_int("VerticalSlash.local_diagonals", self.local_diagonals, 0)
+        check_int("VerticalSlash.extra_rows", self.extra_rows, 0)
         if self.aggregation not in ("sum", "max"):
             raise ValueError(f"VerticalSlash.aggregation must be 'sum' or 'max', got {self.aggregation!r}")
 

@@ -203,8 +203,10 @@ def block_sparse_attention(
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
 
 
-def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, scale: float, aggregation: str):
-    """Column and diagonal scores ``[B, Hg, N]`` float32 from the materialised sampled rows."""
+def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
+                     aggregation: str):
+    """Column and diagonal scores ``[B, Hg, N]`` float32 from the materialised sampled rows (the
+    last ``last_q`` of each batch row plus its extra rows ``rows [B, E]``, -1 = none)."""
     B, Hq, N, _ = q.shape
     hq = hs.long()
     hk = hq // (Hq // k.shape[1])
@@ -214,16 +216,19 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, scale: float, aggregat
     for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         if n == 0:
             continue
-        r = min(last_q, n)
-        qs = q[b, :, s + n - r : s + n].index_select(0, hq).float()  # [Hg, r, D]
+        sampled = torch.arange(n - min(last_q, n), n, device=q.device)
+        if rows is not None:
+            sampled = torch.cat([rows[b][rows[b] >= 0].to(q.device), sampled])
+        R = sampled.shape[0]
+        qs = q[b, :, s + sampled].index_select(0, hq).float()  # [Hg, R, D]
         ks = k[b, :, s : s + n].index_select(0, hk).float()  # [Hg, n, D]
-        i = torch.arange(n - r, n, device=q.device)[:, None]
+        i = sampled[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, r, n]
+        logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, R, n]
         probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)
         col[b, :, :n] = probs.sum(1) if aggregation == "sum" else probs.amax(1)
-        delta = (i - j).clamp(min=0).expand(len(hq), r, n).reshape(len(hq), r * n)  # j > i carry p = 0
-        diag[b, :, :n].scatter_reduce_(-1, delta, probs.reshape(len(hq), r * n), reduce=reduce)
+        delta = (i - j).clamp(min=0).expand(len(hq), R, n).reshape(len(hq), R * n)  # j > i carry p = 0
+        diag[b, :, :n].scatter_reduce_(-1, delta, probs.reshape(len(hq), R * n), reduce=reduce)
     return col, diag
 
 
@@ -247,7 +252,8 @@ def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
 
 def vertical_slash_index(
     q: torch.Tensor, k: torch.Tensor, vertical: int | torch.Tensor, slash: int | torch.Tensor, *,
-    last_q: int = DEFAULT_LAST_Q, sink_columns: int | torch.Tensor = 0, local_diagonals: int | torch.Tensor = 1,
+    last_q: int = DEFAULT_LAST_Q, extra_rows: int = 0, sink_columns: int | torch.Tensor = 0,
+    local_diagonals: int | torch.Tensor = 1,
     aggregation: str = "sum", scale: float | None = None, seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None, heads: torch.Tensor | None = None, head_offset: int = 0,
     return_scores: bool = False, vertical_width: int | None = None, slash_width: int | None = None,
@@ -256,7 +262,7 @@ def vertical_slash_index(
     """Vertical-slash index in plain PyTorch; same arguments and result as
     :func:`minference.kernels.estimate.vertical_slash_index`."""
     return build_vertical_slash_index(
-        _vs_scores_torch, q, k, vertical, slash, last_q=last_q, sink_columns=sink_columns,
+        _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
         vertical_width=vertical_width, slash_width=slash_width, validate=validate)

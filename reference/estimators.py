@@ -10,7 +10,14 @@ for local query head ``h``.
 
 Vertical-slash, for a row of length ``n`` and a head:
 
-* the sampled queries are the last ``r = min(last_q, n)`` positions ``i ∈ [n - r, n)``;
+* the sampled queries are the last ``r = min(last_q, n)`` positions ``i ∈ [n - r, n)`` and,
+  with ``extra_rows = E > 0``, up to ``E`` more spread evenly over the earlier ``m = n - r``
+  rows: ``i_k = floor((k + 1) * m / (E + 1))`` for ``k = 0..E-1``, as a set (tiny rows repeat
+  points; ``m = 0`` gives none). Every ``i_k < m``, so no row is sampled twice, and
+  ``E >= m`` samples every earlier row. Extra rows are scored exactly like the last ones: the
+  last rows alone miss keys that only middle queries need (a needle read half-way through a
+  prompt); evenly spaced single rows are deterministic, per batch row and cover the whole
+  prompt at ``E`` rows' cost;
 * ``P[i, j]`` is the causal softmax of ``scale * q_i · k_j`` over ``j <= i``;
 * column score ``col[j] = agg_i P[i, j]``; diagonal score ``diag[δ] = agg_i P[i, i - δ]`` over
   the sampled ``i`` with ``i - δ >= 0`` (``agg`` is ``sum`` or ``max``); ``j, δ ∈ [0, n)``;
@@ -52,6 +59,13 @@ def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
     return [(b, int(s), int(n)) for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist()))]
 
 
+def _sampled_rows(n: int, last_q: int, extra_rows: int) -> list[int]:
+    """Sampled query positions of a row of length ``n`` (see the module docstring), ascending."""
+    m = n - min(last_q, n)
+    extra = {(k + 1) * m // (extra_rows + 1) for k in range(extra_rows)}
+    return sorted(i for i in extra if i < m) + list(range(m, n))
+
+
 def _select(scores: torch.Tensor, forced: int, budget: int) -> list[int]:
     """Indices ``0..forced-1`` then the best of the rest by score (ties: lower index), ``budget`` in all."""
     n = scores.shape[0]
@@ -73,6 +87,7 @@ def vertical_slash_index(
     slash: int | torch.Tensor,
     *,
     last_q: int = DEFAULT_LAST_Q,
+    extra_rows: int = 0,
     sink_columns: int | torch.Tensor = 0,
     local_diagonals: int | torch.Tensor = 1,
     aggregation: str = "sum",
@@ -83,12 +98,14 @@ def vertical_slash_index(
     head_offset: int = 0,
     return_scores: bool = False,
 ):
-    """Naive vertical-slash index from the last ``last_q`` queries of each row.
+    """Naive vertical-slash index from the last ``last_q`` queries of each row (and
+    ``extra_rows`` earlier ones).
 
     Args:
         q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
         vertical, slash: column / offset budgets (forced ones included), per global head.
-        last_q: sampled query rows per batch row.
+        last_q: sampled query rows per batch row (the last ones).
+        extra_rows: further sampled rows spread evenly over the earlier part of each row.
         sink_columns, local_diagonals: forced leading columns / offsets, per global head.
         aggregation: ``"sum"`` or ``"max"`` over the sampled rows.
 
@@ -100,6 +117,8 @@ def vertical_slash_index(
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
         raise ValueError(f"last_q must be a positive int, got {last_q!r}")
+    if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
+        raise ValueError(f"extra_rows must be a non-negative int, got {extra_rows!r}")
     if aggregation not in ("sum", "max"):
         raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
     scale = default_scale(D, scale)
@@ -118,15 +137,15 @@ def vertical_slash_index(
     for b, s, n in _rows(q, k, seqlens, seqstarts):
         if n == 0:
             continue
-        r = min(last_q, n)
+        sampled = torch.tensor(_sampled_rows(n, last_q, extra_rows), device=q.device)
         for g, h in enumerate(ids):
-            qs = q[b, h, s + n - r : s + n].double()  # [r, D]
+            qs = q[b, h, s + sampled].double()  # [R, D]
             ks = k[b, h // group, s : s + n].double()  # [n, D]
-            logits = (qs @ ks.T) * scale  # [r, n]
-            i = torch.arange(n - r, n, device=q.device)[:, None]
+            logits = (qs @ ks.T) * scale  # [R, n]
+            i = sampled[:, None]
             j = torch.arange(n, device=q.device)[None, :]
-            probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [r, n]
-            delta = i - j  # [r, n]
+            probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [R, n]
+            delta = i - j  # [R, n]
             col[b, g, :n] = probs.sum(0) if aggregation == "sum" else probs.amax(0)
             for d in range(n):
                 on = probs[delta == d]

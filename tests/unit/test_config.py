@@ -64,6 +64,19 @@ def test_round_trip_through_file(tmp_path, sig):
     C.validate_schema(json.loads(path.read_text()))
 
 
+def test_configs_written_before_extra_rows_load_with_the_default(sig):
+    """``VerticalSlash.extra_rows`` came later: files without it load as 0."""
+    data = make_config(sig).to_dict()
+    stripped = 0
+    for row in data["layers"]:
+        for p in row:
+            if p["kind"] == "vertical_slash":
+                assert p.pop("extra_rows") == 0
+                stripped += 1
+    back = C.load_config(data, signature=sig)
+    assert stripped and back.layers == make_config(sig).layers
+
+
 def test_dict_output_is_schema_valid(sig):
     C.validate_schema(make_config(sig).to_dict())
 
@@ -239,7 +252,7 @@ def _patterns():
     return st.one_of(
         st.builds(AShape, sink=small, window=pos),
         st.builds(VerticalSlash, vertical=small, slash=pos, last_q=pos, sink_columns=small, local_diagonals=small,
-                  aggregation=st.sampled_from(["sum", "max"])),
+                  aggregation=st.sampled_from(["sum", "max"]), extra_rows=small),
         st.builds(BlockSparse, top_k=pos, block=pos, sink_blocks=small, force_diagonal=st.booleans()),
         st.just(Dense()),
     )

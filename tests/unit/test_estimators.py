@@ -13,6 +13,8 @@ from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
+from minference.index import build_group_index, extra_row_positions, prepare_plan
+from minference.patterns import VerticalSlash
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
 
 #: Fast implementations under test; the Triton ones run in the interpreter on the CPU.
@@ -74,6 +76,8 @@ def _vs_case(data, dtype, shapes=CPU_SHAPES):
                   sharpness=data.draw(st.sampled_from((0.5, 1.0, 3.0))))
     kw = dict(
         last_q=data.draw(st.one_of(st.integers(1, 20), st.integers(shape.N, shape.N + 40))),
+        # none; a few (rows shorter than last_q + extra_rows included); more than any row has
+        extra_rows=data.draw(st.one_of(st.just(0), st.integers(1, 12), st.integers(shape.N, 2 * shape.N + 8))),
         sink_columns=_budget(data, H_global, 0, 6),
         local_diagonals=_budget(data, H_global, 0, 6),
         aggregation=data.draw(st.sampled_from(("sum", "max"))),
@@ -191,6 +195,61 @@ def test_vertical_slash_picks_planted_structure(fast) -> None:
     assert set(s[0, 0].tolist()) == {0, lag}
 
 
+def test_extra_row_positions_are_the_definition() -> None:
+    """The device-side positions (shared by the Triton and PyTorch builders) equal the naive
+    twin's sampled rows for every small row length, last_q and extra_rows, incl. the cap at N."""
+    N = 24
+    lens = torch.arange(N + 1)
+    for last_q in (1, 3, 8, 30):
+        for extra in range(0, 2 * N + 3):
+            got = extra_row_positions(lens, N, last_q, extra)
+            assert got.shape == (N + 1, min(extra, N))
+            for n in range(N + 1):
+                rows = [x for x in got[n].tolist() if x >= 0]
+                assert rows + list(range(n - min(last_q, n), n)) == naive._sampled_rows(n, last_q, extra), (n, extra)
+
+
+def test_sampled_rows_definition() -> None:
+    assert naive._sampled_rows(10, 4, 0) == [6, 7, 8, 9]
+    assert naive._sampled_rows(10, 4, 2) == [2, 4, 6, 7, 8, 9]  # floor(6/3), floor(12/3)
+    assert naive._sampled_rows(10, 4, 3) == [1, 3, 4, 6, 7, 8, 9]  # floor(1.5), floor(3), floor(4.5)
+    assert naive._sampled_rows(5, 3, 9) == [0, 1, 2, 3, 4]  # more extra rows than earlier rows: all, once
+    assert naive._sampled_rows(3, 8, 5) == [0, 1, 2]  # no earlier rows
+
+
+def _middle_needle(n=64, last_q=8):
+    """The last rows all read key 1 and are repelled by key 5; the middle query ``(n - last_q) // 2``
+    (the one extra row with ``extra_rows=1``) reads key 5. Other keys carry small distinct logits."""
+    g = torch.Generator().manual_seed(3)
+    D = 16
+    q = torch.randn(1, 1, n, D, generator=g) * 0.05
+    k = torch.randn(1, 1, n, D, generator=g) * 0.05
+    mid = (n - last_q) // 2
+    k[0, 0, 1, 0] = 4.0
+    k[0, 0, 5, 1] = 4.0
+    q[0, 0, n - last_q :, 0] = 2.0
+    q[0, 0, n - last_q :, 1] = -2.0
+    q[0, 0, mid, 1] = 3.0
+    return q, k, mid
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, pytest.param(naive, id="naive")])
+def test_extra_rows_find_a_middle_querys_key(impl) -> None:
+    """The last-rows proxy misses a key only a middle query needs; one extra row finds it, and a
+    plan's ``extra_rows`` reaches the builder through the head grouping."""
+    q, k, mid = _middle_needle()
+    kw = dict(last_q=8, sink_columns=0, local_diagonals=1, scale=1.0)
+    without = impl.vertical_slash_index(q, k, 2, 1, extra_rows=0, **kw)[0]
+    with_mid = impl.vertical_slash_index(q, k, 2, 1, extra_rows=1, **kw)[0]
+    assert 1 in without[0, 0].tolist() and 5 not in without[0, 0].tolist()
+    assert set(with_mid[0, 0].tolist()) == {1, 5}
+    if impl is not naive:
+        plan = [VerticalSlash(vertical=2, slash=1, last_q=8, sink_columns=0, local_diagonals=1, extra_rows=1)]
+        (group,) = prepare_plan(plan, 1, 0, "cpu")
+        v, _ = build_group_index(impl, group, q, k, scale=1.0, seqlens=None, seqstarts=None, head_offset=0)
+        assert set(v[0, 0].tolist()) == {1, 5}
+
+
 def test_budget_and_argument_errors() -> None:
     q = torch.randn(1, 2, 8, 16)
     k = torch.randn(1, 1, 8, 16)
@@ -199,6 +258,9 @@ def test_budget_and_argument_errors() -> None:
             impl.vertical_slash_index(q, k, 2, 2, aggregation="mean")
         with pytest.raises(ValueError, match="last_q"):
             impl.vertical_slash_index(q, k, 2, 2, last_q=0)
+        for bad in (-1, 1.5, True, None):
+            with pytest.raises(ValueError, match="extra_rows must be a non-negative int"):
+                impl.vertical_slash_index(q, k, 2, 2, extra_rows=bad)
         with pytest.raises(ValueError, match="slash"):
             impl.vertical_slash_index(q, k, 2, 0)
         with pytest.raises(ValueError, match="vertical"):

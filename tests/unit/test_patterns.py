@@ -20,6 +20,7 @@ from minference.patterns import (
 
 ALL = [AShape(), VerticalSlash(), BlockSparse(), Dense(), AShape(sink=0, window=1),
        VerticalSlash(vertical=0, slash=1, last_q=1, sink_columns=0, local_diagonals=0, aggregation="max"),
+       VerticalSlash(extra_rows=16),
        BlockSparse(top_k=1, block=16, sink_blocks=0, force_diagonal=False)]
 
 
@@ -27,6 +28,7 @@ def test_defaults_are_named_and_published_values() -> None:
     assert (AShape().sink, AShape().window) == (128, 4096)
     assert (VerticalSlash().vertical, VerticalSlash().slash) == (1000, 6096)
     assert VerticalSlash().last_q == DEFAULT_LAST_Q and BlockSparse().block == DEFAULT_BLOCK_SIZE
+    assert VerticalSlash().extra_rows == 0
     assert BlockSparse().force_diagonal is True
     assert {cls().kind for cls in PATTERN_TYPES.values()} == set(PATTERN_TYPES)
 
@@ -58,6 +60,8 @@ def test_patterns_are_frozen_and_hashable() -> None:
         (lambda: VerticalSlash(sink_columns=-2), ValueError, "VerticalSlash.sink_columns"),
         (lambda: VerticalSlash(local_diagonals=-1), ValueError, "VerticalSlash.local_diagonals"),
         (lambda: VerticalSlash(aggregation="mean"), ValueError, "aggregation"),
+        (lambda: VerticalSlash(extra_rows=-1), ValueError, "VerticalSlash.extra_rows must be >= 0"),
+        (lambda: VerticalSlash(extra_rows=2.0), TypeError, "VerticalSlash.extra_rows must be an int"),
         (lambda: VerticalSlash(vertical="10"), TypeError, "VerticalSlash.vertical must be an int"),
         (lambda: BlockSparse(top_k=0), ValueError, "BlockSparse.top_k"),
         (lambda: BlockSparse(block=0), ValueError, "BlockSparse.block"),
