@@ -12,7 +12,9 @@ diagonals); every head gets the same pattern. For each length the table gives, m
 * ``index``: :func:`minference.kernels.estimate.vertical_slash_index` (two Triton passes, the
   log-sum-exp merge and the GPU top-k);
 * ``convert``: :func:`minference.kernels.convert_vertical_slash`;
-* ``kernel``: :func:`minference.kernels.vertical_slash_attention_physical`;
+* ``kernel``: :func:`minference.kernels.vertical_slash_attention_physical` on the converted
+  index with the dispatcher's gap filling (:data:`minference.dispatch.FILL_GAPS`);
+  ``kernel_nofill`` on the estimator's exact set (holes inside runs masked);
 * ``e2e``: :func:`minference.dispatch.sparse_prefill` (all of the above plus allocation);
 * ``dense``: ``scaled_dot_product_attention`` under the cuDNN backend (kv heads expanded to 32
   outside the timing, since cuDNN's GQA support varies), causal.
@@ -51,7 +53,7 @@ import torch.nn.functional as F
 from minference.kernels import estimate
 
 from minference import kernels
-from minference.dispatch import sparse_prefill
+from minference.dispatch import FILL_GAPS, sparse_prefill
 from minference.patterns import AShape, BlockSparse, VerticalSlash
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -94,8 +96,13 @@ def smooth_qkv(N: int, seed: int, *, device="cuda", dtype=torch.bfloat16):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+#: Calls longer than this (dense attention at 1M: ~19 s) are timed once after the warm-up.
+ONCE_MS = 2000.0
+
+
 def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
-    """Median ms of ``fn()`` after one warm-up call (CUDA events)."""
+    """Median ms of ``fn()`` after one warm-up call (CUDA events); a call over :data:`ONCE_MS`
+    is timed once."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -104,6 +111,8 @@ def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
     end.record()
     torch.cuda.synchronize()
     first = start.elapsed_time(end)
+    if first > ONCE_MS:
+        return first
     reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms // max(first, 1e-3))))
     times = []
     for _ in range(reps):
@@ -141,14 +150,15 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
     def index():
         return estimate.vertical_slash_index(
             q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
-            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, vertical_width=VS.vertical,
+            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
+            vertical_width=VS.vertical,
             slash_width=VS.slash, validate=False)
 
     vertical, slash = index()
     block_m = kernels.vertical_slash_block_m(q)
 
-    def convert():
-        return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m)
+    def convert(fill_gaps=FILL_GAPS):
+        return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m, fill_gaps=fill_gaps)
 
     phys = convert()
     out = torch.empty_like(q)
@@ -156,6 +166,10 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
     row["convert"] = time_ms(convert, budget_ms)
     row["kernel"] = time_ms(lambda: kernels.vertical_slash_attention_physical(q, k, v, phys, out=out, validate=False),
                             budget_ms)
+    exact = convert(0)  # the estimator's exact set, holes masked (what the dispatcher ran before filling)
+    row["kernel_nofill"] = time_ms(
+        lambda: kernels.vertical_slash_attention_physical(q, k, v, exact, out=out, validate=False), budget_ms)
+    exact = None  # free it before the end-to-end runs
     row["e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [VS] * HQ, dense_threshold=0), budget_ms)
     row["tiles"] = int(kernels.vs_physical_tiles(phys, 64).sum())
     if patterns:
@@ -184,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     rows = []
-    cols = ["inputs", "N", "index", "convert", "kernel", "e2e", "dense", "ashape_e2e", "block_e2e", "tiles"]
+    cols = ["inputs", "N", "index", "convert", "kernel", "kernel_nofill", "e2e", "dense", "ashape_e2e", "block_e2e",
+            "tiles"]
     print("| " + " | ".join(cols) + " | index/e2e | dense/e2e |")
     print("|" + "---|" * (len(cols) + 2))
     for N in args.lengths:

@@ -33,6 +33,18 @@ Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
   is a chosen column.
 * ``dense [B, H]`` bool: the head's index was replaced by the dense causal one (below).
 
+Gap filling (``fill_gaps``)
+---------------------------
+
+With ``fill_gaps = G > 0`` the offsets are first closed over gaps of at most ``G`` missing
+offsets between two chosen ones (the set :func:`minference.reference.masks.slash_set` defines;
+the kernel then computes exactly that larger set). Runs merge across distances up to
+``max(block_m, G + 1)``, so a filled gap never separates two runs. With ``G >= block_m - 1`` every
+run is hole-free, so every range tile that lies on the run's diagonals runs unmasked, and no tile
+is added: the holes were inside key ranges the kernel reads anyway. The dispatcher fills by
+default (:data:`minference.dispatch.FILL_GAPS`): estimated slash sets are dense near the
+diagonal with scattered holes near their edge, which otherwise mask nearly every range tile.
+
 Dense fallback (``dense_over``)
 -------------------------------
 
@@ -70,6 +82,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from minference.reference.masks import check_fill_gaps
 
 from minference._checks import check_int, check_tensor, same_device
 
@@ -194,6 +207,7 @@ def convert_vertical_slash(
     n: int,
     *,
     block_m: int,
+    fill_gaps: int = 0,
     dense_over: float | None = None,
     block_n: int = 64,
 ) -> VSIndex:
@@ -206,6 +220,8 @@ def convert_vertical_slash(
         n: sequence length (positions ``0 .. n-1``).
         block_m: query rows per block; must equal the kernel's query tile
             (:func:`minference.kernels.vertical_slash_block_m`).
+        fill_gaps: the offsets are first closed over gaps of at most this many missing offsets
+            (:func:`minference.reference.masks.slash_set`, "Gap filling" in the module docstring).
         dense_over: if given (a finite number ``>= 0``; :data:`DENSE_OVER` is the dispatcher's
             default), a head whose index runs more than ``dense_over`` times the key tiles of the
             dense causal index gets the dense causal index instead (``dense[b, h]`` True; see
@@ -224,6 +240,7 @@ def convert_vertical_slash(
     check_int("n", n, 0)
     check_int("block_m", block_m, 1)
     check_int("block_n", block_n, 1)
+    check_fill_gaps(fill_gaps)
     _check_dense_over(dense_over)
     B, H, NV = vertical.shape
     NS = slash.shape[-1]
@@ -231,12 +248,14 @@ def convert_vertical_slash(
     dev = slash.device
     nqb = -(-n // block_m)
 
-    # slash runs: a new run starts where the gap to the previous distinct offset exceeds block_m
+    # slash runs: a new run starts where the distance to the previous distinct offset exceeds
+    # block_m (and exceeds fill_gaps + 1: a filled gap never separates runs)
+    merge = max(block_m, fill_gaps + 1)
     s, s_valid, _ = _sorted_set(slash, n)  # [B, H, NS]
-    prev = F.pad(s[..., :-1], (1, 0), value=-block_m - 1)
+    prev = F.pad(s[..., :-1], (1, 0), value=-merge - 1)
     nxt = F.pad(s[..., 1:], (0, 1), value=n)
-    starts = s_valid & (s - prev > block_m)
-    ends = s_valid & ((nxt - s > block_m) | (nxt >= n))
+    starts = s_valid & (s - prev > merge)
+    ends = s_valid & ((nxt - s > merge) | (nxt >= n))
     run_id = starts.long().cumsum(-1) - 1
     run_start = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
     run_start.scatter_(-1, torch.where(starts, run_id, R), s.to(torch.int32))
@@ -245,6 +264,12 @@ def convert_vertical_slash(
     run_count = starts.sum(-1, dtype=torch.int32)
 
     diag_mask = _membership(s, n)  # [B, H, n]
+    if fill_gaps > 0 and n > 0:  # offsets strictly between neighbours a < b with b - a - 1 <= fill_gaps
+        gap = s_valid & (nxt < n) & (nxt - s > 1) & (nxt - s - 1 <= fill_gaps)
+        fill = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)
+        fill.scatter_add_(-1, torch.where(gap, s + 1, n), gap.to(torch.int32))
+        fill.scatter_add_(-1, torch.where(gap, nxt, n), -gap.to(torch.int32))
+        diag_mask |= (fill.cumsum(-1, dtype=torch.int32)[..., :n] > 0).to(torch.int8)
     diag_prefix, diag_bits = _diag_tables(diag_mask)  # [B, H, n+1], [B, H, NW]
 
     # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0

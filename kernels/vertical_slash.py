@@ -222,6 +222,8 @@ def vertical_slash_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool = True,
+    fill_gaps: int = 0,
+    dense_over: float | None = None,
 ):
     """Causal vertical-slash attention on the exact logical set.
 
@@ -238,6 +240,11 @@ def vertical_slash_attention(
         out: optional ``[B, Hq, N, D]`` output to write into.
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
         validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+        fill_gaps: close the offsets over gaps of at most this many missing offsets first
+            (:func:`minference.reference.masks.slash_set`); the kernel computes that set exactly.
+        dense_over: dense fallback of :func:`~minference.kernels.convert.convert_vertical_slash`:
+            heads whose index runs more than ``dense_over`` times the dense causal key tiles
+            compute dense causal attention instead (sync-free). ``None``: never.
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
@@ -247,7 +254,8 @@ def vertical_slash_attention(
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(prep.B, prep.Hg), device=q.device, upper=max(prep.N, 1),
                     values=validate)
-    index = convert_vertical_slash(vertical, slash, prep.N, block_m=prep.tiles.block_m)
+    index = convert_vertical_slash(vertical, slash, prep.N, block_m=prep.tiles.block_m, fill_gaps=fill_gaps,
+                                   dense_over=dense_over, block_n=prep.tiles.block_n)
     return vertical_slash_attention_physical(
         q, k, v, index, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=prep.heads, out=prep.out,
         return_lse=return_lse, validate=False,

@@ -25,6 +25,8 @@ from typing import TextIO
 
 import torch
 
+from minference.dispatch import FILL_GAPS
+
 __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
 #: Modules whose ``add_cli(subparsers)`` adds subcommands (imported when the parser is built).
@@ -134,8 +136,9 @@ def _reference_run(pattern, q, k, v):
     if kind == "vertical_slash":
         vertical, slash = E.vertical_slash_index(
             q, k, pattern.vertical, pattern.slash, last_q=pattern.last_q, sink_columns=pattern.sink_columns,
-            local_diagonals=pattern.local_diagonals, aggregation=pattern.aggregation)
-        return M.vertical_slash_mask(N, vertical, slash), A.vertical_slash_attention(q, k, v, vertical, slash)
+            local_diagonals=pattern.local_diagonals, aggregation=pattern.aggregation, extra_rows=pattern.extra_rows)
+        return (M.vertical_slash_mask(N, vertical, slash, FILL_GAPS),
+                A.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=FILL_GAPS))
     blocks = E.block_sparse_index(q, k, pattern.top_k, block=pattern.block, sink_blocks=pattern.sink_blocks,
                                   force_diagonal=pattern.force_diagonal)
     return (M.block_sparse_mask(N, blocks, pattern.block),

@@ -27,14 +27,23 @@ import torch.nn.functional as F
 from minference._checks import capturing, check_qkv, check_ragged, default_scale
 from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
+from minference.reference.masks import check_fill_gaps
 
-__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "BACKENDS", "resolve_backend"]
+__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend"]
 
 #: Prompts shorter than this many tokens run dense attention. From one H200 run (Hq=32,
 #: Hkv=8, D=128, bf16, vertical-slash (1000, 6096) end to end vs cuDNN SDPA): sparse loses at 32K
 #: (0.71x) and wins at 128K (3.06x); the crossover interpolated from both is ~46K (docs/dispatch.md).
 DENSE_THRESHOLD = 49152
 BACKENDS = ("auto", "triton", "torch")
+#: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
+#: kernel runs (:func:`minference.reference.masks.slash_set`). 127 = the GPU query tile minus one:
+#: every gap inside a slash run is filled, so runs are hole-free and their tiles run unmasked,
+#: and no key tile is added (the holes sit inside key ranges the kernel reads anyway). The
+#: estimator's offsets are dense near the diagonal with scattered holes near the edge of the
+#: band; unfilled, those holes mask nearly every range tile (a masked tile costs ~2x an unmasked
+#: one on the H200). Filling only adds candidates, so captured mass can only grow. 0 disables it.
+FILL_GAPS = 127
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -106,6 +115,8 @@ def sparse_prefill(
     head_offset: int = 0,
     dense_threshold: int | None = None,
     backend: str = "auto",
+    fill_gaps: int = FILL_GAPS,
+    dense_over: float | None = None,
 ) -> torch.Tensor:
     """Prefill attention of one layer with each head's sparse pattern.
 
@@ -120,6 +131,12 @@ def sparse_prefill(
         dense_threshold: run dense attention when ``N`` is below this (default
             :data:`DENSE_THRESHOLD`; 0 forces the sparse path).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
+        fill_gaps: vertical-slash offsets are closed over gaps of at most this many missing
+            offsets (default :data:`FILL_GAPS`; both backends compute the same filled set).
+        dense_over: Triton backend only: a vertical-slash head whose converted index runs more
+            than ``dense_over`` times the dense causal key tiles computes dense causal attention
+            instead (:func:`minference.kernels.convert.convert_vertical_slash`; decided on the
+            device, no sync). ``None`` (default): never.
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype.
@@ -134,8 +151,11 @@ def sparse_prefill(
     scale = default_scale(D, scale)
     if not capturing():  # value checks once here; everything below runs with validate=False
         check_ragged(seqlens, seqstarts, B, N, q.device)
+    check_fill_gaps(fill_gaps)
     if name == "triton":
         _check_triton_plan(groups, q)
+    elif dense_over is not None:
+        raise ValueError("dense_over needs the triton backend (the torch backend has no tile cost model)")
     if N < dense_threshold or all(g.group.kind == "dense" for g in groups):
         return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name)
     ops = _ops(name)
@@ -149,7 +169,9 @@ def sparse_prefill(
                        out=out, validate=False, **rows)
         elif kind == "vertical_slash":
             vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
-            ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False, **rows)
+            extra = {} if dense_over is None else {"dense_over": dense_over}
+            ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False,
+                               fill_gaps=fill_gaps, **extra, **rows)
         elif kind == "block_sparse":
             blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
             ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,

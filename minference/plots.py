@@ -29,6 +29,7 @@ from typing import TextIO
 import torch
 
 from minference._checks import check_int, check_tensor, default_scale
+from minference.dispatch import FILL_GAPS
 from minference.patterns import AShape, BlockSparse, Dense, Pattern, VerticalSlash
 
 __all__ = [
@@ -319,8 +320,9 @@ def head_mask(
     if isinstance(pattern, VerticalSlash):
         vertical, slash = TB.vertical_slash_index(
             q, k, pattern.vertical, pattern.slash, last_q=pattern.last_q, sink_columns=pattern.sink_columns,
-            local_diagonals=pattern.local_diagonals, aggregation=pattern.aggregation, scale=scale, heads=heads)
-        return M.vertical_slash_mask(N, vertical[0, 0], slash[0, 0])
+            local_diagonals=pattern.local_diagonals, aggregation=pattern.aggregation, extra_rows=pattern.extra_rows,
+            scale=scale, heads=heads)
+        return M.vertical_slash_mask(N, vertical[0, 0], slash[0, 0], FILL_GAPS)
     if isinstance(pattern, BlockSparse):
         blocks = TB.block_sparse_index(
             q, k, pattern.top_k, block=pattern.block, sink_blocks=pattern.sink_blocks,

@@ -36,8 +36,9 @@ from minference.config import (
     hardware_string,
     model_signature,
 )
+from minference.dispatch import FILL_GAPS
 from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
-from minference.reference.masks import _scatter_set
+from minference.reference.masks import _scatter_set, slash_set
 from minference.torch_backend import block_sparse_index, vertical_slash_index
 
 __all__ = [
@@ -140,12 +141,14 @@ def candidate_patterns(
 
 def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(columns [H, n], offsets [H, n])`` bool: the online builder's vertical-slash index for
-    ``q, k [H, n, D]``, as sets."""
+    ``q, k [H, n, D]``, as the sets the dispatcher runs (offsets closed over gaps of at most
+    :data:`~minference.dispatch.FILL_GAPS`)."""
     n = q.shape[1]
     v_idx, s_idx = vertical_slash_index(
         q[None], k[None], p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
-        local_diagonals=p.local_diagonals, aggregation=p.aggregation, scale=scale, validate=False)
-    return _scatter_set(n, v_idx[0]), _scatter_set(n, s_idx[0])
+        local_diagonals=p.local_diagonals, aggregation=p.aggregation, extra_rows=p.extra_rows, scale=scale,
+        validate=False)
+    return _scatter_set(n, v_idx[0]), slash_set(n, s_idx[0], FILL_GAPS)
 
 
 def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ from minference._checks import check_index, check_qkv, check_ragged, check_tenso
 from minference.index import build_block_sparse_index, build_vertical_slash_index
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 from minference.reference.attention import head_ids, per_head_budget
-from minference.reference.masks import _scatter_set
+from minference.reference.masks import _scatter_set, check_fill_gaps, slash_set
 
 __all__ = [
     "ashape_attention",
@@ -69,13 +69,14 @@ def ashape_rows_mask(i0: int, i1: int, n: int, sink: torch.Tensor, window: torch
     return (j <= i) & ((j < g) | (j > i - w))
 
 
-def vertical_slash_rows_mask(i0: int, i1: int, n: int, vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
+def vertical_slash_rows_mask(i0: int, i1: int, n: int, vertical: torch.Tensor, slash: torch.Tensor,
+                             fill_gaps: int = 0) -> torch.Tensor:
     """Rows ``i0..i1-1`` of :func:`minference.reference.masks.vertical_slash_mask` over keys
     ``0..n-1``: ``vertical [..., NV]``, ``slash [..., NS]`` -> ``[..., i1-i0, n]``."""
     i, j = _positions(i0, i1, n, vertical.device)
     width = max(n, i1)
     cols = _scatter_set(width, vertical)[..., :n]  # [..., n]
-    diags = _scatter_set(width, slash)  # [..., width]
+    diags = slash_set(width, slash, fill_gaps)  # [..., width]
     offset = (i - j).clamp(min=0)  # [rows, n]
     return (diags[..., offset] | cols[..., None, :]) & (j <= i)
 
@@ -172,15 +173,18 @@ def vertical_slash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, *,
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-    validate: bool = True,
+    validate: bool = True, fill_gaps: int = 0,
 ):
-    """Vertical-slash attention on logical ``vertical [B,Hg,NV]`` / ``slash [B,Hg,NS]`` (-1 padded).
-    Shapes as :func:`minference.kernels.vertical_slash_attention`."""
+    """Vertical-slash attention on logical ``vertical [B,Hg,NV]`` / ``slash [B,Hg,NS]`` (-1 padded),
+    offsets closed over gaps of at most ``fill_gaps``. Shapes as
+    :func:`minference.kernels.vertical_slash_attention`."""
     B, Hq, _, N, _ = check_qkv(q, k, v)
     ids = _ids(heads, Hq)
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
-    return _attend(q, k, v, ids, lambda b, i0, i1: vertical_slash_rows_mask(i0, i1, i1, vertical[b], slash[b]),
+    check_fill_gaps(fill_gaps)
+    return _attend(q, k, v, ids,
+                   lambda b, i0, i1: vertical_slash_rows_mask(i0, i1, i1, vertical[b], slash[b], fill_gaps),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
 
 

@@ -17,6 +17,7 @@ from minference.reference.masks import (
     block_sparse_mask,
     causal_mask,
     length_mask,
+    slash_set,
     vertical_slash_mask,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "dense_attention_probs",
     "length_mask",
     "masked_attention",
+    "slash_set",
     "vertical_slash_attention",
     "vertical_slash_mask",
 ]

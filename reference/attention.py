@@ -211,7 +211,7 @@ def ashape_attention(
 
 def vertical_slash_attention(
     q, k, v, vertical, slash, *, scale=None, seqlens=None, seqstarts=None, heads=None,
-    compute_dtype=torch.float64, return_lse=False,
+    compute_dtype=torch.float64, return_lse=False, fill_gaps=0,
 ):
     """Vertical-slash attention in float64.
 
@@ -219,12 +219,14 @@ def vertical_slash_attention(
         vertical: ``[B, Hg, NV]`` int key columns (logical positions), -1 padded, one row per
             computed head (``Hg = len(heads)`` or ``Hq``).
         slash: ``[B, Hg, NS]`` int diagonal offsets ``δ = i - j``, -1 padded.
+        fill_gaps: the offsets are closed over gaps of at most this many offsets
+            (:func:`minference.reference.masks.slash_set`).
     """
     B, Hq, _, N, _ = check_qkv(q, k, v)
     ids = head_ids(heads, Hq)
     check_index("vertical", vertical, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
     check_index("slash", slash, rank=3, lead=(B, len(ids)), device=q.device, upper=N)
-    masks = vertical_slash_mask(N, vertical, slash)
+    masks = vertical_slash_mask(N, vertical, slash, fill_gaps)
     return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
 
 

@@ -21,6 +21,8 @@ __all__ = [
     "ashape_mask",
     "vertical_slash_mask",
     "block_sparse_mask",
+    "slash_set",
+    "check_fill_gaps",
 ]
 
 _INT = (torch.int32, torch.int64)
@@ -70,12 +72,42 @@ def _scatter_set(n: int, idx: torch.Tensor) -> torch.Tensor:
     return target[..., :n]
 
 
-def vertical_slash_mask(n: int, vertical: torch.Tensor, slash: torch.Tensor) -> torch.Tensor:
+def check_fill_gaps(fill_gaps: object) -> int:
+    """``fill_gaps`` must be a non-negative int (``0``: no filling)."""
+    if isinstance(fill_gaps, bool) or not isinstance(fill_gaps, int) or fill_gaps < 0:
+        raise ValueError(f"fill_gaps must be a non-negative int, got {fill_gaps!r}")
+    return fill_gaps
+
+
+def slash_set(n: int, slash: torch.Tensor, fill_gaps: int = 0) -> torch.Tensor:
+    """``[..., n]`` bool: the chosen offsets ``D`` of ``slash [..., NS]`` (-1 padded, entries
+    outside ``[0, n)`` dropped), with every **gap** of at most ``fill_gaps`` missing offsets
+    between two chosen ones filled: offset ``x`` is added when the nearest chosen offsets below
+    and above it, ``a < x < b``, satisfy ``b - a - 1 <= fill_gaps``.
+
+    Filling never adds a tile the vertical-slash kernel would not visit anyway when
+    ``fill_gaps < block_m`` (such gaps lie inside one slash run, whose key range is read whole),
+    but it turns holey runs into solid ones that run without masks; it only adds candidates, so
+    captured attention mass can only grow.
+    """
+    fill_gaps = check_fill_gaps(fill_gaps)
+    chosen = _scatter_set(n, slash)
+    if fill_gaps == 0 or n == 0:
+        return chosen
+    pos = torch.arange(n, device=slash.device)
+    below = torch.where(chosen, pos, -1).cummax(-1).values  # nearest chosen <= x
+    above = torch.where(chosen, pos, n).flip(-1).cummin(-1).values.flip(-1)  # nearest chosen >= x
+    return chosen | ((below >= 0) & (above < n) & (above - below - 1 <= fill_gaps))
+
+
+def vertical_slash_mask(n: int, vertical: torch.Tensor, slash: torch.Tensor, fill_gaps: int = 0) -> torch.Tensor:
     """``[..., n, n]`` vertical-slash: ``{j ∈ C: j <= i} ∪ {i - δ: δ ∈ D, i - δ >= 0}``.
 
     Args:
         vertical: ``[..., NV]`` key columns ``C`` (absolute positions), -1 padded.
         slash: ``[..., NS]`` diagonal offsets ``D`` (``δ = i - j``), -1 padded.
+        fill_gaps: ``D`` is first closed over gaps of at most this many offsets
+            (:func:`slash_set`).
     """
     _check_n(n)
     check_tensor("vertical", vertical, dtypes=_INT)
@@ -85,7 +117,7 @@ def vertical_slash_mask(n: int, vertical: torch.Tensor, slash: torch.Tensor) -> 
             f"vertical and slash must share leading dims, got {tuple(vertical.shape)} and {tuple(slash.shape)}"
         )
     cols = _scatter_set(n, vertical)  # [..., n]
-    diags = _scatter_set(n, slash)  # [..., n]
+    diags = slash_set(n, slash, fill_gaps)  # [..., n]
     i = torch.arange(n, device=vertical.device)[:, None]
     j = torch.arange(n, device=vertical.device)[None, :]
     causal = j <= i

@@ -199,7 +199,7 @@ def test_conversion_with_fallback_is_capturable():
     n, B, H = 4096 + 37, 2, 4
     g = torch.Generator(device="cuda").manual_seed(0)
     vertical = torch.randint(0, n, (B, H, 64), generator=g, device="cuda", dtype=torch.int32)
-    far = torch.arange(0, n, 129, device="cuda", dtype=torch.int32)[:256]  # scattered: replaced
+    far = torch.arange(0, 16 * 256, 16, device="cuda", dtype=torch.int32)  # scattered over n: replaced
     local = torch.arange(256, device="cuda", dtype=torch.int32)  # local: kept
     slash = torch.stack([far, local]).repeat(H // 2, 1).expand(B, H, 256).contiguous()
     kw = dict(block_m=128, dense_over=DENSE_OVER, block_n=64)

@@ -36,7 +36,8 @@ def _builders(backend: str):
     return estimate if backend == "triton" else tb
 
 
-def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders, compute_dtype):
+def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders, compute_dtype,
+              fill_gaps=dispatch.FILL_GAPS):
     """Head by head, independently of the dispatcher's grouping: the pattern's index from the
     builder for that head alone, then the float64 (or same-dtype) reference twin."""
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
@@ -50,8 +51,9 @@ def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, bui
         elif isinstance(p, VerticalSlash):
             vi, si = builders.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q,
                                                    sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
-                                                   aggregation=p.aggregation, heads=one, **rows)
-            o = ref.vertical_slash_attention(q, k, v, vi, si, **kw)
+                                                   aggregation=p.aggregation, extra_rows=p.extra_rows,
+                                                   heads=one, **rows)
+            o = ref.vertical_slash_attention(q, k, v, vi, si, fill_gaps=fill_gaps, **kw)
         elif isinstance(p, BlockSparse):
             bi = builders.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks,
                                              force_diagonal=p.force_diagonal, heads=one, **rows)
@@ -118,6 +120,43 @@ def test_one_launch_per_group(monkeypatch) -> None:
     ])
     groups = group_heads(PLAN, 9)
     assert [g.heads for g in groups if g.kind == "vertical_slash"] == [(0, 3), (5,)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fill_gaps_is_the_same_set_on_both_backends(backend: str) -> None:
+    """Sparse slash sets with short gaps: each fill_gaps value gives its own reference set."""
+    shape = AttnShape(B=1, Hq=4, Hkv=2, N=96, D=16)
+    q, k, v = qkv(shape, torch.float32, "cpu", seed=5)
+    plan = [VerticalSlash(vertical=3, slash=9, last_q=8, sink_columns=1, local_diagonals=1)] * 4
+    kw = dict(builders=_builders(backend))
+    outs = []
+    for fill in (0, 6):
+        out = sparse_prefill(q, k, v, plan, dense_threshold=0, backend=backend, fill_gaps=fill)
+        r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, fill_gaps=fill, **kw)
+        rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, fill_gaps=fill, **kw)
+        assert_close_to_reference(out, r64, rsame)
+        outs.append(out)
+    assert not torch.allclose(outs[0], outs[1]), "filling changed nothing: the test does not exercise it"
+
+
+@pytest.mark.interpret
+def test_dense_over_routes_heads_to_dense() -> None:
+    """dense_over=0 replaces every vertical-slash head (its tiles exceed 0 x dense) by dense causal
+    attention; the torch backend refuses the option."""
+    shape = AttnShape(B=2, Hq=4, Hkv=2, N=80, D=16)
+    q, k, v = qkv(shape, torch.float32, "cpu", seed=6)
+    plan = [VerticalSlash(vertical=2, slash=3, last_q=8)] * 2 + [AShape(sink=1, window=4)] * 2
+    out = sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", dense_over=0.0)
+    dense64 = ref.dense_attention(q, k, v)
+    dense32 = ref.dense_attention(q, k, v, compute_dtype=torch.float32)
+    assert_close_to_reference(out[:, :2], dense64[:, :2], dense32[:, :2])
+    a64 = ref.ashape_attention(q, k, v, 1, 4)
+    a32 = ref.ashape_attention(q, k, v, 1, 4, compute_dtype=torch.float32)
+    assert_close_to_reference(out[:, 2:], a64[:, 2:], a32[:, 2:])
+    with pytest.raises(ValueError, match="dense_over needs the triton backend"):
+        sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch", dense_over=0.5)
+    with pytest.raises(ValueError, match="fill_gaps"):
+        sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch", fill_gaps=-2)
 
 
 @pytest.mark.parametrize("ragged", [False, True])

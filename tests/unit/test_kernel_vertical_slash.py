@@ -29,6 +29,17 @@ def test_vertical_slash_matches_reference(data):
 
 
 @given(data=st.data())
+def test_filled_gaps_match_reference(data):
+    """Gap filling (below, at and above the query tile) computes exactly the filled set."""
+    p = problem(data)
+    s = p["shape"]
+    vertical, slash = data.draw(vertical_slash_indices(s.B, p["Hg"], s.N), label="index")
+    fill = data.draw(st.sampled_from((1, 5, 15, 40, 127, 300)), label="fill_gaps")
+    run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash,
+                  fill_gaps=fill)
+
+
+@given(data=st.data())
 def test_dense_slash_band_runs_unmasked_tiles(data):
     """Local bands wide enough that whole tiles lie on chosen diagonals (the unmasked path)."""
     p = problem(data)
@@ -71,10 +82,11 @@ def test_converter_is_exact(data):
     """Physical tiles, expanded back to pairs, visit each logical pair exactly once and nothing else."""
     n = data.draw(st.integers(1, 90), label="n")
     block_m = data.draw(st.sampled_from((1, 4, 16, 64)), label="block_m")
+    fill = data.draw(st.sampled_from((0, 0, 1, 3, 16, 40)), label="fill_gaps")
     vertical, slash = data.draw(vertical_slash_indices(2, 2, n), label="index")
-    index = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m)
+    index = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m, fill_gaps=fill)
     visits = kernels.vs_index_to_dense(index)
-    want = ref.vertical_slash_mask(n, vertical, slash)
+    want = ref.vertical_slash_mask(n, vertical, slash, fill)
     assert int(visits.max()) <= 1, "a (query, key) pair is visited twice"
     assert torch.equal(visits.bool(), want)
     # the leftover columns of a block are distinct, ascending, causal for the block and outside its ranges
@@ -83,7 +95,9 @@ def test_converter_is_exact(data):
             runs = [(int(a), int(z)) for a, z in zip(index.run_start[b, h, : int(index.run_count[b, h])],
                                                       index.run_end[b, h, : int(index.run_count[b, h])])]
             assert all(z >= a for a, z in runs)
-            assert all(nxt[0] - prev[1] > block_m for prev, nxt in zip(runs, runs[1:]))
+            assert all(nxt[0] - prev[1] > max(block_m, fill + 1) for prev, nxt in zip(runs, runs[1:]))
+            if fill >= block_m - 1:  # every run is hole-free: the kernel masks only its edge tiles
+                assert all(bool(index.diag_mask[b, h, a : z + 1].all()) for a, z in runs)
             for I in range(-(-n // block_m)):
                 m0 = I * block_m
                 cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()

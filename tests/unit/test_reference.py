@@ -27,6 +27,7 @@ from minference.reference.masks import (
     block_sparse_mask,
     causal_mask,
     length_mask,
+    slash_set,
     vertical_slash_mask,
 )
 
@@ -489,3 +490,25 @@ def test_mask_function_errors() -> None:
         masked_attention(q, k, v, causal_mask(5).to("meta"))
     with pytest.raises(ValueError, match="mask"):
         masked_attention(q, k, v, causal_mask(4))
+
+
+def test_slash_set_fills_short_gaps_only():
+    """Brute force: x is added iff its nearest chosen neighbours a < x < b have b - a - 1 <= G."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        slash = torch.randint(-1, n + 3, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g)
+        G = trial % 7
+        chosen = {int(x) for x in slash if 0 <= int(x) < n}
+        want = set(chosen)
+        for x in range(n):
+            below = [a for a in chosen if a < x]
+            above = [b for b in chosen if b > x]
+            if below and above and min(above) - max(below) - 1 <= G:
+                want.add(x)
+        got = slash_set(n, slash, G)
+        assert {i for i in range(n) if got[i]} == want, (n, slash.tolist(), G)
+    assert torch.equal(slash_set(10, torch.tensor([2, 7]), 3), slash_set(10, torch.tensor([2, 7]), 0))
+    assert slash_set(10, torch.tensor([2, 7]), 4)[2:8].all()
+    with pytest.raises(ValueError, match="fill_gaps"):
+        slash_set(10, torch.tensor([2]), -1)

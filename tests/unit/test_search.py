@@ -7,10 +7,11 @@ import pytest
 import torch
 from minference.reference import estimators as E
 from minference.reference.attention import dense_attention_probs
-from minference.reference.masks import ashape_mask, block_sparse_mask, vertical_slash_mask
+from minference.reference.masks import ashape_mask, block_sparse_mask, slash_set, vertical_slash_mask
 
 from minference import search as S
 from minference.config import PatternConfig, validate_schema
+from minference.dispatch import FILL_GAPS
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
 
@@ -29,7 +30,8 @@ def test_vertical_slash_choice_matches_reference(agg, v, s, sink, local, last_q)
                                           local_diagonals=local, aggregation=agg)
     for h in range(q.shape[0]):
         assert set(torch.nonzero(cols[h]).flatten().tolist()) == {x for x in v_idx[0, h].tolist() if x >= 0}
-        assert set(torch.nonzero(offs[h]).flatten().tolist()) == {x for x in s_idx[0, h].tolist() if x >= 0}
+        filled = slash_set(q.shape[1], s_idx[0, h], FILL_GAPS)  # the set the dispatcher runs
+        assert set(torch.nonzero(offs[h]).flatten().tolist()) == set(torch.nonzero(filled).flatten().tolist())
 
 
 @pytest.mark.parametrize("top_k, sink, diag", [(3, 1, True), (1, 0, True), (4, 2, False), (20, 0, True)])
@@ -52,7 +54,7 @@ def test_masses_equal_reference_masks():
     mass, dens = S.head_scores(q, k, cands)
     v_idx, s_idx = E.vertical_slash_index(q[None], k[None], 8, 10, last_q=16, sink_columns=30, local_diagonals=100)
     blocks = E.block_sparse_index(q[None], k[None], 3, block=16, sink_blocks=1)
-    masks = [ashape_mask(n, 4, 20).expand(4, n, n), vertical_slash_mask(n, v_idx, s_idx)[0],
+    masks = [ashape_mask(n, 4, 20).expand(4, n, n), vertical_slash_mask(n, v_idx, s_idx, FILL_GAPS)[0],
              block_sparse_mask(n, blocks, 16)[0], torch.ones(n, n, dtype=torch.bool).tril().expand(4, n, n)]
     for c, m in enumerate(masks):
         want = (probs * m).sum(dim=(1, 2)) / n
