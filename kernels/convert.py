@@ -23,7 +23,9 @@ Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
 
 * ``run_start, run_end [B, H, R]`` int32: ``δa``, ``δb`` of each run (ascending), -1 past
   ``run_count [B, H]``.
-* ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``.
+* ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``; ``col_before [B, H,
+  NQB]`` int32 counts the leading ones that precede the block's first row ``m0`` (causal for
+  every row of the block: the kernel runs their full tiles without a mask).
 * ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_prefix [B, H, n + 1]``
   int32 its prefix sums (an O(1) test that a run has no hole, so the kernel runs the tiles of a
   hole-free run that lie wholly on its diagonals without any mask); ``diag_bits [B, H, NW]``
@@ -125,6 +127,7 @@ class VSIndex:
     run_count: torch.Tensor
     col_index: torch.Tensor
     col_count: torch.Tensor
+    col_before: torch.Tensor
     diag_mask: torch.Tensor
     diag_prefix: torch.Tensor
     diag_bits: torch.Tensor
@@ -184,6 +187,7 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
         run_count=torch.ones(1, 1, dtype=torch.int32, device=device),
         col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
         col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
+        col_before=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         diag_mask=diag_mask,
         diag_prefix=diag_prefix,
         diag_bits=diag_bits,
@@ -288,6 +292,7 @@ def convert_vertical_slash(
     inside = cover[..., None, :].expand(B, H, nqb, span).gather(-1, y.clamp(0, span - 1))
     keep = c_first[..., None, :] & (y >= 0) & ~inside
     col_index, col_count = _compact(c[..., None, :].expand(B, H, nqb, NV), keep)
+    col_before = ((col_index >= 0) & (col_index < m0[:, None])).sum(-1, dtype=torch.int32)
     index = VSIndex(
         block_m=block_m,
         n=n,
@@ -296,6 +301,7 @@ def convert_vertical_slash(
         run_count=run_count,
         col_index=col_index,
         col_count=col_count,
+        col_before=col_before,
         diag_mask=diag_mask,
         diag_prefix=diag_prefix,
         diag_bits=diag_bits,

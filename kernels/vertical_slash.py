@@ -73,7 +73,7 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
 def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
-            run_start, run_end, run_count, col_index, col_count, diag_prefix, diag_bits, col_mask,
+            run_start, run_end, run_count, col_index, col_count, col_before, diag_prefix, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
@@ -139,9 +139,16 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
                                         skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, bits_base,
                                         cm_base, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
-    # leftover vertical columns of this block (ascending, none inside a key range)
+    # leftover vertical columns of this block (ascending, none inside a key range): whole tiles of
+    # columns before the block's first row are causal for every row and run unmasked
     nc = tl.load(col_count + bg * n_qblk + qblk)
-    for t in range(0, nc, BLOCK_N):
+    n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // BLOCK_N) * BLOCK_N
+    for t in range(0, n_unmasked, BLOCK_N):
+        cols = tl.load(ci_base + t + offs_n)  # [BN], every entry a column < m0
+        k, v = _load_kv(k_base, v_base, cols, cols >= 0, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
+        s = _scores(q, k, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+    for t in range(n_unmasked, nc, BLOCK_N):
         idx = t + offs_n
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
@@ -199,7 +206,7 @@ def vertical_slash_attention_physical(
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _vs_fwd[prep.grid()](
             q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
-            index.run_start, index.run_end, index.run_count, index.col_index, index.col_count,
+            index.run_start, index.run_end, index.run_count, index.col_index, index.col_count, index.col_before,
             index.diag_prefix, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,

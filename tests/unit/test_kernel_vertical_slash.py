@@ -102,6 +102,7 @@ def test_converter_is_exact(data):
                 m0 = I * block_m
                 cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()
                 assert cols == sorted(set(cols)) and all(0 <= c <= m0 + block_m - 1 for c in cols)
+                assert int(index.col_before[b, h, I]) == sum(c < m0 for c in cols)
                 assert not any(m0 - z <= c <= m0 + block_m - 1 - a for c in cols for a, z in runs)
 
 
