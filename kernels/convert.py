@@ -175,15 +175,18 @@ def _diag_tables(diag_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
     """The dense causal index of one head, ``[1, 1]`` leading dims: one run ``[0, n - 1]``, no columns."""
-    runs = torch.full((1, 1, R), -1, dtype=torch.int32, device=device)
+    run_start = torch.full((1, 1, R), -1, dtype=torch.int32, device=device)
+    run_end = run_start.clone()
+    run_start[..., 0] = 0  # device fills: no host tensor is copied (capturable)
+    run_end[..., 0] = n - 1
     diag_mask = torch.ones(1, 1, n, dtype=torch.int8, device=device)
     diag_prefix, diag_bits = _diag_tables(diag_mask)
     nqb = -(-n // block_m)
     return VSIndex(
         block_m=block_m,
         n=n,
-        run_start=runs.index_fill(-1, torch.tensor([0], device=device), 0),
-        run_end=runs.index_fill(-1, torch.tensor([0], device=device), n - 1),
+        run_start=run_start,
+        run_end=run_end,
         run_count=torch.ones(1, 1, dtype=torch.int32, device=device),
         col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
         col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
