@@ -31,10 +31,13 @@ from minference.reference.masks import check_fill_gaps
 
 __all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend"]
 
-#: Prompts shorter than this many tokens run dense attention. From one H200 run (Hq=32,
-#: Hkv=8, D=128, bf16, vertical-slash (1000, 6096) end to end vs cuDNN SDPA): sparse loses at 32K
-#: (0.71x) and wins at 128K (3.06x); the crossover interpolated from both is ~46K (docs/dispatch.md).
-DENSE_THRESHOLD = 49152
+#: Prompts shorter than this many tokens run dense attention. H200 runs of
+#: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash
+#: (1000, 6096) end to end vs cuDNN SDPA; docs/dispatch.md): sparse runs at 0.41x dense speed at
+#: 16K, 0.66x at 24K, 1.09x at 32K and 2.03x at 64K; the crossover interpolates to ~30K, so 32K is
+#: the first power-of-two length where the sparse path was measured faster. (A-shape alone wins
+#: from 16K: 2.20 vs 3.76 ms; the threshold is per layer and follows the vertical-slash budget.)
+DENSE_THRESHOLD = 32768
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
 #: kernel runs (:func:`minference.reference.masks.slash_set`). 127 = the GPU query tile minus one:
