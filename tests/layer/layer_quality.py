@@ -136,14 +136,16 @@ def region_mass(probs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure_layer(layer: int, q, k, v, scale: float, pattern: Pattern, name: str) -> list[HeadRow]:
-    """Per-head quality of ``pattern`` on one captured layer (torch backend, float32)."""
+    """Per-head quality of ``pattern`` on one captured layer (torch backend, float32). The sets
+    are the builders' exact ones (``fill_gaps=0``), so mass, oracle gap and output error all
+    describe the same candidates; the dispatcher's default gap filling only adds to them."""
     n, Hq = q.shape[2], q.shape[1]
     probs = dense_probs(q, k, scale)
     online = online_mask(pattern, q, k, scale)
     oracle = oracle_mask(pattern, probs)
     causal = n * (n + 1) / 2
     dense = tb.dense_attention(q, k, v, scale=scale)
-    sparse = sparse_prefill(q, k, v, [pattern] * Hq, scale=scale, dense_threshold=0, backend="torch")
+    sparse = sparse_prefill(q, k, v, [pattern] * Hq, scale=scale, dense_threshold=0, backend="torch", fill_gaps=0)
     masses = region_mass(probs, online)
     oracle_mass = torch.stack(region_mass(probs, oracle)).mean(0)
     rows = []
