@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_kernel_common import DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, DEVICE, problem, run_and_check
 
 from minference import kernels
 from minference import reference as ref
@@ -16,9 +16,10 @@ from minference.testing.strategies import ashape_budgets, tp_offsets
 pytestmark = pytest.mark.triton
 
 
+@pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
-def test_ashape_matches_reference(data):
-    p = problem(data)
+def test_ashape_matches_reference(data, combo):
+    p = problem(data, combo=combo)
     head_offset, H_global = data.draw(tp_offsets(p["shape"].Hq), label="tp")
     sink, window = data.draw(ashape_budgets(H_global, max_n=p["shape"].N), label="budgets")
     run_and_check(p, kernels.ashape_attention, ref.ashape_attention, sink, window, head_offset=head_offset)

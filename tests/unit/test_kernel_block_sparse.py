@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels.block_sparse import normalize_blocks
-from test_kernel_common import CUDA, DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, CUDA, DEVICE, problem, run_and_check
 
 from minference import kernels
 from minference import reference as ref
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.triton
 BLOCKS = (32, 64, 128) if CUDA else (16, 32)
 
 
+@pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
-def test_block_sparse_matches_reference(data):
-    p = problem(data)
+def test_block_sparse_matches_reference(data, combo):
+    p = problem(data, combo=combo)
     block = data.draw(st.sampled_from(BLOCKS), label="block")
     s = p["shape"]
     blocks = data.draw(block_sparse_indices(s.B, p["Hg"], s.N, block), label="blocks")

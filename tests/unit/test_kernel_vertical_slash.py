@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_kernel_common import DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, DEVICE, problem, run_and_check
 
 from minference import kernels
 from minference import reference as ref
@@ -20,18 +20,20 @@ from minference.testing.strategies import AttnShape, qkv, vertical_slash_indices
 pytestmark = pytest.mark.triton
 
 
+@pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
-def test_vertical_slash_matches_reference(data):
-    p = problem(data)
+def test_vertical_slash_matches_reference(data, combo):
+    p = problem(data, combo=combo)
     s = p["shape"]
     vertical, slash = data.draw(vertical_slash_indices(s.B, p["Hg"], s.N), label="index")
     run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
 
 
+@pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
-def test_filled_gaps_match_reference(data):
+def test_filled_gaps_match_reference(data, combo):
     """Gap filling (below, at and above the query tile) computes exactly the filled set."""
-    p = problem(data)
+    p = problem(data, combo=combo)
     s = p["shape"]
     vertical, slash = data.draw(vertical_slash_indices(s.B, p["Hg"], s.N), label="index")
     fill = data.draw(st.sampled_from((1, 5, 15, 40, 127, 300)), label="fill_gaps")
@@ -39,10 +41,11 @@ def test_filled_gaps_match_reference(data):
                   fill_gaps=fill)
 
 
+@pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
-def test_dense_slash_band_runs_unmasked_tiles(data):
+def test_dense_slash_band_runs_unmasked_tiles(data, combo):
     """Local bands wide enough that whole tiles lie on chosen diagonals (the unmasked path)."""
-    p = problem(data)
+    p = problem(data, combo=combo)
     s = p["shape"]
     width = data.draw(st.integers(1, s.N), label="band")
     slash = torch.arange(width, dtype=torch.int32).expand(s.B, p["Hg"], width).contiguous()
