@@ -46,6 +46,7 @@ import torch
 from minference._checks import token_mask
 from minference.config import PatternConfig, load_config, model_signature
 from minference.patterns import Dense, Pattern
+from minference.reference.masks import check_fill_gaps
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -93,6 +94,7 @@ class LayerState:
     head_offset: int = 0
     dense_threshold: int | None = None
     backend: str = "auto"
+    fill_gaps: int | None = None
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     observer: Callable | None = None
 
@@ -192,6 +194,7 @@ def minference_attention(
     out = sparse_prefill(
         query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
         head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
+        **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
     )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
     return out.transpose(1, 2), None
 
@@ -240,6 +243,7 @@ def patch(
     allow_mismatch: bool = False,
     check_fingerprint: bool = True,
     check_partition: bool | None = None,
+    fill_gaps: int | None = None,
 ) -> torch.nn.Module:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
@@ -254,6 +258,8 @@ def patch(
         dense_threshold: prompts shorter than this run dense (``None``:
             :data:`minference.dispatch.DENSE_THRESHOLD`; 0 always runs sparse).
         backend: dispatcher backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        fill_gaps: vertical-slash gap filling passed to the dispatcher (``None``: its default
+            :data:`minference.dispatch.FILL_GAPS`; 0 runs the estimator's exact sets).
         head_offset: global id of local query head 0 (a tensor-parallel shard of the model).
         check_fingerprint: hash the weights to compare with the config's fingerprint (a
             tensor-parallel shard hashes differently from the full model: pass False there).
@@ -275,6 +281,8 @@ def patch(
         raise ValueError(f"dense_threshold must be a non-negative int or None, got {dense_threshold!r}")
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if fill_gaps is not None:
+        check_fill_gaps(fill_gaps)
     if is_patched(model):
         unpatch(model)
     modules = _attention_modules(model)
@@ -302,7 +310,7 @@ def patch(
             )
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
-        setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend))
+        setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps))
     first = min(modules)
     local, total = _local_heads(modules[first], cfg), len(config.plan(first))
     if check_partition is None:

@@ -269,6 +269,33 @@ def test_dynamic_patterns_route_and_stay_finite():
     assert not torch.equal(got, dense)
 
 
+def test_fill_gaps_reaches_the_dispatcher(monkeypatch):
+    """patch(fill_gaps=...) is what every sparse layer's dispatcher call receives; None keeps the
+    dispatcher's default."""
+    from minference import dispatch
+
+    model = tiny_model("llama")
+    plan = [[VerticalSlash(vertical=2, slash=6, last_q=16, sink_columns=0, local_diagonals=1)] * HEADS
+            for _ in range(LAYERS)]
+    cfg = PatternConfig(model_signature(model), plan)
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(4))
+    seen = []
+    real = dispatch.sparse_prefill
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("fill_gaps", "default"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "sparse_prefill", spy)
+    outs = {}
+    for fill in (None, 0, 3):
+        I.patch(model, cfg, dense_threshold=0, fill_gaps=fill)
+        outs[fill] = logits(model, ids)
+        I.unpatch(model)
+    assert seen == ["default"] * LAYERS + [0] * LAYERS + [3] * LAYERS
+    assert not torch.equal(outs[0], outs[None]), "the default filling changed nothing on this input"
+
+
 def test_patch_checks_the_config_against_the_model(tmp_path):
     model = tiny_model("llama")
     other = tiny_model("llama", seed=1)
@@ -298,6 +325,7 @@ def test_patch_checks_the_config_against_the_model(tmp_path):
         (dict(layers=[5]), ValueError, "layers"),
         (dict(dense_threshold=-1), ValueError, "dense_threshold"),
         (dict(head_offset=-2), ValueError, "head_offset"),
+        (dict(fill_gaps=-1), ValueError, "fill_gaps"),
     ],
 )
 def test_bad_arguments(kwargs, error, needle):
