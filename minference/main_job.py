@@ -134,7 +134,8 @@ def run_main_job(
 
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
     (:data:`minference.dispatch.DENSE_THRESHOLD`, 32K tokens) would run this 4K prompt dense.
-    ``loaded``: an already loaded ``(model, tokenizer)`` from :func:`minference.models.load_smollm2` (unpatched; it is left unpatched).
+    ``loaded``: an already loaded ``(model, tokenizer)`` from
+    :func:`minference.models.load_smollm2` (unpatched; it is left unpatched).
     """
     from tqdm.auto import tqdm
 
