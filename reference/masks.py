@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minference._checks import check_tensor
+from minference._checks import check_int, check_tensor
 
 __all__ = [
     "causal_mask",
@@ -74,9 +74,7 @@ def _scatter_set(n: int, idx: torch.Tensor) -> torch.Tensor:
 
 def check_fill_gaps(fill_gaps: object) -> int:
     """``fill_gaps`` must be a non-negative int (``0``: no filling)."""
-    if isinstance(fill_gaps, bool) or not isinstance(fill_gaps, int) or fill_gaps < 0:
-        raise ValueError(f"fill_gaps must be a non-negative int, got {fill_gaps!r}")
-    return fill_gaps
+    return check_int("fill_gaps", fill_gaps, 0)
 
 
 def slash_set(n: int, slash: torch.Tensor, fill_gaps: int = 0) -> torch.Tensor:
