@@ -7,10 +7,15 @@ absent, verticals lying on slash diagonals.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from minference.kernels import convert
+from minference.kernels.convert import VSIndex
 from test_kernel_common import COMBOS, DEVICE, problem, run_and_check
 
 from minference import kernels
@@ -87,7 +92,8 @@ def test_converter_is_exact(data):
     block_m = data.draw(st.sampled_from((1, 4, 16, 64)), label="block_m")
     fill = data.draw(st.sampled_from((0, 0, 1, 3, 16, 40)), label="fill_gaps")
     vertical, slash = data.draw(vertical_slash_indices(2, 2, n), label="index")
-    index = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m, fill_gaps=fill)
+    index = kernels.convert_vertical_slash(vertical.to(DEVICE), slash.to(DEVICE), n, block_m=block_m, fill_gaps=fill)
+    index = VSIndex(**{f.name: _cpu(getattr(index, f.name)) for f in dataclasses.fields(VSIndex)})
     visits = kernels.vs_index_to_dense(index)
     want = ref.vertical_slash_mask(n, vertical, slash, fill)
     assert int(visits.max()) <= 1, "a (query, key) pair is visited twice"
@@ -107,6 +113,29 @@ def test_converter_is_exact(data):
                 assert cols == sorted(set(cols)) and all(0 <= c <= m0 + block_m - 1 for c in cols)
                 assert int(index.col_before[b, h, I]) == sum(c < m0 for c in cols)
                 assert not any(m0 - z <= c <= m0 + block_m - 1 - a for c in cols for a, z in runs)
+
+
+def _cpu(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+@given(data=st.data())
+def test_block_columns_kernel_matches_torch_ops(data):
+    """The converter's column lists: the Triton kernel (CUDA / interpreter) equals the torch ops
+    that CPU tensors take outside the interpreter, on distinct ascending columns with gaps."""
+    B, H = data.draw(st.integers(1, 2), label="B"), data.draw(st.integers(1, 3), label="H")
+    n = data.draw(st.integers(1, 200), label="n")
+    block_m = data.draw(st.sampled_from((1, 16, 64, 128)), label="block_m")
+    NV = data.draw(st.integers(0, 40), label="NV")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    c = torch.randint(-1, n, (B, H, NV), generator=g).sort(-1).values
+    c = torch.where(c == F.pad(c[..., :-1], (1, 0), value=-1), -1, c)  # duplicates -> -1 (as the converter)
+    cover = torch.rand(B, H, n + block_m, generator=g) < 0.3
+    nqb = -(-n // block_m)
+    got = convert._block_columns(c.to(DEVICE), cover.to(DEVICE), nqb, block_m)
+    want = convert._block_columns_torch(c, cover, nqb, block_m)
+    for name, x, y in zip(("col_index", "col_count", "col_before"), got, want):
+        assert torch.equal(x.cpu(), y), name
 
 
 def test_converter_runs_unsorted_without_offset_zero():
