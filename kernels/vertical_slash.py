@@ -35,15 +35,23 @@ from minference._checks import check_index
 
 __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "vertical_slash_block_m"]
 
+#: Software-pipeline stages of the gathered column loops on the GPU (``None``: the kernel's
+#: ``num_stages``). Not pipelined: VS local at 128K, bf16, Hkv=8 (H200, s3 run 4,
+#: ``bench_kernels.py --sweep columns``) ran 31.33 ms with 1 stage against 35.60 / 35.61 /
+#: 35.75 / 36.27 ms with 2 / 3 / 4 / 5, and 32.12 ms with the column tiles removed altogether:
+#: pipelined, the ~7% gathered tiles cost ~14% of the time.
+COLUMN_STAGES: int | None = 1
+
 
 @triton.jit
 def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows, row_ok, offs_n,
-                    offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, hi, bits_base, cm_base,
+                    offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, hi, bits_base, cm_base, solid, da, db,
                     MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
-    ending at ``hi``. Masked tiles keep ``(i - j ∈ D or j ∈ C) and j <= i``; the diagonal part comes
-    from the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
+    ending at ``hi``, of the run ``[da, db]``. Masked tiles keep ``(i - j ∈ D or j ∈ C) and j <= i``;
+    in a hole-free (``solid``) run ``i - j ∈ D`` is ``da <= i - j <= db``, otherwise it comes from
+    the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
     window assembled from two words."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
@@ -54,15 +62,19 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
             k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
         s = _scores(q, k, PREC)  # [BM, BN]
         if MASKED:
-            x0 = rows - t - (BLOCK_N - 1)  # [BM] lowest offset the row needs (may be < 0)
-            word = (x0 >> 6) + PAD_WORDS
-            shift = (x0 & 63).to(tl.uint64)
-            w0 = tl.load(bits_base + word, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
-            w1 = tl.load(bits_base + word + 1, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
-            upper = tl.where(shift == 0, 0, w1 << ((64 - shift) & 63))
-            window = (w0 >> shift) | upper  # [BM] bit b = offset x0 + b
-            bit = (BLOCK_N - 1 - offs_n).to(tl.uint64)  # [BN] offset of key t + c is x0 + BN - 1 - c
-            on_diag = ((window[:, None] >> bit[None, :]) & 1) != 0
+            if solid:  # a hole-free run: the offsets are exactly [da, db]
+                delta = rows[:, None] - cols[None, :]
+                on_diag = (delta >= da) & (delta <= db)
+            else:
+                x0 = rows - t - (BLOCK_N - 1)  # [BM] lowest offset the row needs (may be < 0)
+                word = (x0 >> 6) + PAD_WORDS
+                shift = (x0 & 63).to(tl.uint64)
+                w0 = tl.load(bits_base + word, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
+                w1 = tl.load(bits_base + word + 1, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
+                upper = tl.where(shift == 0, 0, w1 << ((64 - shift) & 63))
+                window = (w0 >> shift) | upper  # [BM] bit b = offset x0 + b
+                bit = (BLOCK_N - 1 - offs_n).to(tl.uint64)  # [BN] offset of key t + c is x0 + BN - 1 - c
+                on_diag = ((window[:, None] >> bit[None, :]) & 1) != 0
             on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
             keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
             s = tl.where(keep & row_ok[:, None], s, float("-inf"))
@@ -79,7 +91,8 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr):
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
+            COL_STAGES: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -129,26 +142,27 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo, lo + k_a * BLOCK_N, hi, bits_base,
-                                        cm_base, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        cm_base, solid, da, db, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
-                                        bits_base, cm_base, False, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        bits_base, cm_base, solid, da, db, False, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D,
+                                        PREC, DESC)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok,
                                         skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, bits_base,
-                                        cm_base, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        cm_base, solid, da, db, True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # leftover vertical columns of this block (ascending, none inside a key range): whole tiles of
     # columns before the block's first row are causal for every row and run unmasked
     nc = tl.load(col_count + bg * n_qblk + qblk)
     n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // BLOCK_N) * BLOCK_N
-    for t in range(0, n_unmasked, BLOCK_N):
+    for t in tl.range(0, n_unmasked, BLOCK_N, num_stages=COL_STAGES):
         cols = tl.load(ci_base + t + offs_n)  # [BN], every entry a column < m0
         k, v = _load_kv(k_base, v_base, cols, cols >= 0, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
         s = _scores(q, k, PREC)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
-    for t in range(n_unmasked, nc, BLOCK_N):
+    for t in tl.range(n_unmasked, nc, BLOCK_N, num_stages=COL_STAGES):
         idx = t + offs_n
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
@@ -211,6 +225,7 @@ def vertical_slash_attention_physical(
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
+            COL_STAGES=COLUMN_STAGES if q.is_cuda else None,
         )
     return finish(prep, return_lse)
 
