@@ -39,7 +39,9 @@ BLOCK_SIZES = (16, 32, 64, 128)
 #: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
 _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 #: Pipeline stages by block size (K and V tiles of a 128 block in 3 stages overflow shared memory).
-_GPU_STAGES = {16: 3, 32: 3, 64: 3, 128: 2}
+#: 64: 5 stages, 28.44 ms against 31.89 with 3 at 128K, top-100, bf16, Hkv=8 (H200, s3 run 3,
+#: ``bench_kernels.py --sweep``): each block is a random jump, so deeper prefetch hides it.
+_GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 2}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
