@@ -16,6 +16,9 @@ diagonals); every head gets the same pattern. For each length the table gives, m
   index with the dispatcher's gap filling (:data:`minference.dispatch.FILL_GAPS`);
   ``kernel_nofill`` on the estimator's exact set (holes inside runs masked);
 * ``e2e``: :func:`minference.dispatch.sparse_prefill` (all of the above plus allocation);
+* ``e2e_graph``: the same call captured once in a CUDA graph and replayed (the dispatcher never
+  synchronises with the host, so it captures): the GPU work without the host's launch cost,
+  which dominates the index build and the conversion at short lengths;
 * ``dense``: ``scaled_dot_product_attention`` under the cuDNN backend (kv heads expanded to 32
   outside the timing, since cuDNN's GQA support varies), causal.
 
@@ -124,6 +127,47 @@ def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
     return statistics.median(times)
 
 
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after a warm-up call on a side stream); returns the
+    replay. Times the same GPU work without the host's per-launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def profile(N: int, *, inputs: str) -> str:
+    """Top CUDA-time ops of one index build and one conversion at length ``N`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    q, k, v = smooth_qkv(N, seed=N) if inputs == "smooth" else (None, None, None)
+    if q is None:
+        g = torch.Generator(device="cuda").manual_seed(N)
+        q, k, v = (torch.randn(1, h, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for h in (HQ, HKV, HKV))
+    block_m = kernels.vertical_slash_block_m(q)
+
+    def step():
+        vertical, slash = estimate.vertical_slash_index(
+            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
+            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
+            vertical_width=VS.vertical, slash_width=VS.slash, validate=False)
+        return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m, fill_gaps=FILL_GAPS)
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
 def cudnn_dense(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -171,6 +215,7 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
         lambda: kernels.vertical_slash_attention_physical(q, k, v, exact, out=out, validate=False), budget_ms)
     exact = None  # free it before the end-to-end runs
     row["e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [VS] * HQ, dense_threshold=0), budget_ms)
+    row["e2e_graph"] = time_ms(graphed(lambda: sparse_prefill(q, k, v, [VS] * HQ, dense_threshold=0)), budget_ms)
     row["tiles"] = int(kernels.vs_physical_tiles(phys, 64).sum())
     if patterns:
         row["ashape_e2e"] = time_ms(lambda: sparse_prefill(q, k, v, [ASHAPE] * HQ, dense_threshold=0), budget_ms)
@@ -194,12 +239,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="lengths at which A-shape and block-sparse run end to end too")
     parser.add_argument("--budget-ms", type=float, default=BUDGET_MS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="first print the top CUDA-time ops of index + conversion at these lengths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    for N in args.profile:
+        print(f"profile of index build + conversion at N={N}:\n{profile(N, inputs=args.inputs)}", file=sys.stderr,
+              flush=True)
     rows = []
-    cols = ["inputs", "N", "index", "convert", "kernel", "kernel_nofill", "e2e", "dense", "ashape_e2e", "block_e2e",
-            "tiles"]
+    cols = ["inputs", "N", "index", "convert", "kernel", "kernel_nofill", "e2e", "e2e_graph", "dense", "ashape_e2e",
+            "block_e2e", "tiles"]
     print("| " + " | ".join(cols) + " | index/e2e | dense/e2e |")
     print("|" + "---|" * (len(cols) + 2))
     for N in args.lengths:

@@ -28,6 +28,7 @@ Index geometries (documented, reproducible from ``--seed``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -385,12 +386,19 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
 
 #: Tile configurations the ``--sweep`` mode compares (block_m, block_n, warps, stages).
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)]
+#: Stages of the vertical-slash gathered column loops compared by ``--sweep``.
+COL_SWEEP = [1, 2, 4, 5]
 #: Block-sparse (warps, stages) compared by ``--sweep`` (its tile is the routing block).
-BS_SWEEP = [(4, 3), (4, 4), (8, 3), (4, 2)]
+BS_SWEEP = [(4, 3), (4, 5), (4, 6), (8, 5)]
 
 
-def sweep(N: int, Hkv: int, seed: int) -> str:
-    """Time A-shape and VS-local under each tile configuration of :data:`SWEEP` (tuning aid)."""
+SWEEP_PARTS = ("tiles", "columns", "bs")
+
+
+def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
+    """Tuning aid. ``tiles``: A-shape and VS-local under each tile configuration of
+    :data:`SWEEP`; ``columns``: VS-local without its gathered column tiles, and its column loops
+    under each stage count of :data:`COL_SWEEP`; ``bs``: block-sparse under :data:`BS_SWEEP`."""
     from minference.kernels import _common
 
     q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -400,7 +408,7 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
     default, default_a = _common.GPU_TILES, _ashape._GPU_TILES_2BYTE
     lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | VS local kernel ms |", "|---|---|---|"]
     try:
-        for bm, bn, warps, stages in SWEEP:
+        for bm, bn, warps, stages in SWEEP if "tiles" in parts else []:
             _common.GPU_TILES = _ashape._GPU_TILES_2BYTE = _common.Tiles(bm, bn, warps, stages)
             index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
             a, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, validate=False)))
@@ -411,11 +419,45 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
         _common.GPU_TILES, _ashape._GPU_TILES_2BYTE = default, default_a
+    if "columns" in parts:
+        lines += _column_sweep(q, k, v, vertical, slash, N, default)
+    if "bs" in parts:
+        lines += _bs_sweep(q, k, v, N, seed)
+    return "\n".join(lines)
+
+
+def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
+    """VS-local at the default tiles, without its leftover (gathered) column tiles, and with its
+    column loops pipelined in each stage count of :data:`COL_SWEEP`."""
+    lines = []
+    index = kernels.convert_vertical_slash(vertical, slash, N, block_m=default.block_m)
+    no_cols = dataclasses.replace(index, col_count=torch.zeros_like(index.col_count),
+                                  col_before=torch.zeros_like(index.col_before))
+    from minference.kernels import vertical_slash
+
+    stages0 = vertical_slash.COLUMN_STAGES
+    try:
+        for name, idx, col_stages in (("VS local, default tiles", index, stages0),
+                                      ("VS local without its gathered column tiles", no_cols, stages0),
+                                      *((f"VS local, column loops in {s} stages", index, s) for s in COL_SWEEP)):
+            vertical_slash.COLUMN_STAGES = col_stages
+            t, note = _try(lambda: _bench(lambda: kernels.vertical_slash_attention_physical(  # noqa: B023
+                q, k, v, idx, validate=False)))  # noqa: B023
+            tiles = int(kernels.vs_physical_tiles(idx, default.block_n).sum())
+            lines.append(f"| {name}: {tiles} key tiles | | {'failed' if t is None else f'{t:.2f}'} {note} |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    finally:
+        vertical_slash.COLUMN_STAGES = stages0
+    return lines
+
+
+def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
+    """Block-sparse top-100 under each (warps, stages) of :data:`BS_SWEEP`."""
     from minference.kernels import block_sparse
 
     blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")
     warps0, stages0 = dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES)
-    lines += ["", f"| block-sparse 64 (N={N}, Hkv={Hkv}) | ms |", "|---|---|"]
+    lines = ["", f"| block-sparse 64 (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
     try:
         for warps, stages in BS_SWEEP:
             block_sparse._GPU_WARPS[BS_BLOCK], block_sparse._GPU_STAGES[BS_BLOCK] = warps, stages
@@ -426,7 +468,7 @@ def sweep(N: int, Hkv: int, seed: int) -> str:
     finally:
         block_sparse._GPU_WARPS.update(warps0)
         block_sparse._GPU_STAGES.update(stages0)
-    return "\n".join(lines)
+    return lines
 
 
 def table(rows: list[Row]) -> str:
@@ -451,10 +493,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baselines")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every row here")
-    ap.add_argument("--sweep", action="store_true", help="first compare tile configurations at the first length")
+    ap.add_argument("--sweep", nargs="*", choices=SWEEP_PARTS, default=None,
+                    help="first compare configurations at the first length (all parts when none named)")
     args = ap.parse_args(argv)
-    if args.sweep:
-        print(sweep(args.lengths[0], args.hkv[0], args.seed), flush=True)
+    if args.sweep is not None:
+        print(sweep(args.lengths[0], args.hkv[0], args.seed, args.sweep or SWEEP_PARTS), flush=True)
     rows = run(args.lengths, args.hkv, args.methods, args.seed, flex=not args.no_flex)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, B=1 Hq={HQ} D={HEAD_DIM} bf16, "
           f"do_bench median")
