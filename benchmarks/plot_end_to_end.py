@@ -2,8 +2,9 @@
 ``benchmarks/bench_end_to_end.py --json`` writes (one or more files; for each length and inputs,
 every value comes from the last file that measured it).
 
-``python benchmarks/plot_end_to_end.py benchmarks/results/h200_s2_run2_e2e.json
-benchmarks/results/h200_s2_run3_e2e.json --out docs/img/e2e_h200.png``
+``python benchmarks/plot_end_to_end.py benchmarks/results/h200_s2_run3_e2e.json
+benchmarks/results/h200_s3_run5_e2e.json --lengths 16384 24576 32768 131072 1048576
+--out docs/img/e2e_h200.png``
 
 Needs matplotlib (the ``plot`` extra); reads only measured numbers, draws no fit.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 SERIES = [
     ("dense", "cuDNN SDPA dense (causal)", dict(color="black", marker="s")),
     ("e2e", "vertical-slash end to end", dict(color="tab:blue", marker="o", linewidth=2)),
+    ("e2e_graph", "  the same, replayed from a CUDA graph", dict(color="tab:purple", marker="o", linestyle="--")),
     ("kernel", "  its kernel (gap-filled index)", dict(color="tab:blue", marker=".", linestyle="--")),
     ("kernel_nofill", "  its kernel on the exact set", dict(color="tab:blue", marker="x", linestyle=":")),
     ("index", "  its index build", dict(color="tab:green", marker=".", linestyle="--")),
@@ -73,8 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("json", nargs="+", help="bench_end_to_end.py --json outputs")
     ap.add_argument("--inputs", default="smooth", choices=("smooth", "random"))
     ap.add_argument("--out", default="e2e.png")
+    ap.add_argument("--lengths", type=int, nargs="*", help="plot only these lengths (default: all)")
     args = ap.parse_args(argv)
     rows, device = load_rows(args.json, args.inputs)
+    if args.lengths:
+        rows = [r for r in rows if r["N"] in args.lengths]
     if not rows:
         raise SystemExit(f"no rows with inputs={args.inputs!r} in {args.json}")
     plot(rows, device, args.out)
