@@ -270,6 +270,11 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
         vert = torch.tensor([[[1, 90, 17], [3, -1, 60], [0, 0, 150]]] * 2, dtype=torch.int32)
         sl = torch.cat([torch.arange(0, 80).expand(2, 3, 80), torch.full((2, 3, 1), 130)], -1).to(torch.int32)
         run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vert, sl)
+        # a run not starting at offset 0 (its last key tile overhangs the range on causal keys)
+        # and columns in that overhang, which belong to the column lists, not to the range
+        vert = torch.arange(27, 200, 16, dtype=torch.int32).expand(2, 3, -1).contiguous()
+        sl = torch.arange(5, 41, dtype=torch.int32).expand(2, 3, -1).contiguous()
+        run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vert, sl)
     else:
         block = 16
         nqb = -(-shape.N // block)
