@@ -146,6 +146,16 @@ def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor) -
             raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (inside the row's length)")
 
 
+def check_row_sampling(last_q: object, extra_rows: object, aggregation: object) -> None:
+    """The vertical-slash estimators' sampling arguments (the builders and their naive twin)."""
+    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
+        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
+    if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
+        raise ValueError(f"extra_rows must be a non-negative int, got {extra_rows!r}")
+    if aggregation not in ("sum", "max"):
+        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
+
+
 def default_scale(D: int, scale: float | None) -> float:
     if scale is None:
         return D ** -0.5

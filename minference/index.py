@@ -33,7 +33,7 @@ from types import ModuleType
 
 import torch
 
-from minference._checks import check_qkv, check_ragged, check_tensor, default_scale
+from minference._checks import check_qkv, check_ragged, check_row_sampling, check_tensor, default_scale
 from minference.patterns import AShape, BlockSparse, Dense, Pattern, VerticalSlash
 
 __all__ = [
@@ -291,12 +291,7 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
-        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
-    if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
-        raise ValueError(f"extra_rows must be a non-negative int, got {extra_rows!r}")
-    if aggregation not in ("sum", "max"):
-        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
+    check_row_sampling(last_q, extra_rows, aggregation)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
     hs = heads_tensor(heads, Hq, q.device)

@@ -47,7 +47,7 @@ import math
 import torch
 from minference.reference.attention import head_ids, per_head_budget
 
-from minference._checks import check_qkv, check_ragged, default_scale
+from minference._checks import check_qkv, check_ragged, check_row_sampling, default_scale
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index"]
@@ -115,12 +115,7 @@ def vertical_slash_index(
         the row).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
-    if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
-        raise ValueError(f"last_q must be a positive int, got {last_q!r}")
-    if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
-        raise ValueError(f"extra_rows must be a non-negative int, got {extra_rows!r}")
-    if aggregation not in ("sum", "max"):
-        raise ValueError(f"aggregation must be 'sum' or 'max', got {aggregation!r}")
+    check_row_sampling(last_q, extra_rows, aggregation)
     scale = default_scale(D, scale)
     ids = head_ids(heads, Hq)
     nv = per_head_budget("vertical", vertical, ids, head_offset, 0)
