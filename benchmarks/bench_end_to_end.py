@@ -146,18 +146,11 @@ def profile(N: int, *, inputs: str) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    q, k, v = smooth_qkv(N, seed=N) if inputs == "smooth" else (None, None, None)
-    if q is None:
-        g = torch.Generator(device="cuda").manual_seed(N)
-        q, k, v = (torch.randn(1, h, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for h in (HQ, HKV, HKV))
+    q, k, _ = qkv_inputs(N, inputs)
     block_m = kernels.vertical_slash_block_m(q)
 
     def step():
-        vertical, slash = estimate.vertical_slash_index(
-            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
-            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
-            vertical_width=VS.vertical, slash_width=VS.slash, validate=False)
+        vertical, slash = vs_index(q, k)
         return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m, fill_gaps=FILL_GAPS)
 
     step()
@@ -181,24 +174,30 @@ def cudnn_dense(q, k, v):
     return run
 
 
-def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: float) -> dict:
+def qkv_inputs(N: int, inputs: str):
+    """q, k, v of the shape of record: :func:`smooth_qkv`, or standard normal (``random``)."""
     if inputs == "smooth":
-        q, k, v = smooth_qkv(N, seed=N)
-    else:
-        g = torch.Generator(device="cuda").manual_seed(N)
-        q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        return smooth_qkv(N, seed=N)
+    g = torch.Generator(device="cuda").manual_seed(N)
+    q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, HKV, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def vs_index(q, k):
+    """The dispatcher's vertical-slash index build for :data:`VS` (sync-free)."""
+    return estimate.vertical_slash_index(
+        q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
+        local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
+        vertical_width=VS.vertical, slash_width=VS.slash, validate=False)
+
+
+def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: float) -> dict:
+    q, k, v = qkv_inputs(N, inputs)
     row: dict = {"N": N, "inputs": inputs}
 
-    def index():
-        return estimate.vertical_slash_index(
-            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
-            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
-            vertical_width=VS.vertical,
-            slash_width=VS.slash, validate=False)
-
-    vertical, slash = index()
+    vertical, slash = vs_index(q, k)
     block_m = kernels.vertical_slash_block_m(q)
 
     def convert(fill_gaps=FILL_GAPS):
@@ -206,7 +205,7 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
 
     phys = convert()
     out = torch.empty_like(q)
-    row["index"] = time_ms(index, budget_ms)
+    row["index"] = time_ms(lambda: vs_index(q, k), budget_ms)
     row["convert"] = time_ms(convert, budget_ms)
     row["kernel"] = time_ms(lambda: kernels.vertical_slash_attention_physical(q, k, v, phys, out=out, validate=False),
                             budget_ms)
