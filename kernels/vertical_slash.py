@@ -225,7 +225,7 @@ def vertical_slash_attention_physical(
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
-            COL_STAGES=COLUMN_STAGES if q.is_cuda else None,
+            COL_STAGES=COLUMN_STAGES,
         )
     return finish(prep, return_lse)
 
