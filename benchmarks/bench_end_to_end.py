@@ -161,6 +161,35 @@ def profile(N: int, *, inputs: str) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+#: (key tile, warps) of the vertical-slash estimator compared by ``--index-sweep``.
+INDEX_SWEEP = [(64, 4), (128, 4), (128, 8), (256, 8)]
+
+
+def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
+    """The index build at length ``N`` under each :data:`INDEX_SWEEP` configuration of the
+    estimator (ms, and whether its column / diagonal scores match the default's)."""
+    q, k, _ = qkv_inputs(N, inputs)
+    default = estimate.VS_KEY_TILE, estimate.VS_WARPS
+
+    def scores():
+        return estimate.vertical_slash_index(
+            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
+            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, return_scores=True,
+            vertical_width=VS.vertical, slash_width=VS.slash, validate=False)[2:]
+
+    base = scores()
+    lines = [f"| VS index (N={N}) key tile, warps | ms | scores match default |", "|---|---|---|"]
+    try:
+        for tile, warps in INDEX_SWEEP:
+            estimate.VS_KEY_TILE, estimate.VS_WARPS = tile, warps
+            col, diag = scores()
+            same = all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip((col, diag), base))
+            lines.append(f"| {tile}, {warps} | {time_ms(lambda: vs_index(q, k), budget_ms):.3f} | {same} |")
+    finally:
+        estimate.VS_KEY_TILE, estimate.VS_WARPS = default
+    return "\n".join(lines)
+
+
 def cudnn_dense(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -240,9 +269,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="first print the top CUDA-time ops of index + conversion at these lengths")
+    parser.add_argument("--index-sweep", type=int, nargs="*", default=[],
+                        help="first time the VS index build under each estimator configuration at these lengths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    for N in args.index_sweep:
+        print(index_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.profile:
         print(f"profile of index build + conversion at N={N}:\n{profile(N, inputs=args.inputs)}", file=sys.stderr,
               flush=True)

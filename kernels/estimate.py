@@ -8,22 +8,22 @@ output widths are given, so a whole prefill that uses these builders can be capt
 CUDA graph.
 
 Vertical-slash estimation never materialises the ``r x N`` probability matrix beyond one tile.
-The key axis is walked in tiles of ``BD`` diagonal offsets: for the sampled rows ``i_r`` and the
-offsets ``δ ∈ [δ0, δ0 + BD)`` the keys ``j = i_r - δ`` fall into one contiguous window of
-``2 * BD`` keys, so one ``[RC, D] x [D, 2 BD]`` product gives every logit the tile owns (each
-(row, key) pair is owned by exactly one tile). Pass 1 reduces each tile to a row max and sum,
-the host side combines them into the row log-sum-exp with one tensor op, and pass 2 recomputes
-the logits, normalises them and reduces them into column scores (over the window's keys) and
-diagonal scores (after a register gather that skews the window so a diagonal becomes a column).
-Tiles overlap in keys and row chunks overlap in offsets, so both reductions land with one
-atomic per key / offset per program (add for ``sum``, max for ``max``).
+One program owns the sampled rows of one chunk against ``KT`` consecutive keys: one
+``[RC, D] x [D, KT]`` product gives every logit the tile owns (each (row, key) pair is owned by
+exactly one tile, and every pair of the product is owned unless past the row or not causal).
+Pass 1 reduces each tile to a row max and sum, the host side combines them into the row
+log-sum-exp with one tensor op, and pass 2 recomputes the logits, normalises them and reduces
+them into column scores (over the chunk's rows, one atomic per key) and diagonal scores. For
+the last rows (consecutive positions ``i0 + r``) a register gather rolls row ``r`` left by
+``r``, so column ``t`` of the rolled tile holds offset ``i0 - j0 - t`` on the rows that did
+not wrap and offset ``i0 - j0 - t + KT`` on those that did: two masked column reductions,
+two atomics per offset (add for ``sum``, max for ``max``).
 
-Extra sampled rows (``extra_rows > 0``) are far apart, so they share no offset window: the same
-two passes run a second time (``SPREAD``) with row positions read from a ``[B, E]`` tensor
-(computed on the device, :func:`minference.index.extra_row_positions`) and tiles of ``2 * BD``
-consecutive keys. Columns still reduce over the chunk's rows before their atomic; each owned
-(row, key) pair lands on its own offset, so the diagonal scores take one atomic per pair. With
-``extra_rows = 0`` nothing of this is launched.
+Extra sampled rows (``extra_rows > 0``) are far apart and share no offsets inside a tile: the
+same two passes run a second time (``SPREAD``) with row positions read from a ``[B, E]``
+tensor (computed on the device, :func:`minference.index.extra_row_positions`); their diagonal
+scores take one atomic per owned (row, key) pair. With ``extra_rows = 0`` nothing of this is
+launched.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks"]
 
-#: Diagonal offsets per program of the vertical-slash estimator (the key window is twice this).
-VS_OFFSET_TILE = 64
-#: Sampled query rows per program of the vertical-slash estimator (at most VS_OFFSET_TILE).
+#: Keys per program of the vertical-slash estimator (at least its row chunk).
+VS_KEY_TILE = 128
+#: Sampled query rows per program of the vertical-slash estimator (at most VS_KEY_TILE).
 VS_ROW_CHUNK = 64
+#: Warps per program of the vertical-slash estimator passes.
+VS_WARPS = 4
 #: Smallest tile side ``tl.dot`` accepts.
 _MIN_DOT = 16
 #: Tokens pooled per loop step of the block pooling kernel.
@@ -52,57 +54,48 @@ POOL_TOKEN_TILE = 64
 @triton.jit
 def _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, kvh, pid_c, pid_t, n, start, last_q, scale, R_TOTAL,
                sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-               RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
-    """Logits ``[RC, 2 BD]`` of the sampled rows of chunk ``pid_c`` against the keys tile
-    ``pid_t`` owns (``-inf`` elsewhere), the ownership mask, and the row ``[RC]`` and key
-    ``[2 BD]`` positions.
-
-    Last rows (``SPREAD`` False): rows ``n - R_TOTAL + pid_c * RC + r``, tile = the offsets
-    ``[pid_t BD, (pid_t + 1) BD)``, whose keys fall in one window of ``2 BD``. Extra rows
-    (``SPREAD``): rows read from ``pos_ptr [B, R_TOTAL]`` (-1 = none), tile = the keys
-    ``[pid_t 2BD, (pid_t + 1) 2BD)`` (the rows are far apart, so no offset window is shared)."""
+               RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
+    """Logits ``[RC, KT]`` of the sampled rows of chunk ``pid_c`` against the keys
+    ``[pid_t KT, (pid_t + 1) KT)`` (``-inf`` where the pair is not owned: row not sampled, key
+    past the row, not causal), the ownership mask, and the row ``[RC]`` and key ``[KT]``
+    positions. Rows: the last ones ``n - R_TOTAL + pid_c RC + r`` (``SPREAD`` False), or read
+    from ``pos_ptr [B, R_TOTAL]`` (-1 = none)."""
     r = tl.arange(0, RC)
-    c = tl.arange(0, 2 * BD)
+    c = tl.arange(0, KT)
     d = tl.arange(0, BLOCK_D)
     if SPREAD:
         i = tl.load(pos_ptr + b.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC] logical query positions
         row_ok = i >= 0
-        j = pid_t * (2 * BD) + c  # [2 BD] logical key positions
-        key_ok = (j >= 0) & (j < n)
-        own = row_ok[:, None] & key_ok[None, :] & (i[:, None] >= j[None, :])
     else:
-        i0 = n - R_TOTAL + pid_c * RC
-        d0 = pid_t * BD
-        i = i0 + r
+        i = n - R_TOTAL + pid_c * RC + r
         row_ok = (i >= tl.maximum(n - last_q, 0)) & (i < n)
-        j = i0 - d0 - (BD - 1) + c
-        key_ok = (j >= 0) & (j < n)
-        delta = i[:, None] - j[None, :]
-        own = row_ok[:, None] & key_ok[None, :] & (delta >= d0) & (delta < d0 + BD)
+    j = pid_t * KT + c  # [KT] logical key positions
+    key_ok = j < n
+    own = row_ok[:, None] & key_ok[None, :] & (i[:, None] >= j[None, :])
     q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
     k_off = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + (start + j).to(tl.int64)[:, None] * skn + d[None, :] * skd
     kt = tl.load(k_ptr + k_off, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
-    s = tl.dot(qt, tl.trans(kt)) * scale  # [RC, 2 BD] fp32
+    s = tl.dot(qt, tl.trans(kt)) * scale  # [RC, KT] fp32
     return tl.where(own, s, float("-inf")), own, i, j
 
 
 @triton.jit
-def _vs_tile_empty(pid_t, n, last_q, BD: tl.constexpr, SPREAD: tl.constexpr):
-    """Whether tile ``pid_t`` owns no (row, key) pair of a row of length ``n``: past the row's
-    offsets, or (extra rows, all before ``n - min(last_q, n)``) past every extra row's keys."""
+def _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC: tl.constexpr, KT: tl.constexpr, SPREAD: tl.constexpr):
+    """Whether key tile ``pid_t`` lies wholly after every row of the chunk (the last rows of
+    chunk ``pid_c``; for extra rows, all before ``n - min(last_q, n)``, that bound)."""
     if SPREAD:
-        empty = pid_t * (2 * BD) >= n - tl.minimum(last_q, n)
+        last = n - tl.minimum(last_q, n) - 1
     else:
-        empty = pid_t * BD >= n
-    return empty
+        last = tl.minimum(n - R_TOTAL + (pid_c + 1) * RC, n) - 1
+    return pid_t * KT > last
 
 
 @triton.jit
 def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr,
                      Hg, group, last_q, scale, R_TOTAL, T,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-                     RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
+                     RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -110,10 +103,10 @@ def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_p
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
     start = tl.load(starts_ptr + b)
-    if _vs_tile_empty(pid_t, n, last_q, BD, SPREAD):
+    if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
         return
     s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
-                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D, SPREAD)
+                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
     m = tl.max(s, axis=1)  # [RC]
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
@@ -127,7 +120,7 @@ def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_p
 def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, col_ptr, diag_ptr,
                       Hg, group, last_q, scale, R_TOTAL, N,
                       sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
-                      RC: tl.constexpr, BD: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr,
+                      RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr,
                       SPREAD: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -136,15 +129,15 @@ def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, ls
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
     start = tl.load(starts_ptr + b)
-    if _vs_tile_empty(pid_t, n, last_q, BD, SPREAD):
+    if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
         return
     s, own, i, j = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
-                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, BD, BLOCK_D, SPREAD)
+                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
     r = tl.arange(0, RC)
     lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC]
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-    p = tl.where(own, tl.exp(s - lse_safe[:, None]), 0.0)  # [RC, 2 BD]
-    key_ok = (j >= 0) & (j < n)
+    p = tl.where(own, tl.exp(s - lse_safe[:, None]), 0.0)  # [RC, KT]
+    key_ok = j < n
     col_base = col_ptr + pid_bh.to(tl.int64) * N
     diag_base = diag_ptr + pid_bh.to(tl.int64) * N
     if USE_MAX:
@@ -159,14 +152,20 @@ def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, ls
         else:
             tl.atomic_add(diag_base + delta, p, mask=own)
     else:
-        t = tl.arange(0, BD)
-        skew = r[:, None] - t[None, :] + (BD - 1)  # column of the window holding key i_r - (d0 + t)
-        p_diag = tl.gather(p, skew, axis=1)  # [RC, BD]
-        dd = pid_t * BD + t
+        # rolled[r, t] = p[r, (r + t) mod KT]: key j0 + r + t (offset d0 - t) when r + t < KT,
+        # else key j0 + r + t - KT (offset d0 - t + KT), with d0 = i0 - j0
+        t = tl.arange(0, KT)
+        wrapped = (r[:, None] + t[None, :]) >= KT
+        rolled = tl.gather(p, (r[:, None] + t[None, :]) & (KT - 1), axis=1)  # [RC, KT]
+        d0 = n - R_TOTAL + pid_c * RC - pid_t * KT
+        da = d0 - t  # [KT] offsets of the unwrapped entries
+        db = da + KT  # [KT] offsets of the wrapped ones
         if USE_MAX:
-            tl.atomic_max(diag_base + dd, tl.max(p_diag, axis=0), mask=dd < n)
+            tl.atomic_max(diag_base + da, tl.max(tl.where(wrapped, 0.0, rolled), axis=0), mask=(da >= 0) & (da < n))
+            tl.atomic_max(diag_base + db, tl.max(tl.where(wrapped, rolled, 0.0), axis=0), mask=(db >= 0) & (db < n))
         else:
-            tl.atomic_add(diag_base + dd, tl.sum(p_diag, axis=0), mask=dd < n)
+            tl.atomic_add(diag_base + da, tl.sum(tl.where(wrapped, 0.0, rolled), axis=0), mask=(da >= 0) & (da < n))
+            tl.atomic_add(diag_base + db, tl.sum(tl.where(wrapped, rolled, 0.0), axis=0), mask=(db >= 0) & (db < n))
 
 
 @triton.jit
@@ -202,10 +201,10 @@ def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: 
     B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     Hg = hs.shape[0]
     rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(n_rows)))
+    kt = max(VS_KEY_TILE, rc)  # the roll needs every row's shift below the tile width
     n_chunks = math.ceil(n_rows / rc)
     r_total = rc * n_chunks
-    bd = VS_OFFSET_TILE if spread else max(VS_OFFSET_TILE, rc)
-    n_tiles = max(1, math.ceil(N / (2 * bd if spread else bd)))
+    n_tiles = max(1, math.ceil(N / kt))
     block_d = max(_MIN_DOT, triton.next_power_of_2(D))
     if spread:
         pos = torch.nn.functional.pad(pos.to(torch.int32), (0, r_total - pos.shape[1]), value=-1).contiguous()
@@ -215,11 +214,12 @@ def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: 
     l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
     grid = (B * Hg, n_chunks, n_tiles)
     common = (*q.stride(), *k.stride(), D)
+    meta = dict(RC=rc, KT=kt, BLOCK_D=block_d, SPREAD=spread, num_warps=VS_WARPS)
     _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
-                           *common, RC=rc, BD=bd, BLOCK_D=block_d, SPREAD=spread)
+                           *common, **meta)
     lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
     _vs_scores_kernel[grid](q, k, pos, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
-                            *common, RC=rc, BD=bd, BLOCK_D=block_d, USE_MAX=use_max, SPREAD=spread)
+                            *common, USE_MAX=use_max, **meta)
 
 
 def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
