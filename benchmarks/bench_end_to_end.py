@@ -162,7 +162,9 @@ def profile(N: int, *, inputs: str) -> str:
 
 
 #: (key tile, warps) of the vertical-slash estimator compared by ``--index-sweep``.
-INDEX_SWEEP = [(64, 4), (128, 4), (128, 8), (256, 8)]
+INDEX_SWEEP = [(64, 2), (64, 4), (64, 8), (128, 4)]
+#: Gap fillings of the converter compared by ``--fill-sweep`` (the dispatcher's is FILL_GAPS).
+FILL_SWEEP = [127, 255, 383, 511, 767, 1023]
 
 
 def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
@@ -187,6 +189,23 @@ def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
             lines.append(f"| {tile}, {warps} | {time_ms(lambda: vs_index(q, k), budget_ms):.3f} | {same} |")
     finally:
         estimate.VS_KEY_TILE, estimate.VS_WARPS = default
+    return "\n".join(lines)
+
+
+def fill_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
+    """The VS kernel at length ``N`` on the estimated index converted under each gap filling of
+    :data:`FILL_SWEEP` (ms, key tiles, runs per head)."""
+    q, k, v = qkv_inputs(N, inputs)
+    vertical, slash = vs_index(q, k)
+    block_m = kernels.vertical_slash_block_m(q)
+    out = torch.empty_like(q)
+    lines = [f"| VS kernel (N={N}) fill_gaps | ms | key tiles | runs per head |", "|---|---|---|---|"]
+    for gaps in FILL_SWEEP:
+        phys = kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m, fill_gaps=gaps)
+        ms = time_ms(lambda: kernels.vertical_slash_attention_physical(q, k, v, phys, out=out,  # noqa: B023
+                                                                       validate=False), budget_ms)
+        tiles = int(kernels.vs_physical_tiles(phys, 64).sum())
+        lines.append(f"| {gaps} | {ms:.2f} | {tiles} | {phys.run_count.float().mean():.1f} |")
     return "\n".join(lines)
 
 
@@ -271,9 +290,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="first print the top CUDA-time ops of index + conversion at these lengths")
     parser.add_argument("--index-sweep", type=int, nargs="*", default=[],
                         help="first time the VS index build under each estimator configuration at these lengths")
+    parser.add_argument("--fill-sweep", type=int, nargs="*", default=[],
+                        help="first time the VS kernel under each gap filling of the converter at these lengths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    for N in args.fill_sweep:
+        print(fill_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.index_sweep:
         print(index_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.profile:

@@ -1,6 +1,7 @@
-"""Fuzz each kernel on small random shapes once (meant to run under ``compute-sanitizer --tool
-memcheck`` with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so every tensor is its own allocation and an
-out-of-bounds read or write is caught). Also checks each result against the float64 twin."""
+"""Fuzz each kernel and both index builders on small random shapes once (meant to run under
+``compute-sanitizer --tool memcheck`` with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so every tensor
+is its own allocation and an out-of-bounds read or write is caught). Also checks each result
+(the builders' scores) against the float64 twin."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from minference import kernels
 from minference import reference as ref
+from minference.kernels import estimate
+from minference.reference import estimators as naive
 
 CASES = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: run with TRITON_INTERPRET=1
@@ -47,6 +50,18 @@ def main(seed: int = 0) -> None:
             err = float((out.cpu().double() - want).abs().max())
             worst = err if err != err else max(worst, err)  # keep a NaN
             print(f"case {case} {fast.__name__}: N={N} D={D} Hq={Hq} Hkv={Hkv} max err {err:.2e}", flush=True)
+        # index builders: column / diagonal scores, block scores (finite entries) vs the twins
+        vs_kw = dict(last_q=1 + case * 13, extra_rows=case, return_scores=True)
+        got = estimate.vertical_slash_index(q, k, 8, 8, **vs_kw, **kw_dev)[2:]
+        want = naive.vertical_slash_index(q.cpu().float(), k.cpu().float(), 8, 8, **vs_kw, **kw)[2:]
+        got_b = estimate.block_sparse_index(q, k, 3, block=32, return_scores=True, **kw_dev)[1]
+        want_b = naive.block_sparse_index(q.cpu().float(), k.cpu().float(), 3, block=32, return_scores=True, **kw)[1]
+        finite = torch.isfinite(want_b)
+        errs = [float((a.cpu().double() - b).abs().max()) for a, b in zip(got, want)]
+        errs.append(float((got_b.cpu().double()[finite] - want_b[finite]).abs().max()) if finite.any() else 0.0)
+        for name, err in zip(("vs column scores", "vs diagonal scores", "block scores"), errs):
+            worst = err if err != err else max(worst, err)
+            print(f"case {case} {name}: N={N} D={D} Hq={Hq} Hkv={Hkv} max err {err:.2e}", flush=True)
     print(f"sanitize_fuzz done, worst error {worst:.2e} ({DTYPE})")
     if not worst <= 0.1:  # NaN fails too
         sys.exit(1)

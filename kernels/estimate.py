@@ -39,11 +39,15 @@ from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks"]
 
-#: Keys per program of the vertical-slash estimator (at least its row chunk).
-VS_KEY_TILE = 128
+#: Keys per program of the vertical-slash estimator (at least its row chunk). H200, 128K, smooth
+#: inputs, whole index build (``bench_end_to_end.py --index-sweep``, s4 runs 2 and 3): 64 keys
+#: 2.25 / 2.36 ms, 128 keys 2.76 / 2.74, 256 keys (8 warps) 3.84; 1M: 13.89 (64) vs 17.92 (128).
+#: The earlier offset-tiled design (half of each product unowned) took 4.45 ms at 128K.
+VS_KEY_TILE = 64
 #: Sampled query rows per program of the vertical-slash estimator (at most VS_KEY_TILE).
 VS_ROW_CHUNK = 64
-#: Warps per program of the vertical-slash estimator passes.
+#: Warps per program of the vertical-slash estimator passes (64 keys: 2 / 4 / 8 warps took
+#: 2.81 / 2.36 / 2.69 ms at 128K, s4 run 3).
 VS_WARPS = 4
 #: Smallest tile side ``tl.dot`` accepts.
 _MIN_DOT = 16

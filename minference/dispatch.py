@@ -40,13 +40,16 @@ __all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "B
 DENSE_THRESHOLD = 32768
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
-#: kernel runs (:func:`minference.reference.masks.slash_set`). 127 = the GPU query tile minus one:
-#: every gap inside a slash run is filled, so runs are hole-free and their tiles run unmasked,
-#: and no key tile is added (the holes sit inside key ranges the kernel reads anyway). The
-#: estimator's offsets are dense near the diagonal with scattered holes near the edge of the
-#: band; unfilled, those holes mask nearly every range tile (a masked tile costs ~2x an unmasked
-#: one on the H200). Filling only adds candidates, so captured mass can only grow. 0 disables it.
-FILL_GAPS = 127
+#: kernel runs (:func:`minference.reference.masks.slash_set`). Any value >= 127 (the GPU query
+#: tile minus one) makes every slash run hole-free, so its interior tiles run unmasked (the
+#: estimator's offsets are dense near the diagonal with scattered holes near the band's edge;
+#: unfilled, those holes mask nearly every range tile, ~2x the tile cost). Larger gaps also merge
+#: nearby runs: fewer masked run edges and loop restarts for a few more key tiles. Measured on
+#: the H200 (s4 run 3, ``bench_end_to_end.py --fill-sweep``, smooth inputs, kernel ms for 127 /
+#: 255 / 383 / 767): 128K 34.36 / 31.33 / 31.32 / 31.16 (runs per head 8.2 -> 4.7, key tiles
+#: +1.2% at 383), 1M 341.81 / 310.83 / 304.52 / 304.81; 383 is the first value on the plateau at
+#: both. Filling only adds candidates, so captured mass can only grow. 0 disables it.
+FILL_GAPS = 383
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
