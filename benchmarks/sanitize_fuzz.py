@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 
 import torch
+from minference.kernels import estimate
+from minference.reference import estimators as naive
 
 from minference import kernels
 from minference import reference as ref
-from minference.kernels import estimate
-from minference.reference import estimators as naive
 
 CASES = 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: run with TRITON_INTERPRET=1
