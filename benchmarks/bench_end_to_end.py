@@ -174,10 +174,7 @@ def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
     default = estimate.VS_KEY_TILE, estimate.VS_WARPS
 
     def scores():
-        return estimate.vertical_slash_index(
-            q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
-            local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, return_scores=True,
-            vertical_width=VS.vertical, slash_width=VS.slash, validate=False)[2:]
+        return vs_index(q, k, return_scores=True)[2:]
 
     base = scores()
     lines = [f"| VS index (N={N}) key tile, warps | ms | scores match default |", "|---|---|---|"]
@@ -233,12 +230,12 @@ def qkv_inputs(N: int, inputs: str):
     return q, k, v
 
 
-def vs_index(q, k):
+def vs_index(q, k, return_scores: bool = False):
     """The dispatcher's vertical-slash index build for :data:`VS` (sync-free)."""
     return estimate.vertical_slash_index(
         q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
         local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
-        vertical_width=VS.vertical, slash_width=VS.slash, validate=False)
+        vertical_width=VS.vertical, slash_width=VS.slash, return_scores=return_scores, validate=False)
 
 
 def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: float) -> dict:

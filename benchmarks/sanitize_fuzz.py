@@ -22,6 +22,12 @@ DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 def main(seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     worst = 0.0
+
+    def record(case: int, name: str, err: float, shape: str) -> None:
+        nonlocal worst
+        worst = err if err != err else max(worst, err)  # keep a NaN
+        print(f"case {case} {name}: {shape} max err {err:.2e}", flush=True)
+
     for case in range(CASES):
         B, Hkv, group = 2, 1 + case % 2, 1 + case % 3
         Hq = Hkv * group
@@ -37,6 +43,7 @@ def main(seed: int = 0) -> None:
         slash = torch.randint(-1, N, (B, Hg, 40), generator=g, dtype=torch.int32)
         nqb = -(-N // 64)
         blocks = torch.randint(-1, nqb, (B, Hg, nqb, 6), generator=g, dtype=torch.int32)
+        shape = f"N={N} D={D} Hq={Hq} Hkv={Hkv}"
         kw = dict(seqlens=lens, seqstarts=starts, heads=heads)
         kw_dev = {k_: x.to(DEVICE) for k_, x in kw.items()}
         runs = [
@@ -47,9 +54,7 @@ def main(seed: int = 0) -> None:
         for fast, twin, args in runs:
             out = fast(q, k, v, *[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args], **kw_dev)
             want = twin(q.cpu().float(), k.cpu().float(), v.cpu().float(), *args, **kw)
-            err = float((out.cpu().double() - want).abs().max())
-            worst = err if err != err else max(worst, err)  # keep a NaN
-            print(f"case {case} {fast.__name__}: N={N} D={D} Hq={Hq} Hkv={Hkv} max err {err:.2e}", flush=True)
+            record(case, fast.__name__, float((out.cpu().double() - want).abs().max()), shape)
         # index builders: column / diagonal scores, block scores (finite entries) vs the twins
         vs_kw = dict(last_q=1 + case * 13, extra_rows=case, return_scores=True)
         got = estimate.vertical_slash_index(q, k, 8, 8, **vs_kw, **kw_dev)[2:]
@@ -60,8 +65,7 @@ def main(seed: int = 0) -> None:
         errs = [float((a.cpu().double() - b).abs().max()) for a, b in zip(got, want)]
         errs.append(float((got_b.cpu().double()[finite] - want_b[finite]).abs().max()) if finite.any() else 0.0)
         for name, err in zip(("vs column scores", "vs diagonal scores", "block scores"), errs):
-            worst = err if err != err else max(worst, err)
-            print(f"case {case} {name}: N={N} D={D} Hq={Hq} Hkv={Hkv} max err {err:.2e}", flush=True)
+            record(case, name, err, shape)
     print(f"sanitize_fuzz done, worst error {worst:.2e} ({DTYPE})")
     if not worst <= 0.1:  # NaN fails too
         sys.exit(1)

@@ -5,7 +5,7 @@ wherever the naive scores are not tied at the selection boundary."""
 
 from __future__ import annotations
 
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -69,17 +69,6 @@ def assert_same_selection(fast_idx: torch.Tensor, naive_idx: torch.Tensor, score
         assert not far, f"{name} row {r}: fast {sorted(fs)} vs naive {sorted(ns)} (boundary {boundary})"
 
 
-@contextlib.contextmanager
-def _key_tile(width: int):
-    """The Triton estimator's key tile set to ``width`` for the duration."""
-    default = triton_builders.VS_KEY_TILE
-    triton_builders.VS_KEY_TILE = width
-    try:
-        yield
-    finally:
-        triton_builders.VS_KEY_TILE = default
-
-
 def _vs_case(data, dtype, shapes=CPU_SHAPES):
     shape = data.draw(shapes)
     seqlens, seqstarts = data.draw(ragged_rows(shape.B, shape.N))
@@ -108,7 +97,7 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
     # Triton: the smallest key tile (the row chunk's width) puts up to 9 tiles in a row, the
     # default at most 2
     key_tile = data.draw(st.sampled_from((16, triton_builders.VS_KEY_TILE)))
-    with _key_tile(key_tile):
+    with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile):
         fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
     torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)

@@ -7,6 +7,8 @@ absent, verticals lying on slash diagonals.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,14 +92,10 @@ def test_converter_is_exact(data):
     fill = data.draw(st.sampled_from((0, 0, 1, 3, 16, 40)), label="fill_gaps")
     vertical, slash = data.draw(vertical_slash_indices(2, 2, n), label="index")
     # small chunks put the prefix sums (fill, diag_prefix, cover) through their two-level path
-    chunk, default_chunk = data.draw(st.sampled_from((4, 16, convert._SCAN_CHUNK)), label="scan chunk"), \
-        convert._SCAN_CHUNK
-    convert._SCAN_CHUNK = chunk
-    try:
+    chunk = data.draw(st.sampled_from((4, 16, convert._SCAN_CHUNK)), label="scan chunk")
+    with mock.patch.object(convert, "_SCAN_CHUNK", chunk):
         index = kernels.convert_vertical_slash(vertical.to(DEVICE), slash.to(DEVICE), n, block_m=block_m,
                                                fill_gaps=fill)
-    finally:
-        convert._SCAN_CHUNK = default_chunk
     visits = kernels.vs_index_to_dense(index).cpu()
     want = ref.vertical_slash_mask(n, vertical, slash, fill)
     assert int(visits.max()) <= 1, "a (query, key) pair is visited twice"
