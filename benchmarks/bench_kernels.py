@@ -201,7 +201,7 @@ def flex_vs_mask(BlockMask, vertical, slash, N: int):
     J = torch.arange(nqb, device=dev)
     span_lo = (m0 - J * FLEX_BLOCK - FLEX_BLOCK + 1).clamp(min=0)
     span_hi = (m0 + FLEX_BLOCK - 1 - J * FLEX_BLOCK).clamp(min=0, max=N - 1)
-    pre = idx.diag_prefix.long()
+    pre = torch.nn.functional.pad(idx.diag_mask.long().cumsum(-1), (1, 0))  # chosen offsets below each
     covered = pre.gather(-1, (span_hi + 1).reshape(1, 1, -1).expand(B, H, -1)) - pre.gather(
         -1, span_lo.reshape(1, 1, -1).expand(B, H, -1))
     full = (covered.reshape(B, H, nqb, nqb) == 2 * FLEX_BLOCK - 1) & (J[None, :] < m0 // FLEX_BLOCK)

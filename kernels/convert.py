@@ -1,9 +1,20 @@
 """Vertical-slash index conversion: logical ``(vertical, slash)`` -> physical tiles the kernel runs.
 
-PyTorch plus one Triton kernel (the per-block column lists), no compiled extension, no host
-synchronisation (every output has a static shape; nothing reads a tensor value on the host), so
-it runs inside a CUDA graph. CPU tensors outside the Triton interpreter take torch ops instead of
-the kernel (:func:`_block_columns_torch`).
+Three Triton launches and no compiled extension, no host synchronisation (every output has a
+static shape; nothing reads a tensor value on the host), so it runs inside a CUDA graph:
+
+1. :func:`_vs_lists_kernel`, one program per (batch row, head): sorts the offsets and the
+   columns in registers, deduplicates them, and writes the runs (with their hole-free flag), the
+   filled offset segments (see "Gap filling"), the distinct columns and ``col_mask``;
+2. :func:`_vs_diag_kernel`, one program per 1024 offsets: ``diag_mask`` and ``diag_bits`` by a
+   binary search of each offset in the segments;
+3. :func:`_block_columns_kernel`, one program per query block: the block's leftover columns.
+
+The same conversion in torch ops (:func:`_convert_torch`) serves CPU tensors outside the Triton
+interpreter and index widths beyond :data:`LIST_CAP` (one program sorts the whole list in
+registers); the tests hold the two to equal outputs field by field. The torch path issued ~100
+small operations a call (2-4 ms of host time at 128K on the H200, s4 profiles); these launches
+replace them.
 
 Physical format (:class:`VSIndex`), per batch row ``b`` and computed head ``h``
 -------------------------------------------------------------------------------
@@ -24,13 +35,13 @@ ranges or beyond its last row are **removed**; the rest are compacted into ``col
 Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
 
 * ``run_start, run_end [B, H, R]`` int32: ``δa``, ``δb`` of each run (ascending), -1 past
-  ``run_count [B, H]``.
+  ``run_count [B, H]``; ``run_solid [B, H, R]`` int8: 1 where every offset of ``[δa, δb]`` is
+  chosen (after gap filling), so the kernel runs the tiles of the run that lie wholly on its
+  diagonals without any mask; 0 past ``run_count``.
 * ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``; ``col_before [B, H,
   NQB]`` int32 counts the leading ones that precede the block's first row ``m0`` (causal for
   every row of the block: the kernel runs their full tiles without a mask).
-* ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_prefix [B, H, n + 1]``
-  int32 its prefix sums (an O(1) test that a run has no hole, so the kernel runs the tiles of a
-  hole-free run that lie wholly on its diagonals without any mask); ``diag_bits [B, H, NW]``
+* ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_bits [B, H, NW]``
   int64, the same set packed 64 offsets a word after :data:`BITS_PAD_WORDS` zero words (offsets
   below 0 read as "not chosen"), so a masked tile builds its ``[rows, 64]`` diagonal mask from
   two words per row instead of a gather per element; ``col_mask [B, H, n]`` int8: 1 where ``j``
@@ -130,11 +141,11 @@ class VSIndex:
     run_start: torch.Tensor
     run_end: torch.Tensor
     run_count: torch.Tensor
+    run_solid: torch.Tensor
     col_index: torch.Tensor
     col_count: torch.Tensor
     col_before: torch.Tensor
     diag_mask: torch.Tensor
-    diag_prefix: torch.Tensor
     diag_bits: torch.Tensor
     col_mask: torch.Tensor
     dense: torch.Tensor
@@ -166,9 +177,126 @@ def _compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     return out[..., :K].contiguous(), keep.sum(-1, dtype=torch.int32)
 
 
+#: Longest offset or column list (padded to a power of two) that :func:`_vs_lists_kernel` sorts
+#: in one program's registers; longer lists take the torch path.
+LIST_CAP = 16384
+#: Warps of :func:`_vs_lists_kernel` (its 8192-entry sort is most of the conversion's GPU time).
+#: Whole conversion of the estimated (1000, 6096) index replayed from a CUDA graph, H200, s5 run
+#: 3 (``bench_end_to_end.py --convert-sweep``), 4 / 8 / 16 / 32 warps: 16K 0.189 / 0.157 /
+#: 0.158 / 0.144 ms, 128K 0.431 / 0.347 / 0.319 / 0.288, 1M 1.633 / 1.548 / 1.521 / 1.489.
+LISTS_WARPS = 32
+#: 64-offset words per program of :func:`_vs_diag_kernel`.
+_DIAG_WORDS = 16
+
+
 @triton.jit
-def _block_columns_kernel(c_ptr, cover_ptr, idx_ptr, count_ptr, before_ptr, NV, span, nqb, block_m,
-                          NVP: tl.constexpr):
+def _upper_bound(base, count, x):
+    """Per lane of ``x`` (int32): how many of the ascending ``base[0 .. count)`` are ``<= x``: a
+    binary search of ``ceil(log2(count + 1))`` steps (a head's runs are usually a handful)."""
+    lo = x * 0
+    hi = lo + count
+    steps = 0
+    while (1 << steps) <= count:
+        steps += 1
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(base + mid, mask=active, other=0)
+        right = active & (v <= x)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
+                     run_start_ptr, run_end_ptr, run_count_ptr, run_solid_ptr, cols_ptr, col_mask_ptr, work_ptr,
+                     NSP: tl.constexpr, NVP: tl.constexpr):
+    """Two programs per (batch row, head), one for the offsets and one for the columns.
+
+    Offsets: sort (invalid ones become the sentinel ``n`` and sort last), then, on distinct
+    values, runs split where the distance to the previous one exceeds ``merge`` and filled
+    segments where it exceeds ``fill + 1``; a run is solid when no distance inside it leaves
+    more than ``fill`` offsets out. Columns: sort, duplicates -> -1, ``col_mask``. Workspace row
+    (``W`` int32): sorted offsets, hole counts at run starts and ends, segment lows and highs,
+    sorted columns, segment count."""
+    bh = tl.program_id(0).to(tl.int64)
+    work = work_ptr + bh * W
+    at_start = work + NSP
+    at_end = work + 2 * NSP
+    seg_lo = work + 3 * NSP
+    seg_hi = work + 4 * NSP
+    sorted_c = work + 5 * NSP
+
+    if tl.program_id(1) == 0:  # offsets
+        k = tl.arange(0, NSP)
+        s = tl.load(slash_ptr + bh * NS + k, mask=k < NS, other=-1)
+        s = tl.where((s >= 0) & (s < n), s, n).to(tl.int32)
+        s = tl.sort(s)
+        tl.store(work + k, s)
+        tl.debug_barrier()
+        prev = tl.load(work + k - 1, mask=k > 0, other=-merge - 1)  # the first offset always starts
+        nxt = tl.load(work + k + 1, mask=k < NSP - 1, other=n)
+        valid = s < n
+        first = valid & (s != prev)
+        start = valid & (s - prev > merge)
+        end = valid & ((nxt - s > merge) | (nxt >= n))
+        run = tl.cumsum(start.to(tl.int32), 0) - 1
+        nrun = tl.sum(start.to(tl.int32), 0)
+        rs = run_start_ptr + bh * R
+        re = run_end_ptr + bh * R
+        tl.store(rs + run, s, mask=start)
+        tl.store(re + run, s, mask=end)
+        tl.store(rs + k, tl.full([NSP], -1, tl.int32), mask=(k >= nrun) & (k < R))
+        tl.store(re + k, tl.full([NSP], -1, tl.int32), mask=(k >= nrun) & (k < R))
+        tl.store(run_count_ptr + bh, nrun)
+        # a hole: a distinct offset more than fill + 1 past the previous one of its run
+        holes = tl.cumsum((first & ~start & (s - prev - 1 > fill)).to(tl.int32), 0)
+        tl.store(at_start + run, holes, mask=start)
+        tl.store(at_end + run, holes, mask=end)
+        seg_start = valid & (s - prev > fill + 1)
+        seg_end = valid & ((nxt - s > fill + 1) | (nxt >= n))
+        seg = tl.cumsum(seg_start.to(tl.int32), 0) - 1
+        tl.store(seg_lo + seg, s, mask=seg_start)
+        tl.store(seg_hi + seg, s, mask=seg_end)
+        tl.store(sorted_c + NVP, tl.sum(seg_start.to(tl.int32), 0))
+        tl.debug_barrier()
+        solid = tl.load(at_end + k, mask=k < nrun, other=0) == tl.load(at_start + k, mask=k < nrun, other=1)
+        tl.store(run_solid_ptr + bh * R + k, solid.to(tl.int8), mask=k < R)
+    else:  # columns (a second program: the two sorts run side by side)
+        kv = tl.arange(0, NVP)
+        c = tl.load(vert_ptr + bh * NV + kv, mask=kv < NV, other=-1)
+        c = tl.where((c >= 0) & (c < n), c, n).to(tl.int32)
+        c = tl.sort(c)
+        tl.store(sorted_c + kv, c)
+        tl.debug_barrier()
+        c_first = (c < n) & (c != tl.load(sorted_c + kv - 1, mask=kv > 0, other=-1))
+        tl.store(cols_ptr + bh * NV + kv, tl.where(c_first, c, -1), mask=kv < NV)
+        tl.store(col_mask_ptr + bh * n + c, tl.full([NVP], 1, tl.int8), mask=c_first)
+
+
+@triton.jit
+def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
+                    NSP: tl.constexpr, NVP: tl.constexpr, WORDS: tl.constexpr, PAD: tl.constexpr):
+    """``diag_bits`` words ``[w0, w0 + WORDS)`` of one (batch row, head) and the ``diag_mask``
+    entries they hold: offset ``x`` is chosen iff it lies in one of the filled segments."""
+    bh = tl.program_id(1).to(tl.int64)
+    work = work_ptr + bh * W
+    w = tl.program_id(0) * WORDS + tl.arange(0, WORDS)  # [WORDS]
+    bit = tl.arange(0, 64)
+    x = (w[:, None] - PAD) * 64 + bit[None, :]  # [WORDS, 64]
+    inside = (x >= 0) & (x < n) & (w[:, None] < NW)
+    seg = _upper_bound(work + 3 * NSP, tl.load(work + 5 * NSP + NVP), x) - 1
+    hi = tl.load(work + 4 * NSP + seg, mask=inside & (seg >= 0), other=-1)
+    member = inside & (x <= hi)
+    word = tl.sum(member.to(tl.int64) << bit[None, :].to(tl.int64), axis=1)  # distinct bits: the sum is the OR
+    tl.store(diag_bits_ptr + bh * NW + w, word, mask=w < NW)
+    tl.store(diag_mask_ptr + bh * n + x, member.to(tl.int8), mask=inside)
+
+
+@triton.jit
+def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_ptr, count_ptr, before_ptr,
+                          NV, R, nqb, block_m, NVP: tl.constexpr):
     """One program per (query block ``I``, batch row x head): keep the distinct columns that are
     causal for the block's last row and outside its key ranges, compacted in ascending order."""
     I = tl.program_id(0)
@@ -176,10 +304,13 @@ def _block_columns_kernel(c_ptr, cover_ptr, idx_ptr, count_ptr, before_ptr, NV, 
     k = tl.arange(0, NVP)
     c = tl.load(c_ptr + bh * NV + k, mask=k < NV, other=-1)  # [NVP] ascending, -1: none or duplicate
     m0 = I * block_m
-    y = m0 + block_m - 1 - c  # column c lies in a key range of this block iff cover[y]
+    # column c lies in a key range of this block iff y = m0 + block_m - 1 - c is in [δa, δb +
+    # block_m - 1] for a run; those intervals are disjoint and ascending: test the last with δa <= y
+    y = m0 + block_m - 1 - c
     ok = (c >= 0) & (y >= 0)
-    inside = tl.load(cover_ptr + bh * span + y, mask=ok & (y < span), other=0) != 0
-    keep = ok & ~inside
+    r = _upper_bound(run_start_ptr + bh * R, tl.load(run_count_ptr + bh), y) - 1
+    end = tl.load(run_end_ptr + bh * R + r, mask=ok & (r >= 0), other=-1)
+    keep = ok & ~((r >= 0) & (y <= end + block_m - 1))
     kept = keep.to(tl.int32)
     count = tl.sum(kept, axis=0)
     row = idx_ptr + (bh * nqb + I) * NV
@@ -189,10 +320,53 @@ def _block_columns_kernel(c_ptr, cover_ptr, idx_ptr, count_ptr, before_ptr, NV, 
     tl.store(before_ptr + bh * nqb + I, tl.sum((keep & (c < m0)).to(tl.int32), axis=0))
 
 
+def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m: int, fill_gaps: int) -> VSIndex:
+    """:func:`convert_vertical_slash` without the dense fallback in three Triton launches (CUDA
+    tensors, or CPU tensors under the interpreter), for ``n >= 1`` and lists of at most
+    :data:`LIST_CAP` entries."""
+    B, H, NV = vertical.shape
+    NS = slash.shape[-1]
+    R = max(NS, 1)
+    BH = B * H
+    dev = slash.device
+    nqb = -(-n // block_m)
+    NSP = triton.next_power_of_2(R)
+    NVP = triton.next_power_of_2(max(NV, 1))
+    NW = BITS_PAD_WORDS + -(-n // _WORD) + 1
+    i32 = dict(dtype=torch.int32, device=dev)
+    run_start, run_end = torch.empty(B, H, R, **i32), torch.empty(B, H, R, **i32)
+    run_count = torch.empty(B, H, **i32)
+    run_solid = torch.empty(B, H, R, dtype=torch.int8, device=dev)
+    cols = torch.empty(B, H, NV, **i32)
+    col_mask = torch.zeros(B, H, n, dtype=torch.int8, device=dev)
+    diag_mask = torch.empty(B, H, n, dtype=torch.int8, device=dev)
+    diag_bits = torch.empty(B, H, NW, dtype=torch.int64, device=dev)
+    col_index = torch.empty(B, H, nqb, NV, **i32)
+    col_count = torch.empty(B, H, nqb, **i32)
+    col_before = torch.empty(B, H, nqb, **i32)
+    W = 5 * NSP + NVP + 1
+    work = torch.empty(BH, W, **i32)
+    merge = min(max(block_m, fill_gaps + 1), n + 1)  # distances never exceed n - 1: same results
+    fill = min(fill_gaps, n)
+    if BH > 0:
+        _vs_lists_kernel[(BH, 2)](slash.contiguous(), vertical.contiguous(), NS, NV, n, merge, fill, R, W,
+                                run_start, run_end, run_count, run_solid, cols, col_mask, work,
+                                NSP=NSP, NVP=NVP, num_warps=LISTS_WARPS)
+        _vs_diag_kernel[(triton.cdiv(NW, _DIAG_WORDS), BH)](work, diag_mask, diag_bits, n, NW, W, NSP=NSP, NVP=NVP,
+                                                             WORDS=_DIAG_WORDS, PAD=BITS_PAD_WORDS, num_warps=4)
+        _block_columns_kernel[(nqb, BH)](cols, run_start, run_end, run_count, col_index, col_count, col_before,
+                                         NV, R, nqb, block_m, NVP=NVP, num_warps=4)
+    return VSIndex(block_m=block_m, n=n, run_start=run_start, run_end=run_end, run_count=run_count,
+                   run_solid=run_solid, col_index=col_index, col_count=col_count, col_before=col_before,
+                   diag_mask=diag_mask, diag_bits=diag_bits, col_mask=col_mask,
+                   dense=torch.zeros(B, H, dtype=torch.bool, device=dev))
+
+
 def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m: int):
-    """:func:`_block_columns` in torch ops, for CPU tensors outside the interpreter (and as the
-    tests' second opinion). Materialises ``[B, H, NQB, NV]`` int64 temporaries: ~20 launches
-    and ~3 GB of traffic at 128K on the GPU, which is why the GPU runs the Triton kernel."""
+    """The block column lists in torch ops from the distinct ascending columns ``c [B, H, NV]``
+    (-1 = none) and ``cover [B, H, span]`` (``cover[y]``: a column with ``y = m0 + block_m - 1 -
+    c`` lies in a key range of the block at ``m0``). Materialises ``[B, H, NQB, NV]`` int64
+    temporaries (~3 GB of traffic at 128K on the GPU)."""
     B, H, NV = c.shape
     span = cover.shape[-1]
     m0 = torch.arange(nqb, device=c.device, dtype=torch.long) * block_m  # [NQB]
@@ -205,25 +379,6 @@ def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m
     return col_index, col_count, col_before
 
 
-def _block_columns(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m: int):
-    """``col_index [B, H, NQB, NV]``, ``col_count``, ``col_before [B, H, NQB]`` int32 from the
-    distinct ascending columns ``c [B, H, NV]`` (-1 = none) and ``cover [B, H, span]`` (bool):
-    one Triton launch on CUDA tensors and under the interpreter, torch ops on other CPU tensors."""
-    if not c.is_cuda and not interpreting():
-        return _block_columns_torch(c, cover, nqb, block_m)
-    B, H, NV = c.shape
-    dev = c.device
-    col_index = torch.empty(B, H, nqb, NV, dtype=torch.int32, device=dev)
-    col_count = torch.empty(B, H, nqb, dtype=torch.int32, device=dev)
-    col_before = torch.empty(B, H, nqb, dtype=torch.int32, device=dev)
-    if B * H * nqb == 0:
-        return col_index, col_count, col_before
-    _block_columns_kernel[(nqb, B * H)](
-        c.to(torch.int32).contiguous(), cover.contiguous().view(torch.uint8), col_index, col_count, col_before,
-        NV, cover.shape[-1], nqb, block_m, NVP=triton.next_power_of_2(max(NV, 1)), num_warps=4)
-    return col_index, col_count, col_before
-
-
 #: Chunk of the two-level prefix sum (:func:`_prefix_sum`).
 _SCAN_CHUNK = 1024
 
@@ -231,8 +386,8 @@ _SCAN_CHUNK = 1024
 def _prefix_sum(x: torch.Tensor) -> torch.Tensor:
     """Inclusive int32 prefix sums of ``x [..., n]`` along the last dim, in two levels: within
     chunks of :data:`_SCAN_CHUNK`, then over the chunk totals. Same integers as ``cumsum``, but
-    torch's scan over a few long rows runs about one thread block per row: 0.19 ms for 32 rows of
-    128K on the H200 (s4 run 6 profile, three such scans per conversion)."""
+    torch's scan over a few long rows runs about one thread block per row (0.19 ms for 32 rows
+    of 128K on the H200)."""
     *lead, n = x.shape
     if n <= _SCAN_CHUNK:
         return x.cumsum(-1, dtype=torch.int32)
@@ -243,16 +398,81 @@ def _prefix_sum(x: torch.Tensor) -> torch.Tensor:
     return local.view(*lead, chunks * _SCAN_CHUNK)[..., :n]
 
 
-def _diag_tables(diag_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``diag_prefix [..., n + 1]`` int32 and ``diag_bits [..., NW]`` int64 of ``diag_mask [..., n]``."""
+def _diag_bits(diag_mask: torch.Tensor) -> torch.Tensor:
+    """``diag_bits [..., NW]`` int64 of ``diag_mask [..., n]`` (torch ops)."""
     *lead, n = diag_mask.shape
     dev = diag_mask.device
-    diag_prefix = F.pad(_prefix_sum(diag_mask), (1, 0)).contiguous()
     words = -(-n // _WORD)
     padded = F.pad(diag_mask, (BITS_PAD_WORDS * _WORD, (words + 1) * _WORD - n)).view(*lead, -1, _WORD)
     weights = torch.ones(_WORD, dtype=torch.int64, device=dev) << torch.arange(_WORD, device=dev)
-    diag_bits = (padded.to(torch.int64) * weights).sum(-1)  # distinct bits: the sum is the OR
-    return diag_prefix, diag_bits.contiguous()
+    return (padded.to(torch.int64) * weights).sum(-1).contiguous()  # distinct bits: the sum is the OR
+
+
+def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m: int, fill_gaps: int) -> VSIndex:
+    """:func:`convert_vertical_slash` without the dense fallback in torch ops (any device)."""
+    B, H, NV = vertical.shape
+    NS = slash.shape[-1]
+    R = max(NS, 1)
+    dev = slash.device
+    nqb = -(-n // block_m)
+
+    # slash runs: a new run starts where the distance to the previous distinct offset exceeds
+    # block_m (and exceeds fill_gaps + 1: a filled gap never separates runs)
+    merge = max(block_m, fill_gaps + 1)
+    s, s_valid, _ = _sorted_set(slash, n)  # [B, H, NS]
+    prev = F.pad(s[..., :-1], (1, 0), value=-merge - 1)
+    nxt = F.pad(s[..., 1:], (0, 1), value=n)
+    starts = s_valid & (s - prev > merge)
+    ends = s_valid & ((nxt - s > merge) | (nxt >= n))
+    run_id = starts.long().cumsum(-1) - 1
+    run_start = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
+    run_start.scatter_(-1, torch.where(starts, run_id, R), s.to(torch.int32))
+    run_end = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
+    run_end.scatter_(-1, torch.where(ends, run_id, R), s.to(torch.int32))
+    run_count = starts.sum(-1, dtype=torch.int32)
+
+    diag_mask = _membership(s, n)  # [B, H, n]
+    if fill_gaps > 0 and n > 0:  # offsets strictly between neighbours a < b with b - a - 1 <= fill_gaps
+        gap = s_valid & (nxt < n) & (nxt - s > 1) & (nxt - s - 1 <= fill_gaps)
+        fill = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)
+        fill.scatter_add_(-1, torch.where(gap, s + 1, n), gap.to(torch.int32))
+        fill.scatter_add_(-1, torch.where(gap, nxt, n), -gap.to(torch.int32))
+        diag_mask |= (_prefix_sum(fill)[..., :n] > 0).to(torch.int8)
+    diag_bits = _diag_bits(diag_mask)
+    # a run is solid when its chosen offsets count db - da + 1
+    prefix = F.pad(_prefix_sum(diag_mask), (1, 0)).long()  # [B, H, n + 1]
+    da, db = run_start[..., :R].long(), run_end[..., :R].long()
+    live = torch.arange(R, device=dev) < run_count[..., None]
+    chosen = prefix.gather(-1, (db + 1).clamp(0, n)) - prefix.gather(-1, da.clamp(0, n))
+    run_solid = (live & (chosen == db - da + 1)).to(torch.int8)
+
+    # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0
+    # iff m0 - c lies in [δa - block_m + 1, δb] for some run, i.e. y in [δa, δb + block_m - 1]
+    span = n + block_m
+    diff = torch.zeros(B, H, span + 1, dtype=torch.int32, device=dev)
+    one = torch.ones_like(s, dtype=torch.int32)
+    diff.scatter_add_(-1, torch.where(starts, s, span), one)
+    diff.scatter_add_(-1, torch.where(ends, s + block_m, span), -one)
+    cover = _prefix_sum(diff)[..., :span] > 0  # [B, H, span]
+
+    c, _, c_first = _sorted_set(vertical, n)  # [B, H, NV]
+    col_mask = _membership(c, n)
+    col_index, col_count, col_before = _block_columns_torch(torch.where(c_first, c, -1), cover, nqb, block_m)
+    return VSIndex(
+        block_m=block_m,
+        n=n,
+        run_start=run_start[..., :R].contiguous(),
+        run_end=run_end[..., :R].contiguous(),
+        run_count=run_count,
+        run_solid=run_solid,
+        col_index=col_index,
+        col_count=col_count,
+        col_before=col_before,
+        diag_mask=diag_mask,
+        diag_bits=diag_bits,
+        col_mask=col_mask,
+        dense=torch.zeros(B, H, dtype=torch.bool, device=dev),
+    )
 
 
 def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
@@ -261,8 +481,9 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
     run_end = run_start.clone()
     run_start[..., 0] = 0  # device fills: no host tensor is copied (capturable)
     run_end[..., 0] = n - 1
+    run_solid = torch.zeros(1, 1, R, dtype=torch.int8, device=device)
+    run_solid[..., 0] = 1
     diag_mask = torch.ones(1, 1, n, dtype=torch.int8, device=device)
-    diag_prefix, diag_bits = _diag_tables(diag_mask)
     nqb = -(-n // block_m)
     return VSIndex(
         block_m=block_m,
@@ -270,12 +491,12 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
         run_start=run_start,
         run_end=run_end,
         run_count=torch.ones(1, 1, dtype=torch.int32, device=device),
+        run_solid=run_solid,
         col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
         col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         col_before=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         diag_mask=diag_mask,
-        diag_prefix=diag_prefix,
-        diag_bits=diag_bits,
+        diag_bits=_diag_bits(diag_mask),
         col_mask=torch.zeros(1, 1, n, dtype=torch.int8, device=device),
         dense=torch.ones(1, 1, dtype=torch.bool, device=device),
     )
@@ -332,65 +553,12 @@ def convert_vertical_slash(
     check_fill_gaps(fill_gaps)
     _check_dense_over(dense_over)
     B, H, NV = vertical.shape
-    NS = slash.shape[-1]
-    R = max(NS, 1)  # room for the one run of the dense fallback even without offsets
-    dev = slash.device
-    nqb = -(-n // block_m)
-
-    # slash runs: a new run starts where the distance to the previous distinct offset exceeds
-    # block_m (and exceeds fill_gaps + 1: a filled gap never separates runs)
-    merge = max(block_m, fill_gaps + 1)
-    s, s_valid, _ = _sorted_set(slash, n)  # [B, H, NS]
-    prev = F.pad(s[..., :-1], (1, 0), value=-merge - 1)
-    nxt = F.pad(s[..., 1:], (0, 1), value=n)
-    starts = s_valid & (s - prev > merge)
-    ends = s_valid & ((nxt - s > merge) | (nxt >= n))
-    run_id = starts.long().cumsum(-1) - 1
-    run_start = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
-    run_start.scatter_(-1, torch.where(starts, run_id, R), s.to(torch.int32))
-    run_end = torch.full((B, H, R + 1), -1, dtype=torch.int32, device=dev)
-    run_end.scatter_(-1, torch.where(ends, run_id, R), s.to(torch.int32))
-    run_count = starts.sum(-1, dtype=torch.int32)
-
-    diag_mask = _membership(s, n)  # [B, H, n]
-    if fill_gaps > 0 and n > 0:  # offsets strictly between neighbours a < b with b - a - 1 <= fill_gaps
-        gap = s_valid & (nxt < n) & (nxt - s > 1) & (nxt - s - 1 <= fill_gaps)
-        fill = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)
-        fill.scatter_add_(-1, torch.where(gap, s + 1, n), gap.to(torch.int32))
-        fill.scatter_add_(-1, torch.where(gap, nxt, n), -gap.to(torch.int32))
-        diag_mask |= (_prefix_sum(fill)[..., :n] > 0).to(torch.int8)
-    diag_prefix, diag_bits = _diag_tables(diag_mask)  # [B, H, n+1], [B, H, NW]
-
-    # cover[y], y = m0 - c + block_m - 1: column c lies in a key range of the block at m0
-    # iff m0 - c lies in [δa - block_m + 1, δb] for some run, i.e. y in [δa, δb + block_m - 1]
-    span = n + block_m
-    diff = torch.zeros(B, H, span + 1, dtype=torch.int32, device=dev)
-    one = torch.ones_like(s, dtype=torch.int32)
-    diff.scatter_add_(-1, torch.where(starts, s, span), one)
-    diff.scatter_add_(-1, torch.where(ends, s + block_m, span), -one)
-    cover = _prefix_sum(diff)[..., :span] > 0  # [B, H, span]
-
-    c, _, c_first = _sorted_set(vertical, n)  # [B, H, NV]
-    col_mask = _membership(c, n)
-    col_index, col_count, col_before = _block_columns(torch.where(c_first, c, -1), cover, nqb, block_m)
-    index = VSIndex(
-        block_m=block_m,
-        n=n,
-        run_start=run_start[..., :R].contiguous(),
-        run_end=run_end[..., :R].contiguous(),
-        run_count=run_count,
-        col_index=col_index,
-        col_count=col_count,
-        col_before=col_before,
-        diag_mask=diag_mask,
-        diag_prefix=diag_prefix,
-        diag_bits=diag_bits,
-        col_mask=col_mask,
-        dense=torch.zeros(B, H, dtype=torch.bool, device=dev),
-    )
+    R = max(slash.shape[-1], 1)
+    kernels = (slash.is_cuda or interpreting()) and n > 0 and max(R, NV) <= LIST_CAP
+    index = (_convert_triton if kernels else _convert_torch)(vertical, slash, n, block_m, fill_gaps)
     if dense_over is None or n == 0:
         return index
-    full = _dense_causal(n, block_m, R, NV, dev)
+    full = _dense_causal(n, block_m, R, NV, slash.device)
     limit = dense_over * vs_physical_tiles(full, block_n).double()  # [1, 1]
     over = vs_physical_tiles(index, block_n).double() > limit  # [B, H]
     picked = {}

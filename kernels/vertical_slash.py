@@ -6,7 +6,7 @@ ranges per query block, plus the leftover columns of each block), then one progr
 block walks its key ranges in contiguous tiles and its leftover columns in gathered tiles.
 
 Masking: a range tile whose keys are all causal for the block, inside the range, and whose every
-diagonal ``i - j`` is a chosen offset (an O(1) prefix-count test) runs unmasked; any other range
+diagonal ``i - j`` is a chosen offset (the run's hole-free flag) runs unmasked; any other range
 tile applies the exact set ``(i - j ∈ D or j ∈ C) and j <= i`` before the running max.
 """
 
@@ -85,7 +85,7 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
 def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
-            run_start, run_end, run_count, col_index, col_count, col_before, diag_prefix, diag_bits, col_mask,
+            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
@@ -114,7 +114,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
     rs_base = run_start + bg * n_runs
     re_base = run_end + bg * n_runs
     bits_base = diag_bits + bg * n_words
-    dp_base = diag_prefix + bg * (n_idx + 1)
+    solid_base = run_solid + bg * n_runs
     cm_base = col_mask + bg * n_idx
     ci_base = col_index + (bg * n_qblk + qblk) * n_cols
 
@@ -133,7 +133,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
         db = tl.load(re_base + r)
         lo = tl.maximum(m0 - db, 0)
         hi = tl.minimum(m0 + BLOCK_M - 1 - da, last_row) + 1
-        solid = tl.load(dp_base + db + 1) - tl.load(dp_base + da) == db - da + 1
+        solid = tl.load(solid_base + r) != 0
         k_b = tl.maximum(m0 + 1 - da - lo, 0) // BLOCK_N  # tiles whose last key is <= m0 - δa
         k_b = tl.minimum(k_b, tl.maximum(hi - lo, 0) // BLOCK_N)  # ... and inside the range
         k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - db - lo, 0), BLOCK_N), k_b)
@@ -220,8 +220,8 @@ def vertical_slash_attention_physical(
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _vs_fwd[prep.grid()](
             q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
-            index.run_start, index.run_end, index.run_count, index.col_index, index.col_count, index.col_before,
-            index.diag_prefix, index.diag_bits, index.col_mask,
+            index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
+            index.col_before, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,

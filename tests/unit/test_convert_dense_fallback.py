@@ -25,8 +25,8 @@ from minference.testing.strategies import vertical_slash_indices
 
 pytestmark = pytest.mark.triton
 
-_FIELDS = ("run_start", "run_end", "run_count", "col_index", "col_count", "diag_mask", "diag_prefix",
-           "diag_bits", "col_mask", "dense")
+_FIELDS = ("run_start", "run_end", "run_count", "run_solid", "col_index", "col_count", "diag_mask", "diag_bits",
+           "col_mask", "dense")
 
 
 def dense_tiles(n: int, block_m: int, block_n: int) -> int:
@@ -56,6 +56,7 @@ def check_dense_heads(index: VSIndex, plain: VSIndex, expect_dense: torch.Tensor
                 assert torch.equal(visits[b, h], causal), f"head ({b}, {h}) is not the causal mask"
                 assert int(index.run_count[b, h]) == 1 and int(index.run_start[b, h, 0]) == 0
                 assert int(index.run_end[b, h, 0]) == n - 1 and index.run_start[b, h, 1:].eq(-1).all()
+                assert int(index.run_solid[b, h, 0]) == 1 and index.run_solid[b, h, 1:].eq(0).all()
                 assert index.col_count[b, h].eq(0).all() and index.col_index[b, h].eq(-1).all()
                 assert index.col_mask[b, h].eq(0).all() and index.diag_mask[b, h].eq(1).all()
             else:
@@ -83,7 +84,7 @@ def test_scattered_head_is_replaced_local_head_is_not():
     # the dense heads' tables equal those of the logical index "every offset" converted plainly
     every = convert_vertical_slash(torch.full((1, 1, 1), -1, dtype=torch.int32),
                                    torch.arange(n, dtype=torch.int32).view(1, 1, n), n, block_m=bm)
-    for f in ("diag_mask", "diag_prefix", "diag_bits", "col_mask"):
+    for f in ("diag_mask", "diag_bits", "col_mask"):
         assert torch.equal(getattr(index, f)[0, 0], getattr(every, f)[0, 0]), f
     # without dense_over nothing is replaced and R stays NS
     assert not plain.dense.any() and plain.run_start.shape[-1] == NS

@@ -7,11 +7,11 @@ absent, verticals lying on slash diagonals.
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels import convert
@@ -91,11 +91,8 @@ def test_converter_is_exact(data):
     block_m = data.draw(st.sampled_from((1, 4, 16, 64)), label="block_m")
     fill = data.draw(st.sampled_from((0, 0, 1, 3, 16, 40)), label="fill_gaps")
     vertical, slash = data.draw(vertical_slash_indices(2, 2, n), label="index")
-    # small chunks put the prefix sums (fill, diag_prefix, cover) through their two-level path
-    chunk = data.draw(st.sampled_from((4, 16, convert._SCAN_CHUNK)), label="scan chunk")
-    with mock.patch.object(convert, "_SCAN_CHUNK", chunk):
-        index = kernels.convert_vertical_slash(vertical.to(DEVICE), slash.to(DEVICE), n, block_m=block_m,
-                                               fill_gaps=fill)
+    index = kernels.convert_vertical_slash(vertical.to(DEVICE), slash.to(DEVICE), n, block_m=block_m,
+                                           fill_gaps=fill)
     visits = kernels.vs_index_to_dense(index).cpu()
     want = ref.vertical_slash_mask(n, vertical, slash, fill)
     assert int(visits.max()) <= 1, "a (query, key) pair is visited twice"
@@ -103,12 +100,16 @@ def test_converter_is_exact(data):
     # the leftover columns of a block are distinct, ascending, causal for the block and outside its ranges
     for b in range(2):
         for h in range(2):
-            runs = [(int(a), int(z)) for a, z in zip(index.run_start[b, h, : int(index.run_count[b, h])],
-                                                      index.run_end[b, h, : int(index.run_count[b, h])])]
+            count = int(index.run_count[b, h])
+            runs = [(int(a), int(z)) for a, z in zip(index.run_start[b, h, :count], index.run_end[b, h, :count])]
             assert all(z >= a for a, z in runs)
             assert all(nxt[0] - prev[1] > max(block_m, fill + 1) for prev, nxt in zip(runs, runs[1:]))
+            # a run is flagged hole-free exactly when every offset of it is chosen
+            solid = [bool(index.diag_mask[b, h, a : z + 1].all()) for a, z in runs]
+            assert index.run_solid[b, h, :count].bool().tolist() == solid
+            assert not index.run_solid[b, h, count:].any()
             if fill >= block_m - 1:  # every run is hole-free: the kernel masks only its edge tiles
-                assert all(bool(index.diag_mask[b, h, a : z + 1].all()) for a, z in runs)
+                assert all(solid)
             for I in range(-(-n // block_m)):
                 m0 = I * block_m
                 cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()
@@ -118,22 +119,32 @@ def test_converter_is_exact(data):
 
 
 @given(data=st.data())
-def test_block_columns_kernel_matches_torch_ops(data):
-    """The converter's column lists: the Triton kernel (CUDA / interpreter) equals the torch ops
-    that CPU tensors take outside the interpreter, on distinct ascending columns with gaps."""
+def test_converter_kernels_match_torch_ops(data):
+    """The three converter launches (CUDA / interpreter) equal the torch ops that CPU tensors take
+    outside the interpreter and long lists take everywhere, field by field: unsorted indices with
+    duplicates, padding and entries past ``n``, widths that are not powers of two, both int dtypes."""
     B, H = data.draw(st.integers(1, 2), label="B"), data.draw(st.integers(1, 3), label="H")
-    n = data.draw(st.integers(1, 200), label="n")
+    n = data.draw(st.integers(1, 300), label="n")
     block_m = data.draw(st.sampled_from((1, 16, 64, 128)), label="block_m")
-    NV = data.draw(st.integers(0, 40), label="NV")
+    fill = data.draw(st.sampled_from((0, 1, 5, 63, 127, 383, 10**9)), label="fill_gaps")
+    NV, NS = data.draw(st.integers(0, 40), label="NV"), data.draw(st.integers(0, 70), label="NS")
+    dtype = data.draw(st.sampled_from((torch.int32, torch.int64)), label="dtype")
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-    c = torch.randint(-1, n, (B, H, NV), generator=g).sort(-1).values
-    c = torch.where(c == F.pad(c[..., :-1], (1, 0), value=-1), -1, c)  # duplicates -> -1 (as the converter)
-    cover = torch.rand(B, H, n + block_m, generator=g) < 0.3
-    nqb = -(-n // block_m)
-    got = convert._block_columns(c.to(DEVICE), cover.to(DEVICE), nqb, block_m)
-    want = convert._block_columns_torch(c, cover, nqb, block_m)
-    for name, x, y in zip(("col_index", "col_count", "col_before"), got, want):
-        assert torch.equal(x.cpu(), y), name
+    vertical = torch.randint(-2, n + 3, (B, H, NV), generator=g, dtype=dtype)
+    slash = torch.randint(-2, n + 3, (B, H, NS), generator=g, dtype=dtype)
+    if dtype == torch.int64 and NS:
+        slash[..., 0] = 2**32 + 1  # past n, and 1 after a wrap to int32: must read as padding
+    got = kernels.convert_vertical_slash(vertical.to(DEVICE), slash.to(DEVICE), n, block_m=block_m, fill_gaps=fill)
+    # small chunks put the torch path's prefix sums through their two-level path
+    chunk = data.draw(st.sampled_from((4, 16, convert._SCAN_CHUNK)), label="scan chunk")
+    with mock.patch.object(convert, "_SCAN_CHUNK", chunk), mock.patch.object(convert, "LIST_CAP", 0):
+        want = kernels.convert_vertical_slash(vertical, slash, n, block_m=block_m, fill_gaps=fill)
+    for f in dataclasses.fields(convert.VSIndex):
+        x, y = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x.cpu(), y), f.name
+        else:
+            assert x == y, f.name
 
 
 def test_converter_runs_unsorted_without_offset_zero():
