@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor
+from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor, select_vertical_slash
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks"]
@@ -241,6 +241,113 @@ def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | 
     return col, diag
 
 
+#: Scores per loop step of the selection kernel (:func:`_select_kernel`).
+SELECT_CHUNK = 4096
+#: Warps of the selection kernel.
+SELECT_WARPS = 8
+#: Longest row the selection kernel takes; longer rows keep ``torch.topk``
+#: (:func:`minference.index.select_vertical_slash`). One program walks a whole row five times,
+#: which is latency-bound on long rows. Whole index build replayed from a CUDA graph, H200
+#: (``bench_end_to_end.py --select-sweep``, s5 runs 4-5), kernel (4096 scores a step, 8 warps)
+#: vs topk: 16K 0.336 / 0.508 ms, 32K 0.597 / 0.716, 64K 1.167 / 1.111, 128K 2.252 / 1.910.
+SELECT_MAX_N = 32768
+
+
+@triton.jit
+def _order_bits(x):
+    """fp32 (no NaN) -> int64 in ``[0, 2**32)`` whose order is the float order."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order = float order
+    return key.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _select_scores(scores, forced, pos, n):
+    """A chunk of one row's scores: -inf past the row's length, +inf where forced (and valid)."""
+    x = tl.load(scores + pos, mask=pos < n, other=float("-inf"))
+    return tl.where((pos < forced) & (x > float("-inf")), float("inf"), x)
+
+
+@triton.jit
+def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_ptr, vout_ptr, sout_ptr,
+                   N, Hg, BHg, width_v, width_s, CHUNK: tl.constexpr):
+    """One program per (kind, batch row, head): the ``min(budget, width)`` highest scores of one
+    row (forced ones first, never -inf), written as ascending positions, -1 after.
+
+    A radix select on the scores' order bits: four passes of 8-bit histograms narrow the
+    ``k``-th largest key ``T`` and how many entries equal to ``T`` to take (``need``); a last
+    pass writes every entry above ``T`` and the first ``need`` ties in position order."""
+    r = tl.program_id(0)
+    if r < BHg:  # columns
+        g = r % Hg
+        scores = col_ptr + r.to(tl.int64) * N
+        out = vout_ptr + r.to(tl.int64) * width_v
+        forced = tl.load(sinks_ptr + g).to(tl.int32)
+        need = tl.minimum(tl.load(nv_ptr + g), width_v).to(tl.int32)
+        width = width_v
+    else:  # diagonals
+        g = (r - BHg) % Hg
+        scores = diag_ptr + (r - BHg).to(tl.int64) * N
+        out = sout_ptr + (r - BHg).to(tl.int64) * width_s
+        forced = tl.load(locs_ptr + g).to(tl.int32)
+        need = tl.minimum(tl.load(ns_ptr + g), width_s).to(tl.int32)
+        width = width_s
+    b = (r % BHg) // Hg
+    n = tl.load(lens_ptr + b)
+    offs = tl.arange(0, CHUNK)
+    bins = tl.arange(0, 512)
+    prefix = tl.zeros([], tl.int64)  # the digits of T chosen so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([512], tl.int32)
+        for c0 in range(0, n, CHUNK):
+            pos = c0 + offs
+            x = _select_scores(scores, forced, pos, n)
+            u = _order_bits(x)
+            ok = x > float("-inf")
+            if p > 0:
+                ok = ok & ((u >> (32 - 8 * p)) == prefix)
+            hist += tl.histogram(tl.where(ok, (u >> (24 - 8 * p)) & 255, 256).to(tl.int32), 512)
+        hist = tl.where(bins < 256, hist, 0)
+        if p == 0:  # fewer valid entries than the budget: take them all
+            need = tl.minimum(need, tl.sum(hist, 0))
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [bin]: entries with digit >= bin
+        digit = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), 0)  # 255 when need == 0
+        need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), 0)  # minus those above the digit
+        prefix = prefix * 256 + digit
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        pos = c0 + offs
+        x = _select_scores(scores, forced, pos, n)
+        u = _order_bits(x)
+        ok = x > float("-inf")
+        eq = ok & (u == prefix)
+        sel = (ok & (u > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, pos, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(taken, width, CHUNK):
+        tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
+
+
+def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int):
+    """The builder's selection: the kernel up to :data:`SELECT_MAX_N` scores a row, topk above."""
+    pick = _select_triton if col.shape[-1] <= SELECT_MAX_N else select_vertical_slash
+    return pick(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+
+
+def _select_triton(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int):
+    """:func:`minference.index.select_vertical_slash` in one launch (same sets on tie-free
+    scores; among equal scores it takes the lowest positions). Positions come out ascending."""
+    B, Hg, N = col.shape
+    v_idx = torch.empty(B, Hg, width_v, dtype=torch.int32, device=col.device)
+    s_idx = torch.empty(B, Hg, width_s, dtype=torch.int32, device=col.device)
+    if B * Hg > 0:
+        _select_kernel[(2 * B * Hg,)](col, diag, lens, sinks, locs, nv, ns, v_idx, s_idx, N, Hg, B * Hg, width_v,
+                                      width_s, CHUNK=SELECT_CHUNK, num_warps=SELECT_WARPS)
+    return v_idx, s_idx
+
+
 def vertical_slash_index(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,15 +387,15 @@ def vertical_slash_index(
         validate: check ``seqlens``/``seqstarts`` values (a host sync; skipped under capture).
 
     Returns:
-        ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, sorted by
-        decreasing score within the forced / free parts; with ``return_scores`` also the float32
+        ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, in no
+        particular order (a set); with ``return_scores`` also the float32
         scores ``(col [B, Hg, N], diag [B, Hg, N])`` (0 outside the row).
     """
     return build_vertical_slash_index(
         _vs_scores_triton, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate)
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select)
 
 
 def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,

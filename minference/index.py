@@ -47,6 +47,7 @@ __all__ = [
     "budget_tensor",
     "select_top",
     "build_vertical_slash_index",
+    "select_vertical_slash",
     "build_block_sparse_index",
     "extra_row_positions",
     "ROUTING_CHUNK_ELEMENTS",
@@ -281,14 +282,30 @@ def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int
     return torch.where(keep, pos, -1)
 
 
+def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor,
+                          locs: torch.Tensor, nv: torch.Tensor, ns: torch.Tensor, width_v: int,
+                          width_s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columns and offsets of a vertical-slash index from their scores ``[B, Hg, N]`` (torch
+    ops): positions past a row's length ``lens [B]`` never, the forced ones (``< sinks``, ``<
+    locs`` per head) first, then the best-scoring ones up to ``nv`` / ``ns`` per head."""
+    N = col.shape[-1]
+    inside = torch.arange(N, device=col.device)[None, :] < lens[:, None]  # [B, N]
+    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
+    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)
+    return v_idx, s_idx
+
+
 def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_rows, sink_columns,
                                local_diagonals, aggregation, scale, seqlens, seqstarts, heads, head_offset,
-                               return_scores, vertical_width, slash_width, validate):
+                               return_scores, vertical_width, slash_width, validate,
+                               selector=select_vertical_slash):
     """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
     column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
 
     ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation)`` gets the extra sampled
     rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
+    ``selector`` has the signature of :func:`select_vertical_slash` (the Triton builder passes
+    its one-launch selection).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
@@ -303,9 +320,7 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     width_s = _width("slash", slash, ns, slash_width, N)
     rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
     col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation)
-    inside = torch.arange(N, device=q.device)[None, :] < lens[:, None]  # [B, N]
-    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
-    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)
+    v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 

@@ -15,7 +15,7 @@ from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
-from minference.index import build_group_index, extra_row_positions, prepare_plan
+from minference.index import build_group_index, extra_row_positions, prepare_plan, select_vertical_slash
 from minference.patterns import VerticalSlash
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
 
@@ -97,7 +97,13 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
     # Triton: the smallest key tile (the row chunk's width) puts up to 9 tiles in a row, the
     # default at most 2
     key_tile = data.draw(st.sampled_from((16, triton_builders.VS_KEY_TILE)))
-    with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile):
+    # and a 16-score selection chunk puts rows through several histogram / output steps; rows
+    # longer than SELECT_MAX_N keep topk
+    chunk = data.draw(st.sampled_from((16, triton_builders.SELECT_CHUNK)))
+    max_n = data.draw(st.sampled_from((0, triton_builders.SELECT_MAX_N)))
+    with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile), \
+            mock.patch.object(triton_builders, "SELECT_CHUNK", chunk), \
+            mock.patch.object(triton_builders, "SELECT_MAX_N", max_n):
         fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
     torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
@@ -129,6 +135,57 @@ def test_vertical_slash_invariants(fast, data) -> None:
             if n:
                 assert 0 in offs
                 assert set(range(min(max(locs[g], 1), budgets_s[g], n))) <= offs
+
+
+@pytest.mark.interpret
+@given(st.data())
+def test_selection_kernel_is_the_definition(data) -> None:
+    """The one-launch selection of the Triton builder on scores with many exact ties (zeros,
+    repeated values, negatives): per row, ``min(budget, width, valid)`` distinct positions inside
+    the row, the forced ones included, no unpicked valid score above a picked free one, and ties
+    at the boundary resolved to the lowest positions; on tie-free rows, the torch selection's set."""
+    B, Hg = data.draw(st.integers(1, 2), label="B"), data.draw(st.integers(1, 3), label="Hg")
+    N = data.draw(st.integers(1, 200), label="N")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    levels = data.draw(st.sampled_from((0, 3, 50)), label="distinct levels (0: continuous)")
+    sign = data.draw(st.sampled_from((1.0, -1.0)), label="sign")
+
+    def scores():
+        if levels:
+            return sign * torch.randint(0, levels, (B, Hg, N), generator=g).float() / levels
+        return sign * torch.rand(B, Hg, N, generator=g) ** 3
+
+    col, diag = scores(), scores()
+    lens = torch.randint(1, N + 1, (B,), generator=g, dtype=torch.int32)
+    nv = torch.randint(0, N + 4, (Hg,), generator=g)
+    ns = torch.randint(1, N + 4, (Hg,), generator=g)
+    sinks = torch.minimum(torch.randint(0, 8, (Hg,), generator=g), nv)
+    locs = torch.minimum(torch.randint(1, 8, (Hg,), generator=g), ns)
+    width_v = min(int(nv.max()) + data.draw(st.integers(0, 3)), N)
+    width_s = min(int(ns.max()), N)
+    chunk = data.draw(st.sampled_from((16, 64, triton_builders.SELECT_CHUNK)), label="chunk")
+    with mock.patch.object(triton_builders, "SELECT_CHUNK", chunk):
+        got = triton_builders._select_triton(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+    want = select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+    for idx, ref_idx, sc, forced, budget in zip(got, want, (col, diag), (sinks, locs), (nv, ns)):
+        for b in range(B):
+            n = int(lens[b])
+            for h in range(Hg):
+                row = idx[b, h].tolist()
+                picked = [x for x in row if x >= 0]
+                assert row == picked + [-1] * (len(row) - len(picked)) and picked == sorted(set(picked))
+                assert len(picked) == min(int(budget[h]), idx.shape[-1], n) and all(x < n for x in picked)
+                f = min(int(forced[h]), n, len(picked))
+                assert set(range(f)) <= set(picked)
+                free = [x for x in range(f, n) if x not in picked]
+                chosen = [x for x in picked if x >= f]
+                if chosen and free:
+                    low = min(float(sc[b, h, x]) for x in chosen)
+                    assert max(float(sc[b, h, x]) for x in free) <= low
+                    assert all(x < y for x in chosen if float(sc[b, h, x]) == low
+                               for y in free if float(sc[b, h, y]) == low)
+                if not levels:  # continuous scores: no ties, the same set as the torch selection
+                    assert set(picked) == {x for x in ref_idx[b, h].tolist() if x >= 0}
 
 
 def _bs_case(data, dtype, shapes=CPU_SHAPES):
