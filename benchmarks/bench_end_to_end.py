@@ -45,6 +45,7 @@ Timing: CUDA events around each call after one warm-up (compilation) call, media
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -53,6 +54,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from minference.kernels import convert as convert_module
 from minference.kernels import estimate
 
 from minference import kernels
@@ -165,6 +167,12 @@ def profile(N: int, *, inputs: str) -> str:
 INDEX_SWEEP = [(64, 2), (64, 4), (64, 8), (128, 4)]
 #: Gap fillings of the converter compared by ``--fill-sweep`` (the dispatcher's is FILL_GAPS).
 FILL_SWEEP = [127, 255, 383, 511, 767, 1023]
+#: Converter variants compared by ``--convert-sweep``: warps of its sorting launch, or ``None`` for
+#: the torch-ops path (what every call took before the Triton launches).
+CONVERT_SWEEP = [None, 4, 8, 16, 32]
+#: Selections compared by ``--select-sweep``: (scores per step, warps) of the selection kernel,
+#: or ``None`` for the torch ops (``torch.topk``) it replaced.
+SELECT_SWEEP = [None, (4096, 8), (16384, 16)]
 
 
 def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
@@ -204,6 +212,89 @@ def fill_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
         tiles = int(kernels.vs_physical_tiles(phys, 64).sum())
         lines.append(f"| {gaps} | {ms:.2f} | {tiles} | {phys.run_count.float().mean():.1f} |")
     return "\n".join(lines)
+
+
+def convert_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
+    """The conversion of the estimated index at length ``N`` under each :data:`CONVERT_SWEEP`
+    variant, eager and replayed from a CUDA graph (ms), and whether it equals the default's."""
+    q, k, _ = qkv_inputs(N, inputs)
+    vertical, slash = vs_index(q, k)
+    block_m = kernels.vertical_slash_block_m(q)
+
+    def convert():
+        return kernels.convert_vertical_slash(vertical, slash, N, block_m=block_m, fill_gaps=FILL_GAPS)
+
+    base = convert()
+    lines = [f"| VS convert (N={N}) variant | eager ms | graph ms | equals default |", "|---|---|---|---|"]
+    default = convert_module.LISTS_WARPS, convert_module.LIST_CAP
+    try:
+        for warps in CONVERT_SWEEP:
+            if warps is None:
+                convert_module.LIST_CAP = 0
+            else:
+                convert_module.LISTS_WARPS, convert_module.LIST_CAP = warps, default[1]
+            got = convert()
+            same = all(torch.equal(getattr(got, f.name), getattr(base, f.name)) for f in dataclasses.fields(got)
+                       if isinstance(getattr(got, f.name), torch.Tensor))
+            eager, graph = time_ms(convert, budget_ms), time_ms(graphed(convert), budget_ms)
+            name = "torch ops" if warps is None else f"lists kernel, {warps} warps"
+            lines.append(f"| {name} | {eager:.3f} | {graph:.3f} | {same} |")
+    finally:
+        convert_module.LISTS_WARPS, convert_module.LIST_CAP = default
+    return "\n".join(lines)
+
+
+def select_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
+    """The whole index build at length ``N`` under each :data:`SELECT_SWEEP` selection, eager and
+    replayed from a CUDA graph (ms), and whether its sets equal the default's."""
+    q, k, _ = qkv_inputs(N, inputs)
+
+    def sets():
+        return [torch.sort(x.clamp(min=-1), dim=-1).values for x in vs_index(q, k)]
+
+    base = sets()
+    lines = [f"| VS index (N={N}) selection | eager ms | graph ms | same sets |", "|---|---|---|---|"]
+    default = estimate.SELECT_MAX_N, estimate.SELECT_CHUNK, estimate.SELECT_WARPS
+    try:
+        for variant in SELECT_SWEEP:
+            if variant is None:
+                estimate.SELECT_MAX_N = 0
+            else:
+                estimate.SELECT_MAX_N = N
+                estimate.SELECT_CHUNK, estimate.SELECT_WARPS = variant
+            same = all(torch.equal(a, b) for a, b in zip(sets(), base))
+            eager = time_ms(lambda: vs_index(q, k), budget_ms)
+            graph = time_ms(graphed(lambda: vs_index(q, k)), budget_ms)
+            name = "torch ops (topk)" if variant is None else f"kernel, {variant[0]} per step, {variant[1]} warps"
+            lines.append(f"| {name} | {eager:.3f} | {graph:.3f} | {same} |")
+    finally:
+        estimate.SELECT_MAX_N, estimate.SELECT_CHUNK, estimate.SELECT_WARPS = default
+    return "\n".join(lines)
+
+
+def host_profile(N: int, *, inputs: str, calls: int = 50) -> str:
+    """Where the host's time goes in ``sparse_prefill`` at length ``N``: cProfile of ``calls``
+    eager calls (the GPU runs ahead; the host is what the eager short lengths wait for)."""
+    import cProfile
+    import io
+    import pstats
+
+    q, k, v = qkv_inputs(N, inputs)
+    plan = [VS] * HQ
+    for _ in range(3):
+        sparse_prefill(q, k, v, plan, dense_threshold=0)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        sparse_prefill(q, k, v, plan, dense_threshold=0)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    return f"host profile of {calls} sparse_prefill calls at N={N}:\n{text.getvalue()}"
 
 
 def cudnn_dense(q, k, v):
@@ -287,11 +378,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="first print the top CUDA-time ops of index + conversion at these lengths")
     parser.add_argument("--index-sweep", type=int, nargs="*", default=[],
                         help="first time the VS index build under each estimator configuration at these lengths")
+    parser.add_argument("--host-profile", type=int, nargs="*", default=[],
+                        help="first print a cProfile of eager sparse_prefill calls at these lengths")
+    parser.add_argument("--select-sweep", type=int, nargs="*", default=[],
+                        help="first time the index build under each selection variant at these lengths")
+    parser.add_argument("--convert-sweep", type=int, nargs="*", default=[],
+                        help="first time the conversion under each converter variant at these lengths")
     parser.add_argument("--fill-sweep", type=int, nargs="*", default=[],
                         help="first time the VS kernel under each gap filling of the converter at these lengths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    for N in args.host_profile:
+        print(host_profile(N, inputs=args.inputs), file=sys.stderr, flush=True)
+    for N in args.select_sweep:
+        print(select_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
+    for N in args.convert_sweep:
+        print(convert_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.fill_sweep:
         print(fill_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.index_sweep:
