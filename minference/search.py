@@ -214,7 +214,9 @@ def head_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Captured mass and density of each candidate for each query head of one prompt.
 
-    Density is the candidate's pairs over the causal pairs of the scored queries.
+    Captured mass is the share of each scored row's attention probability that the candidate's
+    pairs hold (at most 1, exactly 1 for a candidate that covers the row). Density is the
+    candidate's pairs over the causal pairs of the scored queries.
 
     Args:
         q: ``[Hq, n, D]``; k: ``[Hkv, n, D]`` (GQA: head ``h`` reads kv head ``h // (Hq // Hkv)``).
@@ -245,9 +247,13 @@ def head_scores(
         logits = torch.einsum("hid,hjd->hij", qf[:, r], kf) * scale  # [Hq, R, n]
         causal = torch.arange(n, device=q.device)[None, :] <= r[:, None]
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        row_mass = probs.sum(dim=-1)  # [Hq, R]: 1 up to float32 rounding
         for c, (p, s) in enumerate(zip(candidates, sets)):
             m = pattern_mask(p, s, Hq, n, r, q.device)
-            mass[:, c] += (probs * m).sum(dim=(1, 2)).double().cpu()
+            # each row's captured share of its computed mass: the masked sum is the same float32
+            # reduction over values that are equal or zero, so it never exceeds row_mass and a
+            # mask that covers the row gives exactly 1 (summing raw probabilities gave 1 + 6.6e-9)
+            mass[:, c] += ((probs * m).sum(dim=-1) / row_mass).double().sum(dim=1).cpu()
             pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
     total = float((scored + 1).sum())
     return mass / scored.numel(), pairs / total
