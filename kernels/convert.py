@@ -209,6 +209,32 @@ def _upper_bound(base, count, x):
 
 
 @triton.jit
+def _sorted_row(src_ptr, count, n, work, SIZE: tl.constexpr):
+    """``src_ptr[0 .. count)`` sorted in registers, entries outside ``[0, n)`` (and the padding up
+    to ``SIZE``) as the sentinel ``n``, last; also written to ``work`` so that neighbours can be
+    read back (behind a barrier)."""
+    k = tl.arange(0, SIZE)
+    x = tl.load(src_ptr + k, mask=k < count, other=-1)
+    x = tl.sort(tl.where((x >= 0) & (x < n), x, n).to(tl.int32))
+    tl.store(work + k, x)
+    tl.debug_barrier()
+    return x
+
+
+@triton.jit
+def _split(s, prev, nxt, valid, gap, n, lo_ptr, hi_ptr):
+    """Groups of the sorted values ``s`` (``prev``/``nxt`` their neighbours) split where two
+    distinct values are more than ``gap`` apart: the first value of group ``i`` goes to
+    ``lo_ptr[i]``, its last to ``hi_ptr[i]``. Returns ``(start, end, group id, count)``."""
+    start = valid & (s - prev > gap)
+    end = valid & ((nxt - s > gap) | (nxt >= n))
+    group = tl.cumsum(start.to(tl.int32), 0) - 1
+    tl.store(lo_ptr + group, s, mask=start)
+    tl.store(hi_ptr + group, s, mask=end)
+    return start, end, group, tl.sum(start.to(tl.int32), 0)
+
+
+@triton.jit
 def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
                      run_start_ptr, run_end_ptr, run_count_ptr, run_solid_ptr, cols_ptr, col_mask_ptr, work_ptr,
                      NSP: tl.constexpr, NVP: tl.constexpr):
@@ -230,46 +256,28 @@ def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
 
     if tl.program_id(1) == 0:  # offsets
         k = tl.arange(0, NSP)
-        s = tl.load(slash_ptr + bh * NS + k, mask=k < NS, other=-1)
-        s = tl.where((s >= 0) & (s < n), s, n).to(tl.int32)
-        s = tl.sort(s)
-        tl.store(work + k, s)
-        tl.debug_barrier()
+        s = _sorted_row(slash_ptr + bh * NS, NS, n, work, NSP)
         prev = tl.load(work + k - 1, mask=k > 0, other=-merge - 1)  # the first offset always starts
         nxt = tl.load(work + k + 1, mask=k < NSP - 1, other=n)
         valid = s < n
-        first = valid & (s != prev)
-        start = valid & (s - prev > merge)
-        end = valid & ((nxt - s > merge) | (nxt >= n))
-        run = tl.cumsum(start.to(tl.int32), 0) - 1
-        nrun = tl.sum(start.to(tl.int32), 0)
         rs = run_start_ptr + bh * R
         re = run_end_ptr + bh * R
-        tl.store(rs + run, s, mask=start)
-        tl.store(re + run, s, mask=end)
+        start, end, run, nrun = _split(s, prev, nxt, valid, merge, n, rs, re)
         tl.store(rs + k, tl.full([NSP], -1, tl.int32), mask=(k >= nrun) & (k < R))
         tl.store(re + k, tl.full([NSP], -1, tl.int32), mask=(k >= nrun) & (k < R))
         tl.store(run_count_ptr + bh, nrun)
         # a hole: a distinct offset more than fill + 1 past the previous one of its run
-        holes = tl.cumsum((first & ~start & (s - prev - 1 > fill)).to(tl.int32), 0)
+        holes = tl.cumsum((valid & (s != prev) & ~start & (s - prev - 1 > fill)).to(tl.int32), 0)
         tl.store(at_start + run, holes, mask=start)
         tl.store(at_end + run, holes, mask=end)
-        seg_start = valid & (s - prev > fill + 1)
-        seg_end = valid & ((nxt - s > fill + 1) | (nxt >= n))
-        seg = tl.cumsum(seg_start.to(tl.int32), 0) - 1
-        tl.store(seg_lo + seg, s, mask=seg_start)
-        tl.store(seg_hi + seg, s, mask=seg_end)
-        tl.store(sorted_c + NVP, tl.sum(seg_start.to(tl.int32), 0))
+        _, _, _, nseg = _split(s, prev, nxt, valid, fill + 1, n, seg_lo, seg_hi)
+        tl.store(sorted_c + NVP, nseg)
         tl.debug_barrier()
         solid = tl.load(at_end + k, mask=k < nrun, other=0) == tl.load(at_start + k, mask=k < nrun, other=1)
         tl.store(run_solid_ptr + bh * R + k, solid.to(tl.int8), mask=k < R)
     else:  # columns (a second program: the two sorts run side by side)
         kv = tl.arange(0, NVP)
-        c = tl.load(vert_ptr + bh * NV + kv, mask=kv < NV, other=-1)
-        c = tl.where((c >= 0) & (c < n), c, n).to(tl.int32)
-        c = tl.sort(c)
-        tl.store(sorted_c + kv, c)
-        tl.debug_barrier()
+        c = _sorted_row(vert_ptr + bh * NV, NV, n, sorted_c, NVP)
         c_first = (c < n) & (c != tl.load(sorted_c + kv - 1, mask=kv > 0, other=-1))
         tl.store(cols_ptr + bh * NV + kv, tl.where(c_first, c, -1), mask=kv < NV)
         tl.store(col_mask_ptr + bh * n + c, tl.full([NVP], 1, tl.int8), mask=c_first)
