@@ -356,8 +356,12 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
     def vs_rows(geom: str) -> None:
         vertical, slash = vs_indices(geom, N, HQ, g, dev)
         bm = kernels.vertical_slash_block_m(q)
-        conv_ms = _bench(lambda: kernels.convert_vertical_slash(vertical, slash, N, block_m=bm))
-        index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
+        # the local band has no gaps: filling over bm - 1 keeps its set and tells the kernel that
+        # every run is hole-free (as the dispatcher's filling does); the other geometries keep
+        # their exact, unfilled sets
+        fill = bm - 1 if geom == "local" else 0
+        conv_ms = _bench(lambda: kernels.convert_vertical_slash(vertical, slash, N, block_m=bm, fill_gaps=fill))
+        index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm, fill_gaps=fill)
         pairs = vs_pairs(vertical, slash, N) // HQ
         phys = int(kernels.vs_physical_tiles(index, VS_BLOCK_N).sum()) // HQ * bm * VS_BLOCK_N
         ms = _bench(lambda: kernels.vertical_slash_attention_physical(q, k, v, index, out=out, validate=False))
@@ -392,13 +396,14 @@ COL_SWEEP = [1, 2, 4, 5]
 BS_SWEEP = [(4, 3), (4, 5), (4, 6), (8, 5)]
 
 
-SWEEP_PARTS = ("tiles", "columns", "bs")
+SWEEP_PARTS = ("tiles", "columns", "bs", "paths")
 
 
 def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
     """Tuning aid. ``tiles``: A-shape and VS-local under each tile configuration of
     :data:`SWEEP`; ``columns``: VS-local without its gathered column tiles, and its column loops
-    under each stage count of :data:`COL_SWEEP`; ``bs``: block-sparse under :data:`BS_SWEEP`."""
+    under each stage count of :data:`COL_SWEEP`; ``bs``: block-sparse under :data:`BS_SWEEP`;
+    ``paths``: VS-local through each compiled path of its kernel (:func:`_paths_sweep`)."""
     from minference.kernels import _common
 
     q = torch.randn(1, HQ, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -423,7 +428,46 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
         lines += _column_sweep(q, k, v, vertical, slash, N, default)
     if "bs" in parts:
         lines += _bs_sweep(q, k, v, N, seed)
+    if "paths" in parts:
+        lines += _paths_sweep(q, k, v, vertical, slash, N, default)
     return "\n".join(lines)
+
+
+def _paths_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
+    """VS-local through each compiled path of the kernel: the bitmap path compiled (an unfilled
+    index) or not (an index filled over ``block_m - 1``: the same set, every run hole-free), each
+    with the leading column tiles gathered per block or read from the per-call contiguous copies
+    (``PREFIX_COLUMNS``); without any column tiles; and A-shape with no sinks and a window of
+    ``NS`` (VS-local's band alone, the ceiling of its range part)."""
+    from minference.kernels import vertical_slash
+
+    bm = default.block_m
+    lines = ["", f"| VS local, kernel paths (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
+
+    def row(name, fn):
+        t, note = _try(lambda: _bench(fn))
+        lines.append(f"| {name} | {'failed' if t is None else f'{t:.2f}'} {note} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+    plain = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
+    filled = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm, fill_gaps=bm - 1)
+    no_cols = dataclasses.replace(filled, col_count=torch.zeros_like(filled.col_count),
+                                  col_before=torch.zeros_like(filled.col_before),
+                                  col_prefix=torch.zeros_like(filled.col_prefix))
+    prefix0 = vertical_slash.PREFIX_COLUMNS
+    try:
+        for name, idx in (("unfilled (bitmap path compiled)", plain), ("all-solid", filled)):
+            for prefix in (False, True):
+                vertical_slash.PREFIX_COLUMNS = prefix
+                row(f"{name}, leading columns {'from the contiguous copies' if prefix else 'gathered per block'}",
+                    lambda idx=idx: kernels.vertical_slash_attention_physical(q, k, v, idx, validate=False))
+        row("all-solid, without its column tiles",
+            lambda: kernels.vertical_slash_attention_physical(q, k, v, no_cols, validate=False))
+    finally:
+        vertical_slash.PREFIX_COLUMNS = prefix0
+    row(f"A-shape, no sinks, window {slash.shape[-1]} (VS-local's band alone)",
+        lambda: kernels.ashape_attention(q, k, v, 0, slash.shape[-1], validate=False))
+    return lines
 
 
 def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
@@ -432,7 +476,8 @@ def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     lines = []
     index = kernels.convert_vertical_slash(vertical, slash, N, block_m=default.block_m)
     no_cols = dataclasses.replace(index, col_count=torch.zeros_like(index.col_count),
-                                  col_before=torch.zeros_like(index.col_before))
+                                  col_before=torch.zeros_like(index.col_before),
+                                  col_prefix=torch.zeros_like(index.col_prefix))
     from minference.kernels import vertical_slash
 
     stages0 = vertical_slash.COLUMN_STAGES
