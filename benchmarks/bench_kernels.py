@@ -435,12 +435,9 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
 
 def _paths_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     """VS-local through each compiled path of the kernel: the bitmap path compiled (an unfilled
-    index) or not (an index filled over ``block_m - 1``: the same set, every run hole-free), each
-    with the leading column tiles gathered per block or read from the per-call contiguous copies
-    (``PREFIX_COLUMNS``); without any column tiles; and A-shape with no sinks and a window of
-    ``NS`` (VS-local's band alone, the ceiling of its range part)."""
-    from minference.kernels import vertical_slash
-
+    index) or not (the all-solid build: an index filled over ``block_m - 1``, the same set, every
+    run hole-free); the all-solid build without any column tiles; and A-shape with no sinks and a
+    window of ``NS`` (VS-local's band alone, the ceiling of its range part)."""
     bm = default.block_m
     lines = ["", f"| VS local, kernel paths (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
 
@@ -452,19 +449,10 @@ def _paths_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     plain = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
     filled = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm, fill_gaps=bm - 1)
     no_cols = dataclasses.replace(filled, col_count=torch.zeros_like(filled.col_count),
-                                  col_before=torch.zeros_like(filled.col_before),
-                                  col_prefix=torch.zeros_like(filled.col_prefix))
-    prefix0 = vertical_slash.PREFIX_COLUMNS
-    try:
-        for name, idx in (("unfilled (bitmap path compiled)", plain), ("all-solid", filled)):
-            for prefix in (False, True):
-                vertical_slash.PREFIX_COLUMNS = prefix
-                row(f"{name}, leading columns {'from the contiguous copies' if prefix else 'gathered per block'}",
-                    lambda idx=idx: kernels.vertical_slash_attention_physical(q, k, v, idx, validate=False))
-        row("all-solid, without its column tiles",
-            lambda: kernels.vertical_slash_attention_physical(q, k, v, no_cols, validate=False))
-    finally:
-        vertical_slash.PREFIX_COLUMNS = prefix0
+                                  col_before=torch.zeros_like(filled.col_before))
+    for name, idx in (("unfilled (bitmap path compiled)", plain), ("all-solid", filled),
+                      ("all-solid, without its column tiles", no_cols)):
+        row(name, lambda idx=idx: kernels.vertical_slash_attention_physical(q, k, v, idx, validate=False))
     row(f"A-shape, no sinks, window {slash.shape[-1]} (VS-local's band alone)",
         lambda: kernels.ashape_attention(q, k, v, 0, slash.shape[-1], validate=False))
     return lines
@@ -476,8 +464,7 @@ def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     lines = []
     index = kernels.convert_vertical_slash(vertical, slash, N, block_m=default.block_m)
     no_cols = dataclasses.replace(index, col_count=torch.zeros_like(index.col_count),
-                                  col_before=torch.zeros_like(index.col_before),
-                                  col_prefix=torch.zeros_like(index.col_prefix))
+                                  col_before=torch.zeros_like(index.col_before))
     from minference.kernels import vertical_slash
 
     stages0 = vertical_slash.COLUMN_STAGES

@@ -46,8 +46,7 @@ def main(seed: int = 0) -> None:
         shape = f"N={N} D={D} Hq={Hq} Hkv={Hkv}"
         kw = dict(seqlens=lens, seqstarts=starts, heads=heads)
         kw_dev = {k_: x.to(DEVICE) for k_, x in kw.items()}
-        # many columns, gap-filled: the all-solid kernel with the leading columns read from the
-        # per-call contiguous copies (power-of-two D on the GPU)
+        # many columns, gap-filled over block_m - 1: the all-solid build of the VS kernel
         many = torch.randint(-1, N, (B, Hg, 300), generator=g, dtype=torch.int32)
         runs = [
             (kernels.ashape_attention, ref.ashape_attention, (7, 33), {}),

@@ -41,11 +41,8 @@ Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
 * ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``; ``col_before [B, H,
   NQB]`` int32 counts the leading ones that precede the block's first row ``m0`` (causal for
   every row of the block: the kernel runs their full tiles without a mask).
-* ``col_sorted [B, H, NV]`` int32: the head's distinct columns, ascending, -1 after them;
-  ``col_prefix [B, H, NQB]`` int32: how many leading entries of the block's ``col_index`` are
-  ``col_sorted``'s first entries and precede ``m0`` (every column before the block's first key
-  range). The kernel reads those from K/V rows gathered once per call in ``col_sorted`` order,
-  contiguous, instead of gathering them per block.
+* ``all_solid`` (host bool): every run is hole-free by construction (``fill_gaps >= block_m -
+  1``, or the dense causal index), so the kernel is compiled without the bitmap path.
 * ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_bits [B, H, NW]``
   int64, the same set packed 64 offsets a word after :data:`BITS_PAD_WORDS` zero words (offsets
   below 0 read as "not chosen"), so a masked tile builds its ``[rows, 64]`` diagonal mask from
@@ -150,8 +147,6 @@ class VSIndex:
     col_index: torch.Tensor
     col_count: torch.Tensor
     col_before: torch.Tensor
-    col_sorted: torch.Tensor
-    col_prefix: torch.Tensor
     diag_mask: torch.Tensor
     diag_bits: torch.Tensor
     col_mask: torch.Tensor
@@ -289,9 +284,7 @@ def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
         kv = tl.arange(0, NVP)
         c = _sorted_row(vert_ptr + bh * NV, NV, n, sorted_c, NVP)
         c_first = (c < n) & (c != tl.load(sorted_c + kv - 1, mask=kv > 0, other=-1))
-        n_first = tl.sum(c_first.to(tl.int32), 0)
-        tl.store(cols_ptr + bh * NV + tl.cumsum(c_first.to(tl.int32), 0) - 1, c, mask=c_first)
-        tl.store(cols_ptr + bh * NV + kv, tl.full([NVP], -1, tl.int32), mask=(kv >= n_first) & (kv < NV))
+        tl.store(cols_ptr + bh * NV + kv, tl.where(c_first, c, -1), mask=kv < NV)
         tl.store(col_mask_ptr + bh * n + c, tl.full([NVP], 1, tl.int8), mask=c_first)
 
 
@@ -316,7 +309,7 @@ def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
 
 @triton.jit
 def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_ptr, count_ptr, before_ptr,
-                          prefix_ptr, NV, R, nqb, block_m, NVP: tl.constexpr):
+                          NV, R, nqb, block_m, NVP: tl.constexpr):
     """One program per (query block ``I``, batch row x head): keep the distinct columns that are
     causal for the block's last row and outside its key ranges, compacted in ascending order."""
     I = tl.program_id(0)
@@ -337,11 +330,7 @@ def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_
     tl.store(row + tl.cumsum(kept, axis=0) - 1, c.to(tl.int32), mask=keep)
     tl.store(row + k, tl.full([NVP], -1, tl.int32), mask=(k >= count) & (k < NV))
     tl.store(count_ptr + bh * nqb + I, count)
-    early = keep & (c < m0)
-    tl.store(before_ptr + bh * nqb + I, tl.sum(early.to(tl.int32), axis=0))
-    # the leading distinct columns kept before the first one dropped (or at/after m0)
-    dropped = tl.cumsum(((c >= 0) & ~early).to(tl.int32), axis=0)
-    tl.store(prefix_ptr + bh * nqb + I, tl.sum((early & (dropped == 0)).to(tl.int32), axis=0))
+    tl.store(before_ptr + bh * nqb + I, tl.sum((keep & (c < m0)).to(tl.int32), axis=0))
 
 
 def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m: int, fill_gaps: int) -> VSIndex:
@@ -368,7 +357,6 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
     col_index = torch.empty(B, H, nqb, NV, **i32)
     col_count = torch.empty(B, H, nqb, **i32)
     col_before = torch.empty(B, H, nqb, **i32)
-    col_prefix = torch.empty(B, H, nqb, **i32)
     W = 5 * NSP + NVP + 1
     work = torch.empty(BH, W, **i32)
     merge = min(max(block_m, fill_gaps + 1), n + 1)  # distances never exceed n - 1: same results
@@ -380,20 +368,18 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
         _vs_diag_kernel[(triton.cdiv(NW, _DIAG_WORDS), BH)](work, diag_mask, diag_bits, n, NW, W, NSP=NSP, NVP=NVP,
                                                              WORDS=_DIAG_WORDS, PAD=BITS_PAD_WORDS, num_warps=4)
         _block_columns_kernel[(nqb, BH)](cols, run_start, run_end, run_count, col_index, col_count, col_before,
-                                         col_prefix, NV, R, nqb, block_m, NVP=NVP, num_warps=4)
+                                         NV, R, nqb, block_m, NVP=NVP, num_warps=4)
     return VSIndex(block_m=block_m, n=n, run_start=run_start, run_end=run_end, run_count=run_count,
                    run_solid=run_solid, col_index=col_index, col_count=col_count, col_before=col_before,
-                   col_sorted=cols, col_prefix=col_prefix,
                    diag_mask=diag_mask, diag_bits=diag_bits, col_mask=col_mask,
                    dense=torch.zeros(B, H, dtype=torch.bool, device=dev), all_solid=fill_gaps >= block_m - 1)
 
 
 def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m: int):
-    """The block column lists (and ``col_before``, ``col_prefix``) in torch ops from the
-    distinct ascending columns ``c [B, H, NV]`` (compacted, -1 after) and ``cover [B, H, span]``
-    (``cover[y]``: a column with ``y = m0 + block_m - 1 - c`` lies in a key range of the block at
-    ``m0``). Materialises ``[B, H, NQB, NV]`` int64 temporaries (~3 GB of traffic at 128K on the
-    GPU)."""
+    """The block column lists in torch ops from the distinct ascending columns ``c [B, H, NV]``
+    (-1 = none) and ``cover [B, H, span]`` (``cover[y]``: a column with ``y = m0 + block_m - 1 -
+    c`` lies in a key range of the block at ``m0``). Materialises ``[B, H, NQB, NV]`` int64
+    temporaries (~3 GB of traffic at 128K on the GPU)."""
     B, H, NV = c.shape
     span = cover.shape[-1]
     m0 = torch.arange(nqb, device=c.device, dtype=torch.long) * block_m  # [NQB]
@@ -402,10 +388,8 @@ def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m
     inside = cover[..., None, :].expand(B, H, nqb, span).gather(-1, y.clamp(0, span - 1))
     keep = (c[..., None, :] >= 0) & (y >= 0) & ~inside
     col_index, col_count = _compact(c[..., None, :].expand(B, H, nqb, NV), keep)
-    early = (col_index >= 0) & (col_index < m0[:, None])
-    col_before = early.sum(-1, dtype=torch.int32)
-    col_prefix = (early & (col_index == c[..., None, :])).int().cumprod(-1).sum(-1, dtype=torch.int32)
-    return col_index, col_count, col_before, col_prefix
+    col_before = ((col_index >= 0) & (col_index < m0[:, None])).sum(-1, dtype=torch.int32)
+    return col_index, col_count, col_before
 
 
 #: Chunk of the two-level prefix sum (:func:`_prefix_sum`).
@@ -486,8 +470,7 @@ def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m:
 
     c, _, c_first = _sorted_set(vertical, n)  # [B, H, NV]
     col_mask = _membership(c, n)
-    col_sorted, _ = _compact(c, c_first)
-    col_index, col_count, col_before, col_prefix = _block_columns_torch(col_sorted, cover, nqb, block_m)
+    col_index, col_count, col_before = _block_columns_torch(torch.where(c_first, c, -1), cover, nqb, block_m)
     return VSIndex(
         block_m=block_m,
         n=n,
@@ -498,8 +481,6 @@ def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m:
         col_index=col_index,
         col_count=col_count,
         col_before=col_before,
-        col_sorted=col_sorted,
-        col_prefix=col_prefix,
         diag_mask=diag_mask,
         diag_bits=diag_bits,
         col_mask=col_mask,
@@ -528,8 +509,6 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
         col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
         col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         col_before=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
-        col_sorted=torch.full((1, 1, NV), -1, dtype=torch.int32, device=device),
-        col_prefix=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         diag_mask=diag_mask,
         diag_bits=_diag_bits(diag_mask),
         col_mask=torch.zeros(1, 1, n, dtype=torch.int8, device=device),

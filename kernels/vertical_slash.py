@@ -3,13 +3,7 @@
 Query ``i`` reads ``{j ∈ C : j <= i} ∪ {i - δ : δ ∈ D, i - δ >= 0}``. The logical index is turned
 into the physical format of :mod:`minference.kernels.convert` (slash runs read as disjoint key
 ranges per query block, plus the leftover columns of each block), then one program per query
-block reads, in this order:
-
-1. its leading leftover columns (``VSIndex.col_prefix``: the head's first distinct columns, all
-   before the block's first row and first key range) from K/V rows gathered once per call into
-   contiguous ``[B, Hg, NV, D]`` copies, through tensor descriptors (GPU, :data:`PREFIX_COLUMNS`);
-2. its key ranges in contiguous tiles;
-3. its other leftover columns in tiles gathered through ``col_index``.
+block walks its key ranges in contiguous tiles and its leftover columns in gathered tiles.
 
 Masking: a range tile whose keys are all causal for the block, inside the range, and whose every
 diagonal ``i - j`` is a chosen offset (the run's hole-free flag) runs unmasked; any other range
@@ -49,13 +43,6 @@ __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "ver
 #: 35.75 / 36.27 ms with 2 / 3 / 4 / 5, and 32.12 ms with the column tiles removed altogether:
 #: pipelined, the ~7% gathered tiles cost ~14% of the time.
 COLUMN_STAGES: int | None = 1
-
-#: Read each block's leading leftover columns (``VSIndex.col_prefix``) from K/V rows gathered
-#: once per call into contiguous ``[B, Hg, NV, D]`` copies, through descriptors (where the
-#: descriptor path runs). VS local (1000, 6096), Hkv=8, all-solid, H200, gathered per block /
-#: from the copies (``bench_kernels.py --sweep paths``, s6 runs 2-4): 128K 30.87 / 30.37,
-#: 30.74 / 30.51, 30.36 / 30.34 ms; 512K 127.87 / 124.06, 126.43 / 125.62 ms.
-PREFIX_COLUMNS = True
 
 
 @triton.jit
@@ -101,40 +88,17 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
     return acc, m_i, l_i
 
 
-@triton.jit
-def _gather_columns(K, V, KC, VC, cols, heads, lens, starts, NV, group,
-                    skb, skh, skn, skd, svb, svh, svn, svd, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """``KC, VC [B, Hg, NV, D]`` (contiguous) = the K/V rows of each computed head's distinct
-    columns ``cols [B, Hg, NV]`` in their order; zeros past the list (-1) or the row's end."""
-    g = tl.program_id(1)
-    b = tl.program_id(2)
-    bg = b.to(tl.int64) * tl.num_programs(1) + g
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    c = tl.load(cols + bg * NV + r, mask=r < NV, other=-1)
-    ok = (c >= 0) & (c < tl.load(lens + b))
-    kvh = (tl.load(heads + g) // group).to(tl.int64)
-    src = (tl.load(starts + b) + c).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K + b.to(tl.int64) * skb + kvh * skh + src[:, None] * skn + d[None, :] * skd, mask=ok[:, None],
-                other=0.0)
-    v = tl.load(V + b.to(tl.int64) * svb + kvh * svh + src[:, None] * svn + d[None, :] * svd, mask=ok[:, None],
-                other=0.0)
-    dst = (bg * NV + r.to(tl.int64))[:, None] * HEAD_DIM + d[None, :]
-    tl.store(KC + dst, k, mask=(r < NV)[:, None])
-    tl.store(VC + dst, v, mask=(r < NV)[:, None])
-
-
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
-def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_kc, desc_vc, lens, starts, heads,
-            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_prefix, diag_bits, col_mask,
+def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
+            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
-            COL_STAGES: tl.constexpr, SOLID: tl.constexpr, PREFIX: tl.constexpr):
+            COL_STAGES: tl.constexpr, SOLID: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -165,26 +129,6 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_kc, desc_vc, lens, starts, hea
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     rows_full = m0 + BLOCK_M <= row_len
     last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
-
-    # the block's first n_pre leftover columns are the head's first distinct columns (all before
-    # the block's first row and its first key range): read contiguously from the per-call copies
-    # Kc, Vc [B, Hg, NV, D] through descriptors, whole tiles unmasked, then the partial last tile
-    # masked by position (its later rows are other columns, or zeros past the list)
-    if PREFIX:
-        n_pre = tl.load(col_prefix + bg * n_qblk + qblk)
-        t_last = (n_pre // BLOCK_N) * BLOCK_N
-        for t in range(0, t_last, BLOCK_N):
-            kc = desc_kc.load([b, g, t, 0]).reshape(BLOCK_N, BLOCK_D)
-            vc = desc_vc.load([b, g, t, 0]).reshape(BLOCK_N, BLOCK_D)
-            s = _scores(q, kc, PREC)
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, vc, qk_scale, PREC)
-        if t_last < n_pre:
-            kc = desc_kc.load([b, g, t_last, 0]).reshape(BLOCK_N, BLOCK_D)
-            vc = desc_vc.load([b, g, t_last, 0]).reshape(BLOCK_N, BLOCK_D)
-            s = tl.where((t_last + offs_n < n_pre)[None, :], _scores(q, kc, PREC), float("-inf"))
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, vc, qk_scale, PREC)
-    else:
-        n_pre = 0
 
     # slash runs: disjoint key ranges [max(0, m0 - δb), m0 + BM - 1 - δa] of this block. In a run
     # without holes, tile t lies wholly on chosen diagonals when its offsets m0 - t - BN + 1 ..
@@ -222,9 +166,9 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_kc, desc_vc, lens, starts, hea
     # leftover vertical columns of this block (ascending, none inside a key range): whole tiles of
     # columns before the block's first row are causal for every row and run unmasked
     nc = tl.load(col_count + bg * n_qblk + qblk)
-    n_unmasked = n_pre + ((tl.load(col_before + bg * n_qblk + qblk) - n_pre) // BLOCK_N) * BLOCK_N
-    for t in tl.range(n_pre, n_unmasked, BLOCK_N, num_stages=COL_STAGES):
-        cols = tl.load(ci_base + t + offs_n)  # [CN], every entry a column < m0
+    n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // BLOCK_N) * BLOCK_N
+    for t in tl.range(0, n_unmasked, BLOCK_N, num_stages=COL_STAGES):
+        cols = tl.load(ci_base + t + offs_n)  # [BN], every entry a column < m0
         k, v = _load_kv(k_base, v_base, cols, cols >= 0, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
         s = _scores(q, k, PREC)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
@@ -284,23 +228,14 @@ def vertical_slash_attention_physical(
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
-        desc_kc = desc_vc = None
-        NV = index.col_sorted.shape[-1]
-        if desc_k is not None and NV >= prep.tiles.block_n and PREFIX_COLUMNS:
-            kc = torch.empty(prep.B, prep.Hg, NV, prep.D, dtype=k.dtype, device=k.device)
-            vc = torch.empty_like(kc)
-            _gather_columns[(triton.cdiv(NV, 64), prep.Hg, prep.B)](
-                k, v, kc, vc, index.col_sorted, prep.head_ids(), prep.lens, prep.starts, NV, prep.Hq // prep.Hkv,
-                *k.stride(), *v.stride(), HEAD_DIM=prep.D, ROWS=64, num_warps=4)
-            desc_kc, desc_vc = kv_descriptors(kc, vc, prep.tiles.block_n, prep.block_d)
         _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, desc_kc, desc_vc, prep.lens, prep.starts, prep.head_ids(),
+            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
             index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
-            index.col_before, index.col_prefix, index.diag_bits, index.col_mask,
+            index.col_before, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
-            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, PREFIX=desc_kc is not None,
+            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid,
         )
     return finish(prep, return_lse)
 

@@ -112,19 +112,11 @@ def test_converter_is_exact(data):
             assert not index.run_solid[b, h, count:].any()
             if fill >= block_m - 1:  # every run is hole-free: the kernel masks only its edge tiles
                 assert all(solid)
-            distinct = sorted({c for c in vertical[b, h].tolist() if 0 <= c < n})
-            assert index.col_sorted[b, h].tolist() == distinct + [-1] * (vertical.shape[-1] - len(distinct))
             for I in range(-(-n // block_m)):
                 m0 = I * block_m
                 cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()
                 assert cols == sorted(set(cols)) and all(0 <= c <= m0 + block_m - 1 for c in cols)
                 assert int(index.col_before[b, h, I]) == sum(c < m0 for c in cols)
-                # the longest common start of the block's list and the head's list, before m0: the
-                # kernel reads it from the gathered copies and the rest from col_index
-                p = 0
-                while p < len(cols) and cols[p] == distinct[p] and cols[p] < m0:
-                    p += 1
-                assert int(index.col_prefix[b, h, I]) == p
                 assert not any(m0 - z <= c <= m0 + block_m - 1 - a for c in cols for a, z in runs)
 
 
