@@ -38,8 +38,9 @@ __all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "B
 #: 5.94), 1.33x at 24K, 1.73x at 32K (s5 run 4); 16K stays dense: there the budget covers 73%
 #: of the causal pairs and the kernel alone takes 3.21 ms. (Before: 0.84x at 24K and 1.40x at
 #: 32K, s4 run 5, and the threshold was 32K. Replayed from a CUDA graph, sparse already wins at
-#: 16K: 3.45 vs 3.78 ms.) A-shape alone wins from 16K: 2.20 vs 3.76 ms; the threshold is per
-#: layer and follows the vertical-slash budget.
+#: 16K: 3.45 vs 3.78 ms.) Sixth session (all-solid kernel build, s6 run 6): 0.98x at 16K (3.96
+#: vs 3.86 ms eager; 3.35 from a graph), so 16K still stays dense. A-shape alone wins from 16K:
+#: 2.20 vs 3.76 ms; the threshold is per layer and follows the vertical-slash budget.
 DENSE_THRESHOLD = 20480
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
@@ -51,7 +52,8 @@ BACKENDS = ("auto", "triton", "torch")
 #: the H200 (s4 run 3, ``bench_end_to_end.py --fill-sweep``, smooth inputs, kernel ms for 127 /
 #: 255 / 383 / 767): 128K 34.36 / 31.33 / 31.32 / 31.16 (runs per head 8.2 -> 4.7, key tiles
 #: +1.2% at 383), 1M 341.81 / 310.83 / 304.52 / 304.81; 383 is the first value on the plateau at
-#: both. Filling only adds candidates, so captured mass can only grow. 0 disables it.
+#: both. Filling only adds candidates, so captured mass can only grow. 0 disables it. Any value
+#: >= 127 also lets the kernel be compiled without its bitmap path (``VSIndex.all_solid``).
 FILL_GAPS = 383
 
 
