@@ -48,14 +48,14 @@ COLUMN_STAGES: int | None = 1
 @triton.jit
 def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows, row_ok, offs_n,
                     offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, hi, bits_base, cm_base, solid, da, db,
-                    MASKED: tl.constexpr, SOLID: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
+                    MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
     ending at ``hi``, of the run ``[da, db]``. Masked tiles keep ``(i - j ∈ D or j ∈ C) and j <= i``;
     in a hole-free (``solid``) run ``i - j ∈ D`` is ``da <= i - j <= db``, otherwise it comes from
     the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
-    window assembled from two words. ``SOLID``: every run of the index is hole-free (known on the
-    host), so the bitmap path is not compiled."""
+    window assembled from two words. ``solid`` is the constant ``True`` in the all-solid build
+    (every run hole-free, known on the host): the bitmap path is then not compiled."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
         col_ok = cols < hi
@@ -65,10 +65,7 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
             k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
         s = _scores(q, k, PREC)  # [BM, BN]
         if MASKED:
-            if SOLID:
-                delta = rows[:, None] - cols[None, :]
-                on_diag = (delta >= da) & (delta <= db)
-            elif solid:  # a hole-free run: the offsets are exactly [da, db]
+            if solid:  # a hole-free run: the offsets are exactly [da, db]
                 delta = rows[:, None] - cols[None, :]
                 on_diag = (delta >= da) & (delta <= db)
             else:
@@ -140,7 +137,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
         lo = tl.maximum(m0 - db, 0)
         hi = tl.minimum(m0 + BLOCK_M - 1 - da, last_row) + 1
         if SOLID:
-            solid = True
+            solid = True  # a constant: the range tiles compile without the bitmap path
             bare = rows_full  # the run's interior tiles may run without a mask
         else:
             solid = tl.load(solid_base + r) != 0
@@ -153,15 +150,15 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo, lo + k_a * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
-                                        True, SOLID, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
-                                        False, SOLID, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        False, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo + k_b * BLOCK_N, hi, hi, bits_base, cm_base, solid, da, db,
-                                        True, SOLID, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # leftover vertical columns of this block (ascending, none inside a key range): whole tiles of
     # columns before the block's first row are causal for every row and run unmasked
