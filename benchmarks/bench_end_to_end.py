@@ -365,6 +365,16 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
     return row
 
 
+#: The ``--*-sweep`` options, in the order they run: flag -> (function of ``(N, *, inputs,
+#: budget_ms)`` returning a table, what it times).
+SWEEPS = {
+    "select-sweep": (select_sweep, "the index build under each selection variant"),
+    "convert-sweep": (convert_sweep, "the conversion under each converter variant"),
+    "fill-sweep": (fill_sweep, "the VS kernel under each gap filling of the converter"),
+    "index-sweep": (index_sweep, "the VS index build under each estimator configuration"),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768, 131072])
@@ -376,29 +386,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, nargs="*", default=[],
                         help="first print the top CUDA-time ops of index + conversion at these lengths")
-    parser.add_argument("--index-sweep", type=int, nargs="*", default=[],
-                        help="first time the VS index build under each estimator configuration at these lengths")
+    for flag, (_, help_) in SWEEPS.items():
+        parser.add_argument(f"--{flag}", type=int, nargs="*", default=[], help=f"first time {help_} at these lengths")
     parser.add_argument("--host-profile", type=int, nargs="*", default=[],
                         help="first print a cProfile of eager sparse_prefill calls at these lengths")
-    parser.add_argument("--select-sweep", type=int, nargs="*", default=[],
-                        help="first time the index build under each selection variant at these lengths")
-    parser.add_argument("--convert-sweep", type=int, nargs="*", default=[],
-                        help="first time the conversion under each converter variant at these lengths")
-    parser.add_argument("--fill-sweep", type=int, nargs="*", default=[],
-                        help="first time the VS kernel under each gap filling of the converter at these lengths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     for N in args.host_profile:
         print(host_profile(N, inputs=args.inputs), file=sys.stderr, flush=True)
-    for N in args.select_sweep:
-        print(select_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
-    for N in args.convert_sweep:
-        print(convert_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
-    for N in args.fill_sweep:
-        print(fill_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
-    for N in args.index_sweep:
-        print(index_sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
+    for flag, (sweep, _) in SWEEPS.items():
+        for N in getattr(args, flag.replace("-", "_")):
+            print(sweep(N, inputs=args.inputs, budget_ms=args.budget_ms), flush=True)
     for N in args.profile:
         print(f"profile of index build + conversion at N={N}:\n{profile(N, inputs=args.inputs)}", file=sys.stderr,
               flush=True)

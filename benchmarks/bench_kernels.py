@@ -433,6 +433,12 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
     return "\n".join(lines)
 
 
+def _without_columns(index):
+    """``index`` with no leftover column tiles (its range part alone)."""
+    return dataclasses.replace(index, col_count=torch.zeros_like(index.col_count),
+                               col_before=torch.zeros_like(index.col_before))
+
+
 def _paths_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     """VS-local through each compiled path of the kernel: the bitmap path compiled (an unfilled
     index) or not (the all-solid build: an index filled over ``block_m - 1``, the same set, every
@@ -448,10 +454,8 @@ def _paths_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
 
     plain = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
     filled = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm, fill_gaps=bm - 1)
-    no_cols = dataclasses.replace(filled, col_count=torch.zeros_like(filled.col_count),
-                                  col_before=torch.zeros_like(filled.col_before))
     for name, idx in (("unfilled (bitmap path compiled)", plain), ("all-solid", filled),
-                      ("all-solid, without its column tiles", no_cols)):
+                      ("all-solid, without its column tiles", _without_columns(filled))):
         row(name, lambda idx=idx: kernels.vertical_slash_attention_physical(q, k, v, idx, validate=False))
     row(f"A-shape, no sinks, window {slash.shape[-1]} (VS-local's band alone)",
         lambda: kernels.ashape_attention(q, k, v, 0, slash.shape[-1], validate=False))
@@ -463,8 +467,7 @@ def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     column loops pipelined in each stage count of :data:`COL_SWEEP`."""
     lines = []
     index = kernels.convert_vertical_slash(vertical, slash, N, block_m=default.block_m)
-    no_cols = dataclasses.replace(index, col_count=torch.zeros_like(index.col_count),
-                                  col_before=torch.zeros_like(index.col_before))
+    no_cols = _without_columns(index)
     from minference.kernels import vertical_slash
 
     stages0 = vertical_slash.COLUMN_STAGES
