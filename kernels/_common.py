@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minference._checks import check_finite_rows, check_qkv, check_ragged, check_tensor, default_scale, same_device
+from minference._checks import (
+    capturing,
+    check_finite_rows,
+    check_qkv,
+    check_ragged,
+    check_tensor,
+    default_scale,
+    same_device,
+)
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -254,16 +262,12 @@ def check_heads(heads, Hq: int, device, *, values: bool) -> torch.Tensor | None:
         raise ValueError(f"heads must be on {device}, got {heads.device}")
     if heads.shape[0] > Hq:
         raise ValueError(f"heads lists {heads.shape[0]} heads but q has only {Hq}")
-    if values and heads.numel() > 0 and not _capturing():
+    if values and heads.numel() > 0 and not capturing():
         if bool((heads < 0).any()) or bool((heads >= Hq).any()):
             raise ValueError(f"heads must lie in [0, {Hq}), got {heads.tolist()}")
         if heads.unique().numel() != heads.numel():
             raise ValueError(f"heads must be distinct, got {heads.tolist()}")
     return heads.to(torch.int32).contiguous()
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
@@ -283,9 +287,9 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = default_scale(D, scale)
     partial = seqlens is not None or seqstarts is not None or heads is not None
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not _capturing())
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not capturing())
     heads = check_heads(heads, Hq, q.device, values=validate)
-    if validate and not _capturing():
+    if validate and not capturing():
         check_finite_rows({"q": q if heads is None else q.index_select(1, heads.long()), "k": k, "v": v},
                           lens, starts)
     Hg = Hq if heads is None else heads.shape[0]

@@ -30,7 +30,7 @@ from minference.kernels._common import (
     qkv_strides,
 )
 
-from minference._checks import check_head_offset, check_tensor, same_device
+from minference._checks import capturing, check_head_offset, check_tensor, int32_constant, same_device
 
 __all__ = ["ashape_attention"]
 
@@ -149,13 +149,13 @@ def _budget(name: str, value, H_needed: int, device, minimum: int, validate: boo
     if isinstance(value, int):
         if value < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return torch.full((H_needed,), value, dtype=torch.int32, device=device)
+        return int32_constant(H_needed, value, device)
     check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
     if not same_device(value.device, device):
         raise ValueError(f"{name} must be on {device}, got {value.device}")
     if value.shape[0] < H_needed:
         raise ValueError(f"{name} has {value.shape[0]} entries, fewer than the {H_needed} global heads needed")
-    if validate and value.numel() > 0 and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if validate and value.numel() > 0 and not capturing():
         if int(value.min()) < minimum:
             raise ValueError(f"{name} entries must be >= {minimum}, got min {int(value.min())}")
     return value.to(torch.int32).contiguous()

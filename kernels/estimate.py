@@ -11,8 +11,8 @@ Vertical-slash estimation never materialises the ``r x N`` probability matrix be
 One program owns the sampled rows of one chunk against ``KT`` consecutive keys: one
 ``[RC, D] x [D, KT]`` product gives every logit the tile owns (each (row, key) pair is owned by
 exactly one tile, and every pair of the product is owned unless past the row or not causal).
-Pass 1 reduces each tile to a row max and sum, the host side combines them into the row
-log-sum-exp with one tensor op, and pass 2 recomputes the logits, normalises them and reduces
+Pass 1 reduces each tile to its log-sum-exp per row, a small reduction over the tiles gives
+the row's, and pass 2 recomputes the logits, normalises them and reduces
 them into column scores (over the chunk's rows, one atomic per key) and diagonal scores. For
 the last rows (consecutive positions ``i0 + r``) a register gather rolls row ``r`` left by
 ``r``, so column ``t`` of the rolled tile holds offset ``i0 - j0 - t`` on the rows that did
@@ -49,6 +49,8 @@ VS_ROW_CHUNK = 64
 #: Warps per program of the vertical-slash estimator passes (64 keys: 2 / 4 / 8 warps took
 #: 2.81 / 2.36 / 2.69 ms at 128K, s4 run 3).
 VS_WARPS = 4
+#: Tile statistics per loop step of the row log-sum-exp (:func:`_lse_kernel`).
+LSE_CHUNK = 1024
 #: Smallest tile side ``tl.dot`` accepts.
 _MIN_DOT = 16
 #: Tokens pooled per loop step of the block pooling kernel.
@@ -96,10 +98,12 @@ def _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC: tl.constexpr, KT: tl.co
 
 
 @triton.jit
-def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_ptr, l_ptr,
+def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, stat_ptr,
                      Hg, group, last_q, scale, R_TOTAL, T,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
                      RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
+    """Each tile's log-sum-exp of its owned logits per row (``-inf`` where it owns none), written
+    for every (row, tile) of the grid, so the buffer needs no fill."""
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -107,17 +111,35 @@ def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, m_p
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
     start = tl.load(starts_ptr + b)
-    if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
-        return
-    s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
-                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
-    m = tl.max(s, axis=1)  # [RC]
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
     rows = pid_c * RC + tl.arange(0, RC)
     off = (pid_bh.to(tl.int64) * R_TOTAL + rows) * T + pid_t
-    tl.store(m_ptr + off, m)
-    tl.store(l_ptr + off, l)
+    if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
+        tl.store(stat_ptr + off, tl.full([RC], float("-inf"), tl.float32))
+    else:
+        s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
+                                  R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
+        m = tl.max(s, axis=1)  # [RC]
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
+        tl.store(stat_ptr + off, tl.where(l > 0.0, m_safe + tl.log(l), float("-inf")))
+
+
+@triton.jit
+def _lse_kernel(stat_ptr, lse_ptr, T, CHUNK: tl.constexpr):
+    """One program per sampled row: the log-sum-exp of its ``T`` tile statistics (``-inf`` when
+    all are), a running max and rescaled sum over chunks of ``CHUNK``. One launch where
+    ``torch.logsumexp`` costs several on the host."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    for t0 in range(0, T, CHUNK):
+        x = tl.load(stat_ptr + row * T + t0 + offs, mask=t0 + offs < T, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - m_use) + tl.sum(tl.exp(x - m_use), 0)
+        m = m_new
+    tl.store(lse_ptr + row, tl.where(total > 0.0, m + tl.log(total), float("-inf")))
 
 
 @triton.jit
@@ -201,7 +223,7 @@ def _pool_kernel(x_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr, Hs, NQB, block
 def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: bool, col, diag,
                n_rows: int, spread: bool):
     """Both passes over one row set (the last rows, or the extra rows ``pos``), reducing into
-    ``col`` and ``diag``: 2 launches and one ``logsumexp``."""
+    ``col`` and ``diag``: 3 launches (statistics, their reduction, scores)."""
     B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     Hg = hs.shape[0]
     rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(n_rows)))
@@ -214,14 +236,14 @@ def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: 
         pos = torch.nn.functional.pad(pos.to(torch.int32), (0, r_total - pos.shape[1]), value=-1).contiguous()
     else:
         pos = lens  # unread
-    m = torch.full((B * Hg, r_total, n_tiles), float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
+    stat = torch.empty((B * Hg, r_total, n_tiles), dtype=torch.float32, device=q.device)
     grid = (B * Hg, n_chunks, n_tiles)
     common = (*q.stride(), *k.stride(), D)
     meta = dict(RC=rc, KT=kt, BLOCK_D=block_d, SPREAD=spread, num_warps=VS_WARPS)
-    _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, m, l, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
+    _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, stat, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
                            *common, **meta)
-    lse = torch.logsumexp(m + torch.log(l), dim=-1).contiguous()  # [B*Hg, r_total]
+    lse = torch.empty((B * Hg, r_total), dtype=torch.float32, device=q.device)
+    _lse_kernel[(B * Hg * r_total,)](stat, lse, n_tiles, CHUNK=LSE_CHUNK, num_warps=4)
     _vs_scores_kernel[grid](q, k, pos, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
                             *common, USE_MAX=use_max, **meta)
 
@@ -231,8 +253,7 @@ def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | 
     """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes over the last
     rows, and two more over the extra rows ``rows [B, E]`` (-1 = none) when given."""
     B, Hg, N = q.shape[0], hs.shape[0], q.shape[2]
-    col = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
-    diag = torch.zeros(B, Hg, N, dtype=torch.float32, device=q.device)
+    col, diag = torch.zeros(2, B, Hg, N, dtype=torch.float32, device=q.device).unbind(0)  # one fill
     if B * Hg > 0 and N > 0:
         use_max = aggregation == "max"
         _vs_passes(q, k, hs, lens, starts, None, last_q, scale, use_max, col, diag, last_q, spread=False)
@@ -368,6 +389,7 @@ def vertical_slash_index(
     vertical_width: int | None = None,
     slash_width: int | None = None,
     validate: bool = True,
+    resolved: tuple | None = None,
 ):
     """Vertical-slash index from the last ``last_q`` queries of each row and ``extra_rows`` earlier
     ones (two Triton passes per row set).
@@ -385,6 +407,9 @@ def vertical_slash_index(
         vertical_width, slash_width: output widths ``NV``, ``NS`` (default: the largest budget,
             which reads a budget tensor on the host).
         validate: check ``seqlens``/``seqstarts`` values (a host sync; skipped under capture).
+        resolved: the per computed head budgets made ahead
+            (:func:`minference.index.vertical_slash_budgets` of these budgets and heads; the
+            dispatcher keeps them per plan), so no tensor op resolves budgets in the call.
 
     Returns:
         ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, in no
@@ -395,7 +420,7 @@ def vertical_slash_index(
         _vs_scores_triton, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select)
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select, resolved=resolved)
 
 
 def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
@@ -429,6 +454,7 @@ def block_sparse_index(
     return_scores: bool = False,
     top_k_width: int | None = None,
     validate: bool = True,
+    resolved: tuple | None = None,
 ):
     """Block-sparse routing: mean-pooled Q/K per block (Triton), scaled block scores, block-causal
     mask, forced diagonal and sink blocks, top-k per query block (chunked to bound memory).
@@ -442,6 +468,8 @@ def block_sparse_index(
         force_diagonal: always keep the query block's own block.
         heads: local query heads to compute; default all.
         top_k_width: output width ``K`` (default: the largest budget, a host read for tensors).
+        resolved: the per computed head budgets made ahead
+            (:func:`minference.index.block_sparse_budgets`).
 
     Returns:
         ``blocks [B, Hg, NQB, K]`` int32, -1 padded; with ``return_scores`` also the float32
@@ -450,4 +478,4 @@ def block_sparse_index(
     return build_block_sparse_index(
         pool_blocks, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate)
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from minference.kernels._common import (
+    Prepared,
     _load_kv,
     _load_kv_desc,
     _load_rows,
@@ -209,6 +210,11 @@ def vertical_slash_attention_physical(
     :func:`vertical_slash_block_m` and ``index.n`` the sequence length."""
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate)
+    return _run(prep, q, k, v, index, return_lse)
+
+
+def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
+    """Check ``index`` against the prepared call and launch the kernel (both public functions)."""
     if not isinstance(index, VSIndex):
         raise TypeError(f"index must be a VSIndex, got {type(index).__name__}")
     if index.block_m != prep.tiles.block_m:
@@ -279,13 +285,10 @@ def vertical_slash_attention(
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
-                   return_lse=False, validate=validate)
+                   return_lse=return_lse, validate=validate)
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(prep.B, prep.Hg), device=q.device, upper=max(prep.N, 1),
                     values=validate)
     index = convert_vertical_slash(vertical, slash, prep.N, block_m=prep.tiles.block_m, fill_gaps=fill_gaps,
                                    dense_over=dense_over, block_n=prep.tiles.block_n)
-    return vertical_slash_attention_physical(
-        q, k, v, index, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=prep.heads, out=prep.out,
-        return_lse=return_lse, validate=False,
-    )
+    return _run(prep, q, k, v, index, return_lse)

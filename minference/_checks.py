@@ -7,6 +7,8 @@ CUDA graph is being captured.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -14,8 +16,10 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 def capturing() -> bool:
-    """True while a CUDA graph is being captured (value checks would synchronise)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """True while a CUDA graph is being captured (value checks would synchronise). Nothing can
+    be capturing before CUDA is initialised, and that test is a flag read where
+    ``torch.cuda.is_available()`` costs a driver query on every call."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
@@ -73,7 +77,7 @@ def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = T
     out = []
     for name, x, default in (("seqlens", seqlens, N), ("seqstarts", seqstarts, 0)):
         if x is None:
-            x = torch.full((B,), default, dtype=torch.int32, device=device)
+            x = int32_constant(B, default, device)
         else:
             check_tensor(name, x, rank=1, dtypes=_INT_DTYPES)
             if x.shape[0] != B:
@@ -89,6 +93,20 @@ def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = T
         if bool((starts < 0).any()) or bool((starts + lens > N).any()):
             raise ValueError(f"seqstarts + seqlens must lie in [0, N={N}], got starts {starts.tolist()}")
     return lens, starts
+
+
+def int32_constant(size: int, value: int, device) -> torch.Tensor:
+    """``[size]`` int32 filled with ``value`` on ``device``, made once per ``(size, value, device)``
+    outside CUDA-graph capture (default row lengths and starts, constant kernel budgets: an eager
+    prefill otherwise pays a fill launch for each). Read-only: nothing may write into it."""
+    if capturing():
+        return torch.full((size,), value, dtype=torch.int32, device=device)
+    return _int32_constant(size, value, torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _int32_constant(size: int, value: int, device: torch.device) -> torch.Tensor:
+    return torch.full((size,), value, dtype=torch.int32, device=device)
 
 
 def check_index(name: str, idx, *, rank: int, lead: tuple[int, ...], device, upper: int,

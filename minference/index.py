@@ -47,6 +47,8 @@ __all__ = [
     "budget_tensor",
     "select_top",
     "build_vertical_slash_index",
+    "vertical_slash_budgets",
+    "block_sparse_budgets",
     "select_vertical_slash",
     "build_block_sparse_index",
     "extra_row_positions",
@@ -87,15 +89,19 @@ class DeviceGroup:
     Attributes:
         group: the head group.
         heads: ``[Hg]`` int32 local head ids on the device.
-        budgets: per-head budgets as ``[head_offset + Hq]`` int64 tensors indexed by global head
-            id (zero for heads outside the group), by builder / kernel argument name.
+        budgets: per-head budgets as ``[head_offset + Hq]`` tensors indexed by global head id
+            (zero for heads outside the group), by builder / kernel argument name: int64, int32
+            for A-shape (the kernel's dtype).
         widths: output index widths (the group's largest budgets) by builder argument name.
+        resolved: the builder's per computed head budgets (:func:`vertical_slash_budgets`,
+            :func:`block_sparse_budgets`), made once per plan; empty for other kinds.
     """
 
     group: HeadGroup
     heads: torch.Tensor
     budgets: dict[str, torch.Tensor] = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)
+    resolved: tuple[torch.Tensor, ...] = ()
 
 
 def validate_plan(plan: object, Hq: int, head_offset: int) -> tuple[Pattern, ...]:
@@ -164,10 +170,19 @@ def _prepare(local: tuple[Pattern, ...], head_offset: int, device: str) -> tuple
             values = [0] * (head_offset + Hq)
             for h, pattern in zip(group.heads, group.patterns):
                 values[head_offset + h] = getattr(pattern, name)
-            budgets[arg] = torch.tensor(values, dtype=torch.int64, device=device)
+            # A-shape budgets in the kernel's int32 (no cast per call); the builders' in int64
+            dtype = torch.int32 if group.kind == "a_shape" else torch.int64
+            budgets[arg] = torch.tensor(values, dtype=dtype, device=device)
         widths = {arg: max(getattr(p, _BUDGET_FIELDS[group.kind][b]) for p in group.patterns)
                   for arg, b in _WIDTHS.get(group.kind, {}).items()}
-        out.append(DeviceGroup(group, heads, budgets, widths))
+        resolved = ()
+        if group.kind == "vertical_slash":
+            resolved = vertical_slash_budgets(budgets["vertical"], budgets["slash"], budgets["sink_columns"],
+                                              budgets["local_diagonals"], heads, head_offset)
+        elif group.kind == "block_sparse":
+            resolved = block_sparse_budgets(budgets["top_k"], budgets["sink_blocks"], group.key[1], heads,
+                                            head_offset)
+        out.append(DeviceGroup(group, heads, budgets, widths, resolved))
     return tuple(out)
 
 
@@ -199,7 +214,7 @@ def build_group_index(
     """
     g = group.group
     common = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
-                  validate=validate)
+                  validate=validate, resolved=group.resolved)
     if g.kind == "vertical_slash":
         last_q, extra_rows, aggregation = g.key
         return builders.vertical_slash_index(q, k, last_q=last_q, extra_rows=extra_rows, aggregation=aggregation,
@@ -295,27 +310,49 @@ def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Ten
     return v_idx, s_idx
 
 
+def vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, heads: torch.Tensor,
+                           head_offset: int) -> tuple[torch.Tensor, ...]:
+    """The per computed head ``[Hg]`` int64 budgets of a vertical-slash build: ``(nv, ns, sinks,
+    locs)``, the forced counts capped by their budgets and at least one local diagonal (``δ =
+    0``). Each argument is an int or a 1-D tensor indexed by global head ``head_offset + h``."""
+    nv = budget_tensor("vertical", vertical, heads, head_offset, 0)
+    ns = budget_tensor("slash", slash, heads, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, heads, head_offset, 0), nv)
+    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, heads, head_offset, 0).clamp(min=1), ns)
+    return nv, ns, sinks, locs
+
+
+def block_sparse_budgets(top_k, sink_blocks, force_diagonal: bool, heads: torch.Tensor,
+                         head_offset: int) -> tuple[torch.Tensor, ...]:
+    """The per computed head ``[Hg]`` int64 budgets of a block-sparse build: ``(tops, sinks)``,
+    the sink blocks capped so that the forced diagonal still fits."""
+    tops = budget_tensor("top_k", top_k, heads, head_offset, 1)
+    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, heads, head_offset, 0),
+                          tops - int(force_diagonal))
+    return tops, sinks
+
+
 def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_rows, sink_columns,
                                local_diagonals, aggregation, scale, seqlens, seqstarts, heads, head_offset,
                                return_scores, vertical_width, slash_width, validate,
-                               selector=select_vertical_slash):
+                               selector=select_vertical_slash, resolved=None):
     """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
     column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
 
     ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation)`` gets the extra sampled
     rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
     ``selector`` has the signature of :func:`select_vertical_slash` (the Triton builder passes
-    its one-launch selection).
+    its one-launch selection). ``resolved``: :func:`vertical_slash_budgets` of these budgets and
+    heads, made ahead (the dispatcher keeps it per plan: no tensor op per call for budgets).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
     hs = heads_tensor(heads, Hq, q.device)
-    nv = budget_tensor("vertical", vertical, hs, head_offset, 0)
-    ns = budget_tensor("slash", slash, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, hs, head_offset, 0), nv)
-    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, hs, head_offset, 0).clamp(min=1), ns)
+    if resolved is None:
+        resolved = vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, hs, head_offset)
+    nv, ns, sinks, locs = _check_resolved(resolved, 4, hs)
     width_v = _width("vertical", vertical, nv, vertical_width, N)
     width_s = _width("slash", slash, ns, slash_width, N)
     rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
@@ -324,10 +361,22 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
+def _check_resolved(resolved, count: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``resolved`` budgets: ``count`` int64 tensors ``[Hg]`` on the heads' device."""
+    if not isinstance(resolved, tuple) or len(resolved) != count:
+        raise TypeError(f"resolved budgets must be a tuple of {count} tensors")
+    for x in resolved:
+        if (not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or tuple(x.shape) != tuple(heads.shape)
+                or x.device != heads.device):
+            raise ValueError(f"resolved budgets must be int64 tensors of shape {tuple(heads.shape)} on {heads.device}")
+    return resolved
+
+
 def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
-                             seqstarts, heads, head_offset, return_scores, top_k_width, validate):
+                             seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None):
     """Validation, pooled scores, masks and top-k around ``pooler`` (which mean-pools blocks):
-    shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`."""
+    shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
+    ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead."""
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
@@ -337,9 +386,9 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
     hs = heads_tensor(heads, Hq, q.device)
     Hg = hs.shape[0]
-    tops = budget_tensor("top_k", top_k, hs, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, hs, head_offset, 0),
-                          tops - int(force_diagonal))
+    if resolved is None:
+        resolved = block_sparse_budgets(top_k, sink_blocks, force_diagonal, hs, head_offset)
+    tops, sinks = _check_resolved(resolved, 2, hs)
     nqb = math.ceil(N / block)
     width = _width("top_k", top_k, tops, top_k_width, nqb)
     qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]

@@ -261,7 +261,7 @@ def vertical_slash_index(
     aggregation: str = "sum", scale: float | None = None, seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None, heads: torch.Tensor | None = None, head_offset: int = 0,
     return_scores: bool = False, vertical_width: int | None = None, slash_width: int | None = None,
-    validate: bool = True,
+    validate: bool = True, resolved: tuple | None = None,
 ):
     """Vertical-slash index in plain PyTorch; same arguments and result as
     :func:`minference.kernels.estimate.vertical_slash_index`."""
@@ -269,7 +269,7 @@ def vertical_slash_index(
         _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate)
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved)
 
 
 def block_sparse_index(
@@ -277,11 +277,11 @@ def block_sparse_index(
     sink_blocks: int | torch.Tensor = 0, force_diagonal: bool = True, scale: float | None = None,
     seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, head_offset: int = 0, return_scores: bool = False,
-    top_k_width: int | None = None, validate: bool = True,
+    top_k_width: int | None = None, validate: bool = True, resolved: tuple | None = None,
 ):
     """Block-sparse routing in plain PyTorch; same arguments and result as
     :func:`minference.kernels.estimate.block_sparse_index`."""
     return build_block_sparse_index(
         _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate)
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved)

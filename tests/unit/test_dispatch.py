@@ -209,6 +209,41 @@ def test_plan_validation_errors() -> None:
         sparse_prefill(q5, k5, v5, [Dense()] * 4, backend="triton", dense_threshold=0)
 
 
+@pytest.mark.interpret
+def test_repeat_call_makes_no_per_call_budget_or_row_tensors(monkeypatch) -> None:
+    """Host diet of the eager path (what an eager 16K prefill pays per tensor op: docs/dispatch.md):
+    once a plan is prepared, a call resolves no per-head budget and fills no default row lengths.
+    Launches are recorded, not run, so only the host's own tensor ops are left: allocations, the
+    estimator's zeroed score buffer and the converter's zeroed flags."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    monkeypatch.setattr(InterpretedFunction, "__getitem__",
+                        lambda self, grid: lambda *a, **kw: launches.append(self.fn.__name__))
+    q, k, v = qkv(AttnShape(B=1, Hq=4, Hkv=2, N=64, D=16), torch.float32, "cpu", seed=0)
+    plan = [VerticalSlash(vertical=8, slash=12, last_q=16), AShape(sink=2, window=8),
+            VerticalSlash(vertical=5, slash=9, last_q=16, sink_columns=2, local_diagonals=3), Dense()]
+    kw = dict(dense_threshold=0, backend="triton")
+    sparse_prefill(q, k, v, plan, **kw)  # prepares the plan's device tensors
+    launches.clear()
+    with Ops() as ops:
+        sparse_prefill(q, k, v, plan, **kw)
+    assert set(ops.names) <= {"empty", "empty_like", "zeros", "unbind"}, ops.names
+    assert sorted(launches) == sorted(["_ashape_fwd", "_ashape_fwd", "_vs_stats_kernel", "_lse_kernel",
+                                       "_vs_scores_kernel", "_select_kernel", "_vs_lists_kernel", "_vs_diag_kernel",
+                                       "_block_columns_kernel", "_vs_fwd"])
+
+
 def _gpu_case(N: int, dtype=torch.bfloat16):
     shape = AttnShape(B=2, Hq=8, Hkv=2, N=N, D=64)
     q, k, v = qkv(shape, dtype, "cuda", seed=11)
