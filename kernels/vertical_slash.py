@@ -9,7 +9,9 @@ Masking: a range tile whose keys are all causal for the block, inside the range,
 diagonal ``i - j`` is a chosen offset (the run's hole-free flag) runs unmasked; any other range
 tile applies the exact set ``(i - j ∈ D or j ∈ C) and j <= i`` before the running max. When
 every run is hole-free by construction (``VSIndex.all_solid``, the dispatcher's gap filling),
-the kernel is compiled without the 64-bit bitmap path (``SOLID``).
+the kernel is compiled without the 64-bit bitmap path (``SOLID``). Unmasked range tiles (read
+through tensor descriptors) and all column tiles span ``WIDE_TILE_FACTOR * BLOCK_N`` keys,
+masked range tiles ``BLOCK_N``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ from minference.kernels.convert import _WORD, BITS_PAD_WORDS, VSIndex, convert_v
 from minference._checks import check_index
 
 __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "vertical_slash_block_m"]
+
+#: Unmasked range tiles (one descriptor load each) and all gathered column tiles span
+#: ``WIDE = WIDE_TILE_FACTOR * BLOCK_N`` keys; masked range tiles keep ``BLOCK_N``. H200, VS local
+#: (1000, 6096), all-solid, Hkv=8, three interleaved rounds in one run each, one change at a time:
+#: unmasked range tiles of 128 keys against 64 (s7 run 1): 128K 29.04 / 29.91 / 30.03 ms against
+#: 30.45 / 30.47 / 30.48, 512K 123.21 / 123.96 / 124.08 against 125.50 / 125.76 / 126.92;
+#: unmasked column tiles of 128 (s7 run 2): 128K 28.53 / 28.79 / 29.02 against 28.99 / 29.08 /
+#: 29.44, 512K 121.76 / 121.90 / 124.63 against 123.26 / 124.11 / 125.76; masked column tiles of
+#: 128 (s7 run 7): 512K 119.45 / 120.37 / 121.56 against 123.19 / 125.17 / 125.20. Masked range
+#: tiles of 128 keys spill (sm_90 compile with the GPU's specialisation: 136 bytes) and were
+#: slower (s6 run 1: 30.73 against 30.30 ms at 128K).
+WIDE_TILE_FACTOR = 2
 
 #: Software-pipeline stages of the gathered column loops on the GPU (``None``: the kernel's
 #: ``num_stages``). Not pipelined: VS local at 128K, bf16, Hkv=8 (H200, s3 run 4,
@@ -96,7 +110,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
-            COL_STAGES: tl.constexpr, SOLID: tl.constexpr):
+            COL_STAGES: tl.constexpr, SOLID: tl.constexpr, WIDE: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -152,26 +166,29 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
                                         row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo, lo + k_a * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+        # the unmasked stretch in tiles of WIDE keys; an odd BLOCK_N tile is left to the masked tail
+        k_b = k_a + (k_b - k_a) // (WIDE // BLOCK_N) * (WIDE // BLOCK_N)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                        row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+                                        row_ok, tl.arange(0, WIDE), offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
-                                        False, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+                                        False, PAD_WORDS, WIDE, BLOCK_D, EVEN_D, PREC, DESC)
         acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
                                         row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
                                         lo + k_b * BLOCK_N, hi, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
-    # leftover vertical columns of this block (ascending, none inside a key range): whole tiles of
-    # columns before the block's first row are causal for every row and run unmasked
+    # leftover vertical columns of this block (ascending, none inside a key range), in tiles of
+    # WIDE columns: whole tiles of columns before the block's first row are causal for every row
+    # and run unmasked, the rest masked
     nc = tl.load(col_count + bg * n_qblk + qblk)
-    n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // BLOCK_N) * BLOCK_N
-    for t in tl.range(0, n_unmasked, BLOCK_N, num_stages=COL_STAGES):
-        cols = tl.load(ci_base + t + offs_n)  # [BN], every entry a column < m0
+    n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // WIDE) * WIDE
+    for t in tl.range(0, n_unmasked, WIDE, num_stages=COL_STAGES):
+        cols = tl.load(ci_base + t + tl.arange(0, WIDE))  # [WIDE], every entry a column < m0
         k, v = _load_kv(k_base, v_base, cols, cols >= 0, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
         s = _scores(q, k, PREC)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
-    for t in tl.range(n_unmasked, nc, BLOCK_N, num_stages=COL_STAGES):
-        idx = t + offs_n
+    for t in tl.range(n_unmasked, nc, WIDE, num_stages=COL_STAGES):
+        idx = t + tl.arange(0, WIDE)
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
         ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
@@ -230,7 +247,8 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
-        desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
+        wide = WIDE_TILE_FACTOR * prep.tiles.block_n
+        desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
         _vs_fwd[prep.grid()](
             q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
             index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
@@ -238,7 +256,7 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
-            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid,
+            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide,
         )
     return finish(prep, return_lse)
 
