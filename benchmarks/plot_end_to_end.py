@@ -20,6 +20,8 @@ SERIES = [
     ("dense", "cuDNN SDPA dense (causal)", dict(color="black", marker="s")),
     ("e2e", "vertical-slash end to end", dict(color="tab:blue", marker="o", linewidth=2)),
     ("e2e_graph", "  the same, replayed from a CUDA graph", dict(color="tab:purple", marker="o", linestyle="--")),
+    ("e2e_b2b", "  the same, calls back to back", dict(color="tab:cyan", marker="o", linestyle="-.")),
+    ("dense_b2b", "cuDNN dense, calls back to back", dict(color="gray", marker="s", linestyle="-.")),
     ("kernel", "  its kernel (gap-filled index)", dict(color="tab:blue", marker=".", linestyle="--")),
     ("kernel_nofill", "  its kernel on the exact set", dict(color="tab:blue", marker="x", linestyle=":")),
     ("index", "  its index build", dict(color="tab:green", marker=".", linestyle="--")),

@@ -33,15 +33,15 @@ __all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "B
 
 #: Prompts shorter than this many tokens run dense attention. H200 runs of
 #: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash
-#: (1000, 6096) end to end, eager, vs cuDNN SDPA; docs/dispatch.md), fifth session (Triton
-#: converter and selection): 0.77x dense speed at 16K (4.90 vs 3.78 ms), 1.21x at 20K (4.91 vs
-#: 5.94), 1.33x at 24K, 1.73x at 32K (s5 run 4); 16K stays dense: there the budget covers 73%
-#: of the causal pairs and the kernel alone takes 3.21 ms. (Before: 0.84x at 24K and 1.40x at
-#: 32K, s4 run 5, and the threshold was 32K. Replayed from a CUDA graph, sparse already wins at
-#: 16K: 3.45 vs 3.78 ms.) Sixth session (all-solid kernel build, s6 run 6): 0.98x at 16K (3.96
-#: vs 3.86 ms eager; 3.35 from a graph), so 16K still stays dense. A-shape alone wins from 16K:
-#: 2.20 vs 3.76 ms; the threshold is per layer and follows the vertical-slash budget.
-DENSE_THRESHOLD = 20480
+#: (1000, 6096) end to end vs cuDNN SDPA in the same run; docs/dispatch.md). Seventh session (host
+#: diet, wide unmasked tiles): at 16K sparse is 1.03x (s7 run 1), 1.00x (run 4), 1.17x and 1.17x
+#: (run 5, twice) dense speed for one call from an idle GPU, and 1.23x / 1.28x with calls back to
+#: back as a model's layers run (run 5); at 12K it is 0.81x / 0.92x alone and 0.99x / 1.00x back
+#: to back (run 5), so 12K stays dense and 16K runs sparse. Earlier: 0.77x at 16K and 1.21x at
+#: 20K (s5 run 4), 0.98x at 16K (s6 run 6), when the threshold was 20480. A-shape alone wins
+#: from 16K (2.20 vs 3.76 ms, s5); the threshold is per layer and follows the vertical-slash
+#: budget.
+DENSE_THRESHOLD = 16384
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
 #: kernel runs (:func:`minference.reference.masks.slash_set`). Any value >= 127 (the GPU query

@@ -133,7 +133,7 @@ def run_main_job(
     """Dense and sparse prefill of one passkey prompt on SmolLM2-135M; see the module docstring.
 
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
-    (:data:`minference.dispatch.DENSE_THRESHOLD`, 20K tokens) would run this 4K prompt dense.
+    (:data:`minference.dispatch.DENSE_THRESHOLD`, 16K tokens) would run this 4K prompt dense.
     ``loaded``: an already loaded ``(model, tokenizer)`` from
     :func:`minference.models.load_smollm2` (unpatched; it is left unpatched).
     """
