@@ -190,7 +190,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
     for t in tl.range(n_unmasked, nc, WIDE, num_stages=COL_STAGES):
         idx = t + tl.arange(0, WIDE)
         ok = idx < nc
-        cols = tl.load(ci_base + idx, mask=ok, other=0)  # [BN]
+        cols = tl.load(ci_base + idx, mask=ok, other=0)  # [WIDE]
         ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
         k, v = _load_kv(k_base, v_base, cols, ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
         s = _scores(q, k, PREC)

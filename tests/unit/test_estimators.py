@@ -338,6 +338,34 @@ def test_budget_and_argument_errors() -> None:
             impl.vertical_slash_index(q, torch.randn(1, 3, 8, 16), 2, 2)
 
 
+def test_resolved_budgets_are_the_per_call_ones() -> None:
+    """``resolved=`` (what the dispatcher keeps per plan) gives the index the builder computes from
+    the budgets itself, with per-global-head tensors and a TP offset; malformed ones are refused."""
+    from minference.index import block_sparse_budgets, vertical_slash_budgets
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g)
+    heads = torch.tensor([3, 1], dtype=torch.int32)
+    vs = dict(vertical=torch.tensor([0, 0, 9, 5, 4, 7]), slash=torch.tensor([0, 0, 3, 6, 8, 11]),
+              sink_columns=torch.tensor([0, 0, 2, 9, 1, 3]), local_diagonals=torch.tensor([0, 0, 0, 2, 5, 20]))
+    resolved = vertical_slash_budgets(*vs.values(), heads, 2)
+    assert [x.tolist() for x in resolved] == [[7, 5], [11, 6], [3, 5], [11, 2]]  # global heads 5 and 3
+    kw = dict(heads=heads, head_offset=2, last_q=8)
+    for a, b in zip(portable.vertical_slash_index(q, k, **vs, **kw),
+                    portable.vertical_slash_index(q, k, **vs, **kw, resolved=resolved)):
+        assert torch.equal(a, b)
+    bs = dict(top_k=torch.tensor([0, 0, 3, 2, 5, 1]), sink_blocks=torch.tensor([0, 0, 1, 4, 0, 2]))
+    resolved_bs = block_sparse_budgets(*bs.values(), True, heads, 2)
+    assert [x.tolist() for x in resolved_bs] == [[1, 2], [0, 1]]
+    assert torch.equal(portable.block_sparse_index(q, k, **bs, block=16, heads=heads, head_offset=2),
+                       portable.block_sparse_index(q, k, **bs, block=16, heads=heads, head_offset=2,
+                                                   resolved=resolved_bs))
+    with pytest.raises(TypeError, match="tuple of 4"):
+        portable.vertical_slash_index(q, k, **vs, **kw, resolved=resolved[:3])
+    with pytest.raises(ValueError, match="int64 tensors of shape"):
+        portable.vertical_slash_index(q, k, **vs, **kw, resolved=tuple(x.int() for x in resolved))
+
+
 def _to_cuda(kw: dict) -> dict:
     return {key: (v.cuda() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
 
