@@ -109,9 +109,9 @@ def smooth_qkv(N: int, seed: int, *, device="cuda", dtype=torch.bfloat16):
 ONCE_MS = 2000.0
 
 
-def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
-    """Median ms of ``fn()`` after one warm-up call (CUDA events); a call over :data:`ONCE_MS`
-    is timed once."""
+def _first_call(fn, budget_ms: float) -> tuple[float, int]:
+    """One warm-up (compilation) call, then one CUDA-event-timed call: its ms, and how many timed
+    calls fill about ``budget_ms`` (0 when that one call is over :data:`ONCE_MS`)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,8 +121,17 @@ def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
     torch.cuda.synchronize()
     first = start.elapsed_time(end)
     if first > ONCE_MS:
+        return first, 0
+    return first, int(min(MAX_REPS, max(MIN_REPS, budget_ms // max(first, 1e-3))))
+
+
+def time_ms(fn, budget_ms: float = BUDGET_MS) -> float:
+    """Median ms of ``fn()`` after one warm-up call (CUDA events); a call over :data:`ONCE_MS`
+    is timed once."""
+    first, reps = _first_call(fn, budget_ms)
+    if reps == 0:
         return first
-    reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms // max(first, 1e-3))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
@@ -138,17 +147,10 @@ def time_back_to_back_ms(fn, budget_ms: float = BUDGET_MS) -> float:
     events around the whole loop, after one warm-up call): how layers follow one another in a
     model's prefill, where the host prepares the next call while the GPU runs the previous one,
     so host time hides behind GPU time unless it is the longer of the two."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    first = start.elapsed_time(end)
-    if first > ONCE_MS:
+    first, reps = _first_call(fn, budget_ms)
+    if reps == 0:
         return first
-    reps = int(min(MAX_REPS, max(MIN_REPS, budget_ms // max(first, 1e-3))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
         fn()
