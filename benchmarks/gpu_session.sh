@@ -3,12 +3,14 @@
 # Stages run in the order STAGES lists them, each under its own wall-clock bound:
 #   install    editable install against the machine's CUDA torch/triton (no network)
 #   tests:P    the GPU test tier under hypothesis profile P (ci or gpu): every gpu- or
-#              interpret-marked test in tests/unit, on CUDA (T_TESTS seconds, XDIST workers)
+#              interpret-marked test in $TEST_FILES (default tests/unit), on CUDA (T_TESTS
+#              seconds, XDIST workers)
 #   sanitize   compute-sanitizer memcheck over benchmarks/sanitize_fuzz.py (all three kernels)
 #   bench      benchmarks/bench_kernels.py $BENCH_ARGS   (kernels vs cuDNN / FlexAttention)
 #   bench2     benchmarks/bench_kernels.py $BENCH_ARGS2
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
+# With no STAGES every stage runs: name the stages of each device call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -22,7 +24,7 @@ install() {
 }
 tests() {  # hypothesis profile
     log "gpu test tier (hypothesis profile $1)"
-    MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest tests/unit -m "gpu or triton" \
+    MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest ${TEST_FILES:-tests/unit} -m "gpu or triton" \
         -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
     log "tests rc=$?"
 }

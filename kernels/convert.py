@@ -41,6 +41,12 @@ Fields (``R = max(NS, 1)``, ``NQB = ceil(n / block_m)``):
 * ``col_index [B, H, NQB, NV]`` int32, -1 past ``col_count [B, H, NQB]``; ``col_before [B, H,
   NQB]`` int32 counts the leading ones that precede the block's first row ``m0`` (causal for
   every row of the block: the kernel runs their full tiles without a mask).
+* ``columns [B, H, NV]`` int32: the head's distinct chosen columns, ascending, -1 after them;
+  ``col_lead [B, H, NQB]`` int32: the block's list begins with the head's first ``col_lead``
+  columns (``col_index[b, h, I, :L] == columns[b, h, :L]``, ``L = col_lead[b, h, I]``: no column
+  before them was removed). The kernel copies the K/V rows of ``columns`` into a scratch once
+  per call and reads that leading stretch of each block from it in contiguous tiles (TMA on
+  Hopper) instead of gathering it row by row.
 * ``all_solid`` (host bool): every run is hole-free by construction (``fill_gaps >= block_m -
   1``, or the dense causal index), so the kernel is compiled without the bitmap path.
 * ``diag_mask [B, H, n]`` int8: 1 where ``δ`` is a chosen offset; ``diag_bits [B, H, NW]``
@@ -147,6 +153,8 @@ class VSIndex:
     col_index: torch.Tensor
     col_count: torch.Tensor
     col_before: torch.Tensor
+    columns: torch.Tensor
+    col_lead: torch.Tensor
     diag_mask: torch.Tensor
     diag_bits: torch.Tensor
     col_mask: torch.Tensor
@@ -248,7 +256,8 @@ def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
     Offsets: sort (invalid ones become the sentinel ``n`` and sort last), then, on distinct
     values, runs split where the distance to the previous one exceeds ``merge`` and filled
     segments where it exceeds ``fill + 1``; a run is solid when no distance inside it leaves
-    more than ``fill`` offsets out. Columns: sort, duplicates -> -1, ``col_mask``. Workspace row
+    more than ``fill`` offsets out. Columns: sort, the distinct ones compacted (-1 after them),
+    ``col_mask``. Workspace row
     (``W`` int32): sorted offsets, hole counts at run starts and ends, segment lows and highs,
     sorted columns, segment count."""
     bh = tl.program_id(0).to(tl.int64)
@@ -284,7 +293,10 @@ def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
         kv = tl.arange(0, NVP)
         c = _sorted_row(vert_ptr + bh * NV, NV, n, sorted_c, NVP)
         c_first = (c < n) & (c != tl.load(sorted_c + kv - 1, mask=kv > 0, other=-1))
-        tl.store(cols_ptr + bh * NV + kv, tl.where(c_first, c, -1), mask=kv < NV)
+        slot = tl.cumsum(c_first.to(tl.int32), 0) - 1  # distinct columns, compacted in order
+        tl.store(cols_ptr + bh * NV + slot, c, mask=c_first)
+        tl.store(cols_ptr + bh * NV + kv, tl.full([NVP], -1, tl.int32),
+                 mask=(kv >= tl.sum(c_first.to(tl.int32), 0)) & (kv < NV))
         tl.store(col_mask_ptr + bh * n + c, tl.full([NVP], 1, tl.int8), mask=c_first)
 
 
@@ -309,13 +321,14 @@ def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
 
 @triton.jit
 def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_ptr, count_ptr, before_ptr,
-                          NV, R, nqb, block_m, NVP: tl.constexpr):
+                          lead_ptr, NV, R, nqb, block_m, NVP: tl.constexpr):
     """One program per (query block ``I``, batch row x head): keep the distinct columns that are
-    causal for the block's last row and outside its key ranges, compacted in ascending order."""
+    causal for the block's last row and outside its key ranges, compacted in ascending order;
+    ``col_lead``: how many of the head's first columns are kept before the first one dropped."""
     I = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     k = tl.arange(0, NVP)
-    c = tl.load(c_ptr + bh * NV + k, mask=k < NV, other=-1)  # [NVP] ascending, -1: none or duplicate
+    c = tl.load(c_ptr + bh * NV + k, mask=k < NV, other=-1)  # [NVP] distinct ascending, then -1
     m0 = I * block_m
     # column c lies in a key range of this block iff y = m0 + block_m - 1 - c is in [δa, δb +
     # block_m - 1] for a run; those intervals are disjoint and ascending: test the last with δa <= y
@@ -331,6 +344,8 @@ def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_
     tl.store(row + k, tl.full([NVP], -1, tl.int32), mask=(k >= count) & (k < NV))
     tl.store(count_ptr + bh * nqb + I, count)
     tl.store(before_ptr + bh * nqb + I, tl.sum((keep & (c < m0)).to(tl.int32), axis=0))
+    first_drop = tl.min(tl.where((c >= 0) & ~keep, k, NVP), axis=0)
+    tl.store(lead_ptr + bh * nqb + I, tl.minimum(first_drop, tl.sum((c >= 0).to(tl.int32), axis=0)))
 
 
 def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m: int, fill_gaps: int) -> VSIndex:
@@ -357,6 +372,7 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
     col_index = torch.empty(B, H, nqb, NV, **i32)
     col_count = torch.empty(B, H, nqb, **i32)
     col_before = torch.empty(B, H, nqb, **i32)
+    col_lead = torch.empty(B, H, nqb, **i32)
     W = 5 * NSP + NVP + 1
     work = torch.empty(BH, W, **i32)
     merge = min(max(block_m, fill_gaps + 1), n + 1)  # distances never exceed n - 1: same results
@@ -368,18 +384,19 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
         _vs_diag_kernel[(triton.cdiv(NW, _DIAG_WORDS), BH)](work, diag_mask, diag_bits, n, NW, W, NSP=NSP, NVP=NVP,
                                                              WORDS=_DIAG_WORDS, PAD=BITS_PAD_WORDS, num_warps=4)
         _block_columns_kernel[(nqb, BH)](cols, run_start, run_end, run_count, col_index, col_count, col_before,
-                                         NV, R, nqb, block_m, NVP=NVP, num_warps=4)
+                                         col_lead, NV, R, nqb, block_m, NVP=NVP, num_warps=4)
     return VSIndex(block_m=block_m, n=n, run_start=run_start, run_end=run_end, run_count=run_count,
                    run_solid=run_solid, col_index=col_index, col_count=col_count, col_before=col_before,
-                   diag_mask=diag_mask, diag_bits=diag_bits, col_mask=col_mask,
+                   columns=cols, col_lead=col_lead, diag_mask=diag_mask, diag_bits=diag_bits, col_mask=col_mask,
                    dense=torch.zeros(B, H, dtype=torch.bool, device=dev), all_solid=fill_gaps >= block_m - 1)
 
 
 def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m: int):
-    """The block column lists in torch ops from the distinct ascending columns ``c [B, H, NV]``
-    (-1 = none) and ``cover [B, H, span]`` (``cover[y]``: a column with ``y = m0 + block_m - 1 -
-    c`` lies in a key range of the block at ``m0``). Materialises ``[B, H, NQB, NV]`` int64
-    temporaries (~3 GB of traffic at 128K on the GPU)."""
+    """The block column lists (``col_index, col_count, col_before, col_lead``) in torch ops from
+    the distinct ascending columns ``c [B, H, NV]`` (-1 after them) and ``cover [B, H, span]``
+    (``cover[y]``: a column with ``y = m0 + block_m - 1 - c`` lies in a key range of the block at
+    ``m0``). Materialises ``[B, H, NQB, NV]`` int64 temporaries (~3 GB of traffic at 128K on the
+    GPU)."""
     B, H, NV = c.shape
     span = cover.shape[-1]
     m0 = torch.arange(nqb, device=c.device, dtype=torch.long) * block_m  # [NQB]
@@ -389,7 +406,10 @@ def _block_columns_torch(c: torch.Tensor, cover: torch.Tensor, nqb: int, block_m
     keep = (c[..., None, :] >= 0) & (y >= 0) & ~inside
     col_index, col_count = _compact(c[..., None, :].expand(B, H, nqb, NV), keep)
     col_before = ((col_index >= 0) & (col_index < m0[:, None])).sum(-1, dtype=torch.int32)
-    return col_index, col_count, col_before
+    slot = torch.arange(NV, device=c.device)
+    first_drop = F.pad(torch.where((c[..., None, :] >= 0) & ~keep, slot, NV), (0, 1), value=NV).amin(-1)
+    col_lead = torch.minimum(first_drop, (c >= 0).sum(-1, keepdim=True)).to(torch.int32)
+    return col_index, col_count, col_before, col_lead
 
 
 #: Chunk of the two-level prefix sum (:func:`_prefix_sum`).
@@ -470,7 +490,8 @@ def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m:
 
     c, _, c_first = _sorted_set(vertical, n)  # [B, H, NV]
     col_mask = _membership(c, n)
-    col_index, col_count, col_before = _block_columns_torch(torch.where(c_first, c, -1), cover, nqb, block_m)
+    columns, _ = _compact(c, c_first)
+    col_index, col_count, col_before, col_lead = _block_columns_torch(columns, cover, nqb, block_m)
     return VSIndex(
         block_m=block_m,
         n=n,
@@ -481,6 +502,8 @@ def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m:
         col_index=col_index,
         col_count=col_count,
         col_before=col_before,
+        columns=columns,
+        col_lead=col_lead,
         diag_mask=diag_mask,
         diag_bits=diag_bits,
         col_mask=col_mask,
@@ -509,6 +532,8 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
         col_index=torch.full((1, 1, nqb, NV), -1, dtype=torch.int32, device=device),
         col_count=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         col_before=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
+        columns=torch.full((1, 1, NV), -1, dtype=torch.int32, device=device),
+        col_lead=torch.zeros(1, 1, nqb, dtype=torch.int32, device=device),
         diag_mask=diag_mask,
         diag_bits=_diag_bits(diag_mask),
         col_mask=torch.zeros(1, 1, n, dtype=torch.int8, device=device),

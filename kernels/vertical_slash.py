@@ -12,6 +12,12 @@ every run is hole-free by construction (``VSIndex.all_solid``, the dispatcher's 
 the kernel is compiled without the 64-bit bitmap path (``SOLID``). Unmasked range tiles (read
 through tensor descriptors) and all column tiles span ``WIDE_TILE_FACTOR * BLOCK_N`` keys,
 masked range tiles ``BLOCK_N``.
+
+Column scratch: where K/V are read through descriptors, the K/V rows of each head's distinct
+columns (``VSIndex.columns``) are first copied into a contiguous scratch ``[B, Hg, NV, D]``
+(:func:`_gather_columns_kernel`, one launch). A block's leftover list begins with the head's
+first ``col_lead`` columns, so those of its columns that precede its first row are read from
+the scratch in contiguous descriptor tiles, like a key range; only the rest are gathered.
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ WIDE_TILE_FACTOR = 2
 #: 35.75 / 36.27 ms with 2 / 3 / 4 / 5, and 32.12 ms with the column tiles removed altogether:
 #: pipelined, the ~7% gathered tiles cost ~14% of the time.
 COLUMN_STAGES: int | None = 1
+#: Software-pipeline stages of the column-scratch tile loop (``None``: the kernel's
+#: ``num_stages``). VS local (1000, 6096), all-solid, Hkv=8, H200, s8 run 1, three interleaved
+#: rounds, median of 15 (128K) / 7 (512K) calls each: 1 stage 128K 28.34 / 29.13 / 29.26 ms,
+#: 512K 115.47 / 116.96 / 117.70; the build without the scratch (gathered column tiles only)
+#: 29.27 / 29.35 / 29.70 and 118.09 / 118.98 / 120.20; 2 stages 31.05-31.57 and 128.04-130.74;
+#: 3 stages 31.22-31.69 and 128.43-130.47. Pipelined, the scratch loop slows the whole kernel:
+#: with 3 stages compiled but no column tile run, 512K took 118.04-120.17 ms (s7: 108.99).
+SCRATCH_STAGES: int | None = 1
+#: Scratch slots per program of :func:`_gather_columns_kernel`.
+_GATHER_SLOTS = 32
 
 
 @triton.jit
@@ -100,17 +116,42 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
     return acc, m_i, l_i
 
 
+@triton.jit
+def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_cols,
+                           skb, skh, skn, skd, svb, svh, svn, svd,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Column scratch rows ``[s, s + BLOCK_C)`` of one (batch row, computed head): the K and V rows
+    of ``columns[b, g, s]`` (contiguous ``[B, Hg, n_cols, D]``). Padding slots (-1) and columns past
+    the row's end are written as zeros: every scratch row a tile can read is finite."""
+    b, g, h, kvh, _, _, row_len, row_start = _program_ids(lens, starts, heads, group, 1)
+    slot = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    bg = b.to(tl.int64) * tl.num_programs(1) + g
+    in_list = slot < n_cols
+    cols = tl.load(columns + bg * n_cols + slot, mask=in_list, other=-1)
+    ok = (cols >= 0) & (cols < row_len)
+    s64 = row_start.to(tl.int64)
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh + s64 * svn
+    k, v = _load_kv(k_base, v_base, tl.where(ok, cols, 0), ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+    dst = (bg * n_cols + slot.to(tl.int64))[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(CK + dst, k, mask=in_list[:, None] & d_ok[None, :])
+    tl.store(CV + dst, v, mask=in_list[:, None] & d_ok[None, :])
+
+
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
-def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
-            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, diag_bits, col_mask,
+def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, heads,
+            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
-            COL_STAGES: tl.constexpr, SOLID: tl.constexpr, WIDE: tl.constexpr):
+            COL_STAGES: tl.constexpr, SOLID: tl.constexpr, WIDE: tl.constexpr, SCRATCH: tl.constexpr,
+            SCRATCH_STAGES: tl.constexpr):
     b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
     if m0 >= row_len:
         return
@@ -178,11 +219,28 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # leftover vertical columns of this block (ascending, none inside a key range), in tiles of
-    # WIDE columns: whole tiles of columns before the block's first row are causal for every row
-    # and run unmasked, the rest masked
+    # WIDE columns. Columns before the block's first row are causal for every row: the leading
+    # ones that are the head's first columns (slot = list position) come from the column scratch
+    # in contiguous tiles, masked only past their count; then whole gathered tiles of the others
+    # run unmasked, the rest masked
     nc = tl.load(col_count + bg * n_qblk + qblk)
-    n_unmasked = (tl.load(col_before + bg * n_qblk + qblk) // WIDE) * WIDE
-    for t in tl.range(0, n_unmasked, WIDE, num_stages=COL_STAGES):
+    before = tl.load(col_before + bg * n_qblk + qblk)
+    if SCRATCH:
+        fast = tl.minimum(tl.load(col_lead + bg * n_qblk + qblk), before)
+        n_fast = (fast // WIDE) * WIDE
+        for t in tl.range(0, n_fast, WIDE, num_stages=SCRATCH_STAGES):
+            k, v = _load_kv_desc(desc_ck, desc_cv, b, g, t, WIDE, BLOCK_D)
+            s = _scores(q, k, PREC)
+            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        for t in tl.range(n_fast, fast, WIDE, num_stages=1):  # at most one tile
+            k, v = _load_kv_desc(desc_ck, desc_cv, b, g, t, WIDE, BLOCK_D)
+            s = _scores(q, k, PREC)
+            s = tl.where((t + tl.arange(0, WIDE) < fast)[None, :], s, float("-inf"))
+            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+    else:
+        fast = 0
+    n_unmasked = fast + ((before - fast) // WIDE) * WIDE
+    for t in tl.range(fast, n_unmasked, WIDE, num_stages=COL_STAGES):
         cols = tl.load(ci_base + t + tl.arange(0, WIDE))  # [WIDE], every entry a column < m0
         k, v = _load_kv(k_base, v_base, cols, cols >= 0, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
         s = _scores(q, k, PREC)
@@ -249,16 +307,35 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
     if prep.Hg > 0 and prep.N > 0:
         wide = WIDE_TILE_FACTOR * prep.tiles.block_n
         desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
+        heads = prep.head_ids()
+        desc_ck = desc_cv = None
+        if desc_k is not None and index.columns.shape[-1] > 0:
+            desc_ck, desc_cv = _column_scratch(prep, k, v, index, heads, wide)
         _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
+            q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, prep.lens, prep.starts, heads,
             index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
-            index.col_before, index.diag_bits, index.col_mask,
+            index.col_before, index.col_lead, index.diag_bits, index.col_mask,
             prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
-            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide,
+            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide, SCRATCH=desc_ck is not None,
+            SCRATCH_STAGES=SCRATCH_STAGES,
         )
     return finish(prep, return_lse)
+
+
+def _column_scratch(prep: Prepared, k, v, index: VSIndex, heads: torch.Tensor, wide: int):
+    """Copy the K/V rows of each head's distinct columns into a contiguous ``[B, Hg, NV, D]``
+    scratch (one launch) and return its descriptors (tiles of ``wide`` rows), or ``(None, None)``
+    where descriptors cannot be built."""
+    NV = index.columns.shape[-1]
+    ck = torch.empty(prep.B, prep.Hg, NV, prep.D, dtype=k.dtype, device=k.device)
+    cv = torch.empty_like(ck)
+    _gather_columns_kernel[(triton.cdiv(NV, _GATHER_SLOTS), prep.Hg, prep.B)](
+        k, v, ck, cv, index.columns, prep.lens, prep.starts, heads, prep.Hq // prep.Hkv, NV,
+        *k.stride(), *v.stride(), HEAD_DIM=prep.D, BLOCK_D=prep.block_d, EVEN_D=prep.block_d == prep.D,
+        BLOCK_C=_GATHER_SLOTS, num_warps=4)
+    return kv_descriptors(ck, cv, wide, prep.block_d)
 
 
 def vertical_slash_attention(

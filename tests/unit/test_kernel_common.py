@@ -253,9 +253,12 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
     module = __import__(f"minference.kernels.{which}", fromlist=["_"])
     built = []
 
+    scratch = []
+
     def forced(k, v, block_n, block_d):
         pair = _common.kv_descriptors(k, v, block_n, block_d, interpreter=not CUDA)
         built.append(pair[0] is not None)
+        scratch.append(k.shape[1] == 3)  # the VS column scratch [B, Hg, NV, D] (k has 2 heads)
         return pair
 
     monkeypatch.setattr(module, "kv_descriptors", forced)
@@ -292,3 +295,4 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
                               (torch.arange(nqb) - 3).clamp(min=0)], -1).expand(2, 3, nqb, 3).to(torch.int32)
         run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
     assert built and all(built), "the descriptor path did not run"
+    assert any(scratch) == (which == "vertical_slash"), "the VS column scratch was not read"

@@ -112,9 +112,16 @@ def test_converter_is_exact(data):
             assert not index.run_solid[b, h, count:].any()
             if fill >= block_m - 1:  # every run is hole-free: the kernel masks only its edge tiles
                 assert all(solid)
+            valid = vertical[b, h][(vertical[b, h] >= 0) & (vertical[b, h] < n)]
+            distinct = sorted(set(valid.tolist()))
+            assert index.columns[b, h].tolist() == distinct + [-1] * (vertical.shape[-1] - len(distinct))
             for I in range(-(-n // block_m)):
                 m0 = I * block_m
                 cols = index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist()
+                # the block's list begins with the head's first col_lead columns, and no further
+                lead = int(index.col_lead[b, h, I])
+                assert cols[:lead] == distinct[:lead]
+                assert lead == len(distinct) or distinct[lead] not in cols
                 assert cols == sorted(set(cols)) and all(0 <= c <= m0 + block_m - 1 for c in cols)
                 assert int(index.col_before[b, h, I]) == sum(c < m0 for c in cols)
                 assert not any(m0 - z <= c <= m0 + block_m - 1 - a for c in cols for a, z in runs)
