@@ -302,6 +302,13 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
         raise ValueError(f"index is for [B, H]={tuple(index.run_count.shape)}, expected {(prep.B, prep.Hg)}")
     if index.run_count.device != q.device:
         raise ValueError(f"index must be on {q.device}, got {index.run_count.device}")
+    nqb = triton.cdiv(prep.N, prep.tiles.block_m)
+    NV = index.columns.shape[-1] if index.columns.dim() == 3 else -1
+    for name, want in (("columns", (prep.B, prep.Hg, NV)), ("col_lead", (prep.B, prep.Hg, nqb)),
+                       ("col_index", (prep.B, prep.Hg, nqb, NV))):
+        x = getattr(index, name)
+        if tuple(x.shape) != want or not x.is_contiguous():
+            raise ValueError(f"index.{name} must be contiguous with shape {want}, got {tuple(x.shape)}")
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:

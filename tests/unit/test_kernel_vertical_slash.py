@@ -229,3 +229,9 @@ def test_physical_index_must_match_the_kernel():
         kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(idx, idx, 41, block_m=bm))
     with pytest.raises(TypeError, match="VSIndex"):
         kernels.vertical_slash_attention_physical(q, k, k, (idx, idx))
+    # the column fields must agree with one another (the column scratch is read through them)
+    good = kernels.convert_vertical_slash(idx, idx, 40, block_m=bm)
+    for field, bad in (("columns", good.columns[:, :1]), ("col_lead", good.col_lead[..., :1]),
+                       ("col_index", good.col_index.transpose(-1, -2))):
+        with pytest.raises(ValueError, match=f"index.{field}"):
+            kernels.vertical_slash_attention_physical(q, k, k, dataclasses.replace(good, **{field: bad}))
