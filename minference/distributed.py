@@ -10,9 +10,11 @@ slice ``r * Hkv_local ...`` so every local query head keeps its GQA group (``Hkv
   tile ``[0, Hq)`` exactly (a wrong offset, an overlap or a gap raises on every rank).
 * :func:`tp_sparse_prefill` — :func:`minference.dispatch.sparse_prefill` on local heads with the
   offset derived from the rank (optionally checked and gathered).
-* :func:`shard_model_heads` — shard a Llama-family transformers model in place (``q/k/v_proj``
-  rows, ``o_proj`` columns, an all-reduce after ``o_proj``); then
-  ``minference.patch(model, config, head_offset=shard.head_offset, check_fingerprint=False)``.
+
+Sharding a transformers model by heads is model surgery and lives with the rest of the model
+integration: :func:`minference.integration.shard_model_heads`. This module works on tensors
+only and imports nothing of the integration (the layering is dispatch <- distributed <-
+integration).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ __all__ = [
     "check_head_partition",
     "tp_sparse_prefill",
     "gather_heads",
-    "shard_model_heads",
 ]
 
 
@@ -154,45 +155,3 @@ def tp_sparse_prefill(
         check_head_partition(head_offset, local, len(plan), group)
     out = sparse_prefill(q, k, v, plan, head_offset=head_offset, **kwargs)
     return gather_heads(out, group) if gather else out
-
-
-def _rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
-
-
-def shard_model_heads(model: torch.nn.Module, rank: int, world: int, group=None) -> HeadShard:
-    """Shard a Llama-family model's attention by heads in place (``q_proj``/``k_proj``/``v_proj``
-    rows, ``o_proj`` input columns, ``o_proj`` bias on rank 0 only, an all-reduce of ``o_proj``'s
-    output through a forward hook). Everything else stays replicated. Returns the shard."""
-    from minference.integration import _attention_modules
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    shard = head_shard(int(cfg.num_attention_heads), int(cfg.num_key_value_heads or cfg.num_attention_heads),
-                       rank, world)
-    dist = _dist() if world > 1 else None
-
-    def reduce(_module, _inputs, output):
-        dist.all_reduce(output, group=group)
-        return output
-
-    for module in _attention_modules(model).values():
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in names):
-            raise ValueError(f"{type(module).__name__} lacks separate q/k/v/o projections; only Llama-style "
-                             "attention can be head-sharded here")
-        D = module.head_dim
-        _rows(module.q_proj, shard.q.start * D, shard.q.stop * D)
-        _rows(module.k_proj, shard.kv.start * D, shard.kv.stop * D)
-        _rows(module.v_proj, shard.kv.start * D, shard.kv.stop * D)
-        o = module.o_proj
-        o.weight = torch.nn.Parameter(o.weight.data[:, shard.q.start * D : shard.q.stop * D].clone(),
-                                      requires_grad=False)
-        o.in_features = shard.local_heads * D
-        if o.bias is not None and rank != 0:
-            o.bias = torch.nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)
-        if dist is not None:
-            o.register_forward_hook(reduce)
-    return shard

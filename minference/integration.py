@@ -45,6 +45,7 @@ import torch
 
 from minference._checks import token_mask
 from minference.config import PatternConfig, load_config, model_signature
+from minference.distributed import HeadShard, _dist, check_head_partition, head_shard
 from minference.patterns import Dense, Pattern
 from minference.reference.masks import check_fill_gaps
 
@@ -60,6 +61,8 @@ __all__ = [
     "register",
     "padding_rows",
     "observe_attention",
+    "attention_modules",
+    "shard_model_heads",
 ]
 
 #: Name registered with transformers' AttentionInterface and AttentionMaskInterface.
@@ -208,7 +211,7 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def _attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     """Attention modules by layer index (modules with ``layer_idx`` whose class name ends in
     ``Attention``)."""
     found: dict[int, torch.nn.Module] = {}
@@ -285,7 +288,7 @@ def patch(
         check_fill_gaps(fill_gaps)
     if is_patched(model):
         unpatch(model)
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if not modules:
         raise ValueError("model has no attention modules with a layer_idx (not a transformers decoder?)")
     signature = model_signature(model, fingerprint=check_fingerprint and config.model.weights_fingerprint is not None)
@@ -319,8 +322,6 @@ def patch(
         sharded = local < total  # a head shard (not a data-parallel replica of the whole model)
         check_partition = sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if check_partition:
-        from minference.distributed import check_head_partition
-
         try:
             check_head_partition(head_offset, local, total)
         except ValueError:
@@ -355,7 +356,7 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def layer_states(model: torch.nn.Module) -> dict[int, LayerState]:
     """The :class:`LayerState` of each patched attention layer, by layer index."""
-    return {idx: getattr(m, STATE_ATTR) for idx, m in _attention_modules(model).items() if hasattr(m, STATE_ATTR)}
+    return {idx: getattr(m, STATE_ATTR) for idx, m in attention_modules(model).items() if hasattr(m, STATE_ATTR)}
 
 
 def call_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -403,7 +404,7 @@ def observe_attention(model: torch.nn.Module, observer: Callable) -> Iterator[to
     AttentionInterface.register(OBSERVE_IMPLEMENTATION, _observing_attention)
     AttentionMaskInterface.register(OBSERVE_IMPLEMENTATION, sdpa_mask)
     previous = getattr(model.config, "_attn_implementation", None)
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     for module in modules.values():
         setattr(module, OBSERVER_ATTR, observer)
     model.set_attn_implementation(OBSERVE_IMPLEMENTATION)
@@ -413,3 +414,45 @@ def observe_attention(model: torch.nn.Module, observer: Callable) -> Iterator[to
         for module in modules.values():
             delattr(module, OBSERVER_ATTR)
         model.set_attn_implementation(previous or "sdpa")
+
+
+def _rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
+    linear.weight = torch.nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
+    linear.out_features = stop - start
+
+
+def shard_model_heads(model: torch.nn.Module, rank: int, world: int, group=None) -> HeadShard:
+    """Shard a Llama-family model's attention by heads in place (``q_proj``/``k_proj``/``v_proj``
+    rows, ``o_proj`` input columns, ``o_proj`` bias on rank 0 only, an all-reduce of ``o_proj``'s
+    output through a forward hook). Everything else stays replicated. Returns the shard."""
+    from minference.integration import attention_modules
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    shard = head_shard(int(cfg.num_attention_heads), int(cfg.num_key_value_heads or cfg.num_attention_heads),
+                       rank, world)
+    dist = _dist() if world > 1 else None
+
+    def reduce(_module, _inputs, output):
+        dist.all_reduce(output, group=group)
+        return output
+
+    for module in attention_modules(model).values():
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in names):
+            raise ValueError(f"{type(module).__name__} lacks separate q/k/v/o projections; only Llama-style "
+                             "attention can be head-sharded here")
+        D = module.head_dim
+        _rows(module.q_proj, shard.q.start * D, shard.q.stop * D)
+        _rows(module.k_proj, shard.kv.start * D, shard.kv.stop * D)
+        _rows(module.v_proj, shard.kv.start * D, shard.kv.stop * D)
+        o = module.o_proj
+        o.weight = torch.nn.Parameter(o.weight.data[:, shard.q.start * D : shard.q.stop * D].clone(),
+                                      requires_grad=False)
+        o.in_features = shard.local_heads * D
+        if o.bias is not None and rank != 0:
+            o.bias = torch.nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)
+        if dist is not None:
+            o.register_forward_hook(reduce)
+    return shard

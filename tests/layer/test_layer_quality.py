@@ -16,7 +16,7 @@ import statistics
 import pytest
 import torch
 
-from minference.models import smollm2_available
+from minference.app.models import smollm2_available
 from minference.patterns import AShape, BlockSparse, VerticalSlash
 
 from .layer_quality import capture_layers, dense_probs, measure_layer, region_mass, table
@@ -58,8 +58,8 @@ MAX_ERR_AT_HIGH_MASS = 0.15
 
 @pytest.fixture(scope="module")
 def captured():
-    from minference.models import load_smollm2
-    from minference.prompts import passkey_prompt
+    from minference.app.models import load_smollm2
+    from minference.app.prompts import passkey_prompt
 
     model, tokenizer = load_smollm2()
     ids, _ = passkey_prompt(tokenizer, N_TOKENS, None, DEPTH, seed=SEED)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from minference.main_job import format_report, run_main_job
+from minference.app.main_job import format_report, run_main_job
 
 pytestmark = pytest.mark.model
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minference.app.main_job import EXTRA_DECODE_TOKENS, format_sweep, swap_in_sweep
 from minference.config import PatternConfig, model_signature
-from minference.main_job import EXTRA_DECODE_TOKENS, format_sweep, swap_in_sweep
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
 pytestmark = pytest.mark.model
@@ -67,9 +67,9 @@ def test_tiny_sparse_plan_sweep_reports_divergence(arch):
 
 
 def test_smollm2_progressive_swap_in_keeps_the_passkey(smollm2):
+    from minference.app.main_job import DEFAULT_CONFIG
+    from minference.app.prompts import passkey_prompt
     from minference.config import load_config
-    from minference.main_job import DEFAULT_CONFIG
-    from minference.prompts import passkey_prompt
 
     model, tokenizer = smollm2
     config = load_config(DEFAULT_CONFIG, model)

@@ -9,7 +9,7 @@ import pytest
 from minference.reference import metrics as R
 from minference.reference.attention import dense_attention_probs
 
-from minference import cli
+from minference.app import cli
 
 
 def _subcommands() -> list[str]:

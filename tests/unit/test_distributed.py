@@ -43,7 +43,8 @@ def _worker(rank: int, port: int, path: str) -> None:
     import minference.integration as I
     from minference.config import PatternConfig, model_signature
     from minference.dispatch import sparse_prefill
-    from minference.distributed import shard_heads, shard_model_heads, tp_sparse_prefill
+    from minference.distributed import shard_heads, tp_sparse_prefill
+    from minference.integration import shard_model_heads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:

@@ -373,7 +373,7 @@ def test_padding_rows_refuses_other_masks():
 def test_cli_registers_run_search_sweep():
     import argparse
 
-    from minference.main_job import add_cli
+    from minference.app.main_job import add_cli
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers(dest="command"))

@@ -1,4 +1,4 @@
-"""Pictures (``minference.plots``): files are written, numbers agree with the reference metrics,
+"""Pictures (``minference.app.plots``): files are written, numbers agree with the reference metrics,
 bad input is refused before drawing, and matplotlib stays optional."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from minference.reference import metrics as R
 from minference.reference.attention import dense_attention_probs
 from minference.reference.masks import ashape_mask, causal_mask
 
-from minference import cli
-from minference import plots as P
+from minference.app import cli
+from minference.app import plots as P
+from minference.app.main_job import DEFAULT_CONFIG
 from minference.config import ModelSignature, PatternConfig, Provenance, load_config
-from minference.main_job import DEFAULT_CONFIG
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
 pytest.importorskip("matplotlib")
@@ -163,6 +163,6 @@ def test_missing_matplotlib_is_a_clear_error(tmp_path, monkeypatch) -> None:
 
 
 def test_import_minference_does_not_import_matplotlib() -> None:
-    code = ("import sys, minference, minference.plots, minference.cli; minference.cli.build_parser(); "
+    code = ("import sys, minference, minference.app.plots, minference.app.cli; minference.app.cli.build_parser(); "
             "sys.exit(1 if 'matplotlib' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

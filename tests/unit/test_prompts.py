@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minference import models
-from minference.prompts import (
+from minference.app import models
+from minference.app.prompts import (
     CALIBRATION_FACTS,
     CALIBRATION_TEXTS,
     EVAL_TEXTS,

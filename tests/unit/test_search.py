@@ -9,7 +9,7 @@ from minference.reference import estimators as E
 from minference.reference.attention import dense_attention_probs
 from minference.reference.masks import ashape_mask, block_sparse_mask, slash_set, vertical_slash_mask
 
-from minference import search as S
+from minference.app import search as S
 from minference.config import PatternConfig, validate_schema
 from minference.dispatch import FILL_GAPS
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash

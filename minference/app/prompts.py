@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Bundled prose (the repository's ``fixtures/text``).
-TEXT_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "text"
+TEXT_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "text"
 #: Haystack files of the passkey evaluation.
 EVAL_TEXTS = ("eval_harbor.txt", "eval_workshop.txt", "eval_library.txt")
 #: Filler files of the calibration prompts (disjoint from :data:`EVAL_TEXTS`).
@@ -115,7 +115,7 @@ def passkey_prompt(
     """A passkey-retrieval prompt of exactly ``n_tokens`` tokens.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (e.g. from :func:`minference.models.load_smollm2`).
+        tokenizer: a Hugging Face tokenizer (e.g. from :func:`minference.app.models.load_smollm2`).
         n_tokens: prompt length in tokens.
         key: the pass key (a non-negative int or a digit string); ``None`` draws a
             :data:`PASSKEY_DIGITS`-digit key from ``seed``.

@@ -1,7 +1,7 @@
 """The main job (``minference run``): dense vs sparse prefill on SmolLM2-135M with a long passkey.
 
-On the bundled default — SmolLM2-135M-Instruct (``minference.models``), a passkey prompt built
-from bundled prose (``minference.prompts``) and the bundled pattern config
+On the bundled default — SmolLM2-135M-Instruct (``minference.app.models``), a passkey prompt built
+from bundled prose (``minference.app.prompts``) and the bundled pattern config
 ``fixtures/configs/smollm2-135m.json`` — it runs
 
 1. dense prefill (transformers' SDPA), then greedy decoding of the answer;
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: The bundled pattern config for SmolLM2-135M (made by ``minference search``).
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "fixtures" / "configs" / "smollm2-135m.json"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "smollm2-135m.json"
 #: Prompt length of the default run (SmolLM2's dense passkey retrieval holds up to ~4K).
 DEFAULT_TOKENS = 4096
 #: Needle depth of the default prompt (0 = start, 1 = end).
@@ -135,15 +135,15 @@ def run_main_job(
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
     (:data:`minference.dispatch.DENSE_THRESHOLD`, 16K tokens) would run this 4K prompt dense.
     ``loaded``: an already loaded ``(model, tokenizer)`` from
-    :func:`minference.models.load_smollm2` (unpatched; it is left unpatched).
+    :func:`minference.app.models.load_smollm2` (unpatched; it is left unpatched).
     """
     from tqdm.auto import tqdm
 
     import minference.integration as integ
+    from minference.app.models import load_smollm2
+    from minference.app.prompts import passkey_prompt
+    from minference.app.search import plan_coverage
     from minference.config import load_config
-    from minference.models import load_smollm2
-    from minference.prompts import passkey_prompt
-    from minference.search import plan_coverage
 
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
@@ -157,7 +157,7 @@ def run_main_job(
     steps = len(answer) + EXTRA_DECODE_TOKENS
     stages.update(1)
 
-    modules = integ._attention_modules(model)
+    modules = integ.attention_modules(model)
     layer_bar = tqdm(total=len(modules), desc="prefill", unit="layer", leave=False, disable=not progress)
 
     def tick(_module, args, kwargs, _output) -> None:  # returns None: a value would replace the output
@@ -410,9 +410,9 @@ def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
-    from minference import search as S
-    from minference.models import load_smollm2
-    from minference.prompts import calibration_prompts
+    from minference.app import search as S
+    from minference.app.models import load_smollm2
+    from minference.app.prompts import calibration_prompts
 
     model, tokenizer = load_smollm2(device=args.device)
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
@@ -428,9 +428,9 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def _sweep_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
+    from minference.app.models import load_smollm2
+    from minference.app.prompts import passkey_prompt
     from minference.config import load_config
-    from minference.models import load_smollm2
-    from minference.prompts import passkey_prompt
 
     model, tokenizer = load_smollm2(device=args.device)
     config = load_config(args.config, model)

@@ -356,9 +356,9 @@ def search(
         density[layer] += d
         bar.update(1)
 
-    from minference.integration import _attention_modules
+    from minference.integration import attention_modules
 
-    _modules = _attention_modules(model)
+    _modules = attention_modules(model)
     with torch.no_grad(), observe_attention(model, observer):
         for ids in prompts:
             model(ids[None].to(device), use_cache=False, logits_to_keep=1)

@@ -11,7 +11,7 @@
   and density are :mod:`minference.reference.metrics`.
 
 matplotlib is optional (``pip install matplotlib``, or the ``plot`` extra): it is imported
-inside the functions, so ``import minference`` and ``import minference.plots`` never need it.
+inside the functions, so ``import minference`` and ``import minference.app.plots`` never need it.
 Figures are drawn with :class:`matplotlib.figure.Figure` directly (no ``pyplot`` global state,
 no display needed).
 """
@@ -480,7 +480,7 @@ def capture_layer_qk(model, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor
     read through :func:`minference.integration.observe_attention` (later layers are not run)."""
     import minference.integration as integ
 
-    modules = integ._attention_modules(model)
+    modules = integ.attention_modules(model)
     if isinstance(layer, bool) or not isinstance(layer, int) or layer not in modules:
         raise ValueError(f"layer must be in [0, {len(modules)}), got {layer!r}")
     seen: dict[str, torch.Tensor] = {}
@@ -515,9 +515,9 @@ def _show_config_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int
 
 
 def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from minference.app.models import load_smollm2
+    from minference.app.prompts import passkey_prompt
     from minference.config import load_config, model_signature
-    from minference.models import load_smollm2
-    from minference.prompts import passkey_prompt
 
     _check_path(args.out)
     config = load_config(args.config)  # checked against the model once it is loaded
@@ -542,7 +542,7 @@ def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add ``minference show config`` and ``minference show head`` (need matplotlib)."""
-    from minference.main_job import DEFAULT_CONFIG
+    from minference.app.main_job import DEFAULT_CONFIG
 
     show = subparsers.add_parser("show", help="pictures: a config's pattern grid, one head's attention vs its mask",
                                  description="Draw pictures (needs matplotlib: pip install matplotlib).")
