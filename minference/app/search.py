@@ -203,6 +203,55 @@ def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, dev
     return m
 
 
+#: Key and query tile of the physical cost model (the kernels' 64-wide tiles).
+COST_TILE = 64
+#: Relative cost of one 64 x 64 tile by pattern kind, from the kernels' share of cuDNN's
+#: throughput on the same tiles (H200, s8 run 2, 128K, bf16: A-shape 94%, vertical-slash 92%,
+#: block-sparse 82% of cuDNN's logical throughput): cost ~ 1 / share, dense = 1.
+TILE_COST = {"dense": 1.0, "a_shape": 1 / 0.94, "vertical_slash": 1 / 0.92, "block_sparse": 1 / 0.82}
+
+
+def tile_density(pattern: Pattern, sets, H: int, n: int, device) -> torch.Tensor:
+    """``[H]`` float64: the kernel's work for ``pattern`` as 64 x 64 tiles over the causal tiles.
+
+    * dense: 1; A-shape: every key tile the sinks or the window of a query tile reach;
+    * vertical-slash: the key tiles the chosen offsets reach (offset ``δ`` from query tile ``I``
+      reaches key tiles ``I - t`` with ``64 t - 63 <= δ <= 64 t + 63``, the same for every ``I``),
+      plus the chosen columns left of the query tile as gathered rows (64 columns = one tile);
+    * block-sparse: the chosen blocks' area in tiles.
+    """
+    T = COST_TILE
+    nt = -(-n // T)
+    qt = torch.arange(nt, device=device, dtype=torch.float64)
+    causal = float(nt * (nt + 1) // 2)
+    if isinstance(pattern, Dense):
+        return torch.ones(H, dtype=torch.float64)
+    if isinstance(pattern, AShape):
+        i0 = qt * T
+        lo = torch.clamp(i0 - pattern.window + 1, min=0)
+        window_tiles = qt - torch.div(lo, T, rounding_mode="floor") + 1
+        sink_tiles = torch.clamp(torch.minimum(torch.full_like(lo, float(-(-pattern.sink // T))),
+                                               torch.div(lo, T, rounding_mode="floor")), min=0)
+        return torch.full((H,), float((window_tiles + sink_tiles).sum()) / causal, dtype=torch.float64)
+    if isinstance(pattern, VerticalSlash):
+        cols, offs = sets
+        pad = torch.zeros(H, nt * T + 2 * T, dtype=torch.bool, device=device)
+        pad[:, T : T + n] = offs
+        # tile offset t is reached by offsets [64t - 63, 64t + 63]: a window of 127 around 64t
+        win = torch.nn.functional.max_pool1d(pad[:, None].float(), kernel_size=2 * T - 1, stride=1,
+                                             padding=0)[:, 0]  # win[x] = any(pad[x .. x + 2T - 2])
+        reach = win[:, (torch.arange(nt, device=device) * T + 1).long()] > 0  # [H, nt]: t = 0..nt-1
+        per_query_tile = torch.cumsum(reach.double(), dim=-1)  # tiles reached from query tile I: t <= I
+        ranges = per_query_tile.sum(dim=-1)
+        col_pos = torch.cumsum(torch.nn.functional.pad(cols, (0, nt * T - n)).view(H, nt, T).sum(-1), -1)
+        gathered = col_pos.double().sum(dim=-1) / T
+        return ((ranges + gathered) / causal).cpu()
+    if isinstance(pattern, BlockSparse):
+        area = sets.sum(dim=(-1, -2)).double() * (pattern.block / T) ** 2
+        return (area / causal).cpu()
+    raise TypeError(f"unknown pattern {type(pattern).__name__}")
+
+
 def head_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,7 +260,8 @@ def head_scores(
     scale: float | None = None,
     rows: int | None = None,
     row_stride: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_tiles: bool = False,
+):
     """Captured mass and density of each candidate for each query head of one prompt.
 
     Captured mass is the share of each scored row's attention probability that the candidate's
@@ -228,7 +278,8 @@ def head_scores(
             (an unbiased sample of the rows: the cost falls by the stride).
 
     Returns:
-        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries.
+        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries, and with
+        ``return_tiles`` also ``tiles [Hq, C]``: :func:`tile_density` of the whole prompt.
     """
     Hq, n, D = q.shape
     group = Hq // k.shape[0]
@@ -256,6 +307,9 @@ def head_scores(
             mass[:, c] += ((probs * m).sum(dim=-1) / row_mass).double().sum(dim=1).cpu()
             pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
     total = float((scored + 1).sum())
+    if return_tiles:
+        tiles = torch.stack([tile_density(p, st, Hq, n, q.device) for p, st in zip(candidates, sets)], dim=1)
+        return mass / scored.numel(), pairs / total, tiles
     return mass / scored.numel(), pairs / total
 
 
@@ -297,12 +351,21 @@ class SearchResult:
         candidates: the candidate patterns, in score-column order.
         mass: ``[L, H, C]`` mean captured mass per layer, global head, candidate.
         density: ``[L, H, C]`` mean density likewise.
+        worst_mass: ``[L, H, C]`` the smallest captured mass over the calibration prompts.
+        cost: ``[L, H, C]`` mean :func:`tile_density` times the kind's :data:`TILE_COST`.
     """
 
     config: PatternConfig
     candidates: list[Pattern]
     mass: torch.Tensor
     density: torch.Tensor
+    worst_mass: torch.Tensor | None = None
+    cost: torch.Tensor | None = None
+
+
+#: How :func:`search` picks a head's pattern: the highest mean mass at the candidates' common
+#: budget, or the cheapest candidate whose worst calibration prompt still reaches ``min_mass``.
+SELECTIONS = ("best_mass", "cheapest")
 
 
 def search(
@@ -316,6 +379,7 @@ def search(
     seed: int | None = None,
     row_stride: int = SEARCH_ROW_STRIDE,
     progress: bool = True,
+    select: str = "best_mass",
 ) -> SearchResult:
     """Choose a pattern per (layer, global head) of ``model`` from calibration ``prompts``.
 
@@ -328,6 +392,11 @@ def search(
         seed: recorded in the provenance (the prompts were drawn with it).
         row_stride: score every ``row_stride``-th query (see :func:`head_scores`).
         progress: show a tqdm bar over prompts x layers.
+        select: ``"best_mass"`` (the candidate with the highest mean mass; heads below
+            ``min_mass`` stay dense) or ``"cheapest"`` (among the candidates whose captured mass
+            on the WORST calibration prompt is at least ``min_mass``, the one of least
+            :func:`tile_density` times :data:`TILE_COST`; a head none satisfies stays dense) —
+            the rule for adaptive candidates, whose density differs per head and per input.
     """
     from tqdm.auto import tqdm
 
@@ -340,20 +409,27 @@ def search(
         raise ValueError(f"prompts must be 1-D token id tensors of one length, got lengths {sorted(lengths)}")
     if not 0 <= min_mass <= 1:
         raise ValueError(f"min_mass must lie in [0, 1], got {min_mass!r}")
+    if select not in SELECTIONS:
+        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
     (n,) = lengths
     cands = list(candidates) if candidates is not None else candidate_patterns(n, target_density)
     signature = model_signature(model, model_id=model_id)
     L, H = signature.num_layers, signature.num_heads
     mass = torch.zeros(L, H, len(cands), dtype=torch.float64)
     density = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    worst = torch.ones(L, H, len(cands), dtype=torch.float64)
+    cost = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    weights = torch.tensor([TILE_COST[c.kind] for c in cands], dtype=torch.float64)
     device = next(model.parameters()).device
     bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
 
     def observer(layer, query, key, seqlens, seqstarts):
         scale = getattr(_modules[layer], "scaling", None)
-        m, d = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride)
+        m, d, t = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride, return_tiles=True)
         mass[layer] += m
         density[layer] += d
+        worst[layer] = torch.minimum(worst[layer], m)
+        cost[layer] += t * weights
         bar.update(1)
 
     from minference.integration import attention_modules
@@ -365,12 +441,19 @@ def search(
     bar.close()
     mass /= len(prompts)
     density /= len(prompts)
+    cost /= len(prompts)
     layers, scores, dens = [], [], []
     for l in range(L):
         row, srow, drow = [], [], []
         for h in range(H):
-            best = int(torch.argmax(mass[l, h]))
-            if float(mass[l, h, best]) < min_mass:
+            if select == "best_mass":
+                best = int(torch.argmax(mass[l, h]))
+                ok = float(mass[l, h, best]) >= min_mass
+            else:
+                eligible = worst[l, h] >= min_mass
+                ok = bool(eligible.any())
+                best = int(torch.argmin(torch.where(eligible, cost[l, h], float("inf")))) if ok else 0
+            if not ok:
                 row.append(Dense())
                 srow.append(1.0)
                 drow.append(1.0)
@@ -386,10 +469,10 @@ def search(
         calibration_fingerprint=data_fingerprint([p.tolist() for p in prompts]), calibration_lengths=[n],
         seed=seed, metric="captured_mass", target_density=target_density, scores=scores, densities=dens,
         notes=(f"{len(prompts)} prompt(s), every {row_stride}th query row scored; min_mass {min_mass}; "
-               f"candidates: {[repr(c) for c in cands]}"),
+               f"selection {select}; candidates: {[repr(c) for c in cands]}"),
     )
     config = PatternConfig(signature, layers, provenance)
-    return SearchResult(config, cands, mass, density)
+    return SearchResult(config, cands, mass, density, worst, cost)
 
 
 def expected_density(config: PatternConfig) -> float:
