@@ -1,8 +1,10 @@
 """Online index builders: vertical-slash estimation and block-sparse routing on the device.
 
 Same semantics as the naive twins in :mod:`minference.reference.estimators` (read their module
-docstring for the exact selection rule); validation, budgets and the top-k selection are shared
-with the PyTorch builders (:mod:`minference.index`), only the scores are computed here. Nothing
+docstring for the exact selection and budget rules); validation, budgets and the selection
+(:func:`minference.index.select_top`) are shared with the PyTorch builders
+(:mod:`minference.index`), only the scores (and the one-launch top-k of vertical-slash
+heads that all keep ``top_k``) are computed here. Nothing
 synchronises with the host when the per-head budgets are device tensors (or ints) and the
 output widths are given, so a whole prefill that uses these builders can be captured in a
 CUDA graph.
@@ -24,6 +26,12 @@ same two passes run a second time (``SPREAD``) with row positions read from a ``
 tensor (computed on the device, :func:`minference.index.extra_row_positions`); their diagonal
 scores take one atomic per owned (row, key) pair. With ``extra_rows = 0`` nothing of this is
 launched.
+
+Query-aware block scores (:func:`query_block_scores`) score every query, not the block's mean
+query, against the block-mean keys: one program owns one query block's rows and walks the key
+means ``J <= I`` in tiles of ``KT``, twice (log-sum-exp per row, then normalised probabilities
+reduced by a max over the rows into one ``[KT]`` slice of ``score[I, :]``). It writes its whole
+score row (``-inf`` past ``I``), so the output needs no fill, and reads no atomics.
 """
 
 from __future__ import annotations
@@ -34,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
+from minference._checks import check_qkv, check_ragged, default_scale
 from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor, select_vertical_slash
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
-__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks"]
+__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "query_block_scores"]
 
 #: Keys per program of the vertical-slash estimator (at least its row chunk). H200, 128K, smooth
 #: inputs, whole index build (``bench_end_to_end.py --index-sweep``, s4 runs 2 and 3): 64 keys
@@ -351,10 +360,13 @@ def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_
         tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
 
 
-def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int):
-    """The builder's selection: the kernel up to :data:`SELECT_MAX_N` scores a row, topk above."""
-    pick = _select_triton if col.shape[-1] <= SELECT_MAX_N else select_vertical_slash
-    return pick(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int, rules=None):
+    """The builder's selection: the kernel up to :data:`SELECT_MAX_N` scores a row, topk above,
+    and the shared torch selection whenever a head may use an adaptive budget rule (decided on
+    the host from ``rules``, :func:`minference.index.vertical_slash_rules`)."""
+    if rules is None and col.shape[-1] <= SELECT_MAX_N:
+        return _select_triton(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+    return select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
 
 
 def _select_triton(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int):
@@ -390,6 +402,11 @@ def vertical_slash_index(
     slash_width: int | None = None,
     validate: bool = True,
     resolved: tuple | None = None,
+    rule: str | torch.Tensor = "top_k",
+    threshold: float | torch.Tensor | None = None,
+    min_vertical: int | torch.Tensor = 0,
+    min_slash: int | torch.Tensor = 0,
+    resolved_rules: tuple | None = None,
 ):
     """Vertical-slash index from the last ``last_q`` queries of each row and ``extra_rows`` earlier
     ones (two Triton passes per row set).
@@ -410,6 +427,15 @@ def vertical_slash_index(
         resolved: the per computed head budgets made ahead
             (:func:`minference.index.vertical_slash_budgets` of these budgets and heads; the
             dispatcher keeps them per plan), so no tensor op resolves budgets in the call.
+        rule, threshold: budget rule of the columns and the diagonals (``"top_k"``, ``"mass"``
+            with γ, ``"relative"`` with α; definitions in
+            :mod:`minference.reference.estimators`): a name and a float, or per global head a
+            1-D int tensor of :data:`minference.index.RULE_CODES` and a 1-D float tensor.
+            ``vertical`` / ``slash`` are then the maxima. ``"top_k"`` only keeps the one-launch
+            selection kernel; otherwise the shared torch selection runs.
+        min_vertical, min_slash: fewest columns / offsets of the adaptive rules (per global head).
+        resolved_rules: :func:`minference.index.vertical_slash_rules` of the rule arguments,
+            made ahead (the dispatcher keeps them per plan).
 
     Returns:
         ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, in no
@@ -420,7 +446,8 @@ def vertical_slash_index(
         _vs_scores_triton, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select, resolved=resolved)
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select, resolved=resolved,
+        rule=rule, threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules)
 
 
 def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
@@ -455,9 +482,15 @@ def block_sparse_index(
     top_k_width: int | None = None,
     validate: bool = True,
     resolved: tuple | None = None,
+    rule: str | torch.Tensor = "top_k",
+    threshold: float | torch.Tensor | None = None,
+    min_blocks: int | torch.Tensor = 0,
+    resolved_rules: tuple | None = None,
+    estimate: str = "pooled",
 ):
     """Block-sparse routing: mean-pooled Q/K per block (Triton), scaled block scores, block-causal
-    mask, forced diagonal and sink blocks, top-k per query block (chunked to bound memory).
+    mask, forced diagonal and sink blocks, top-k (or a budget rule) per query block (chunked to
+    bound memory).
 
     Args:
         q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
@@ -470,6 +503,10 @@ def block_sparse_index(
         top_k_width: output width ``K`` (default: the largest budget, a host read for tensors).
         resolved: the per computed head budgets made ahead
             (:func:`minference.index.block_sparse_budgets`).
+        rule, threshold: budget rule per query block, as for :func:`vertical_slash_index`; the
+            weights are ``exp(s - max s)`` of the block logits. ``top_k`` is then the maximum.
+        min_blocks: fewest blocks of the adaptive rules per query block (per global head).
+        resolved_rules: :func:`minference.index.block_sparse_rules` of the rule arguments.
 
     Returns:
         ``blocks [B, Hg, NQB, K]`` int32, -1 padded; with ``return_scores`` also the float32
@@ -478,4 +515,163 @@ def block_sparse_index(
     return build_block_sparse_index(
         pool_blocks, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved)
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved,
+        rule=rule, threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules,
+        estimate=estimate, scorer=query_block_scores)
+
+
+#: Block-mean keys per loop step of the query-aware block scores (:func:`_qbs_kernel`).
+QBS_KEY_TILE = 64
+#: Warps per program of the query-aware block scores.
+QBS_WARPS = 4
+#: Software-pipeline stages of the key-tile loop (16-bit inputs; float32 tiles take 1, as a
+#: 128 x 128 float32 query block and its tf32x3 split leave no shared memory for more).
+QBS_STAGES = 3
+#: Largest block the query-aware kernel takes: one program holds a query block in registers.
+QBS_MAX_BLOCK = 128
+#: 16-bit inputs: the block-mean keys (float32) enter the product as hi + lo halves in the input
+#: dtype, two MMAs whose sum carries float32-grade logits (the queries are exact in their dtype).
+#: False: one MMA on the means rounded to the input dtype (relative error 2**-9 for bf16), half
+#: the tensor-core work and half the key traffic.
+QBS_SPLIT_KEYS = True
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale,
+                KT: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr):
+    """Base-2 logits ``[BM, KT]`` of the query block ``qt [BM, BLOCK_D]`` against the key means
+    ``j [KT]`` of ``keys`` (``[NQB, D]`` of one kv head; the low halves ``lo_off`` further), ``-inf``
+    for ``j > I``."""
+    d = tl.arange(0, BLOCK_D)
+    ok = j <= I
+    k_off = j.to(tl.int64)[:, None] * D + d[None, :]
+    k_mask = ok[:, None] & (d[None, :] < D)
+    hi = tl.load(keys + k_off, mask=k_mask, other=0.0)  # [KT, BLOCK_D]
+    if F32:
+        s = tl.dot(qt, tl.trans(hi), input_precision="tf32x3")
+    else:
+        s = tl.dot(qt, tl.trans(hi))
+        if SPLIT:
+            lo = tl.load(keys + lo_off + k_off, mask=k_mask, other=0.0)
+            s = tl.dot(qt, tl.trans(lo), acc=s)
+    return tl.where(ok[None, :], s * qk_scale, float("-inf"))
+
+
+@triton.jit
+def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr,
+                Hg, Hkv, group, NQB, block, qk_scale, lo_off,
+                sqb, sqh, sqn, sqd, D,
+                BM: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                F32: tl.constexpr):
+    """One program per (batch row, head, query block ``I``): ``score[I, :]``. Pass 1 keeps each
+    row's running max and sum over the key tiles (online log-sum-exp, base 2); pass 2 recomputes
+    the logits, normalises them and takes the max over the valid rows. Writes all ``NQB`` entries."""
+    pid_bh = tl.program_id(0)
+    I = tl.program_id(1)
+    b = pid_bh // Hg
+    h = tl.load(heads_ptr + pid_bh % Hg)
+    n = tl.load(lens_ptr + b)
+    start = tl.load(starts_ptr + b)
+    r = tl.arange(0, BM)
+    c = tl.arange(0, KT)
+    d = tl.arange(0, BLOCK_D)
+    i = I * block + r  # [BM] logical query positions
+    row_ok = (r < block) & (i < n)
+    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
+    qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)  # [BM, BLOCK_D]
+    if F32:
+        qt = qt.to(tl.float32)
+    keys = keys_ptr + (b * Hkv + h // group).to(tl.int64) * NQB * D
+    last = tl.where(I * block < n, I + 1, 0)  # key blocks scored; 0 for a query block past the row
+    m = tl.full([BM], float("-inf"), tl.float32)
+    acc = tl.zeros([BM], tl.float32)
+    for j0 in range(0, last, KT):
+        # every tile holds j0 <= I, so m is finite from the first tile on (zero rows give 0)
+        s = _qbs_logits(qt, keys, lo_off, j0 + c, I, D, qk_scale, KT, BLOCK_D, SPLIT, F32)  # [BM, KT]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        acc = acc * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+        m = m_new
+    lse = m + tl.log2(tl.where(acc > 0.0, acc, 1.0))  # [BM]; acc >= 1 on every row when last > 0
+    out = out_ptr + (pid_bh.to(tl.int64) * NQB + I) * NQB
+    for j0 in range(0, last, KT):
+        j = j0 + c
+        s = _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale, KT, BLOCK_D, SPLIT, F32)
+        p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None]), float("-inf"))  # [BM, KT]
+        best = tl.max(p, axis=0)  # [KT]
+        tl.store(out + j, tl.where(j <= I, best, float("-inf")), mask=j < NQB)
+    for j0 in range((last + KT - 1) // KT * KT, NQB, KT):
+        j = j0 + c
+        tl.store(out + j, tl.full([KT], float("-inf"), tl.float32), mask=j < NQB)
+
+
+def _qbs_keys(k: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor, dtype: torch.dtype):
+    """Block-mean keys ``[P, B, Hkv, NQB, D]`` for the kernel: float32 (``P = 1``) for 32/64-bit
+    queries, else in the queries' dtype, hi and lo halves (``P = 2``) with :data:`QBS_SPLIT_KEYS`."""
+    km = pool_blocks(k, block, lens, starts)  # [B, Hkv, NQB, D] float32
+    if dtype not in (torch.float16, torch.bfloat16):
+        return km[None], False
+    hi = km.to(dtype)
+    if not QBS_SPLIT_KEYS:
+        return hi[None], False
+    return torch.stack((hi, (km - hi.float()).to(dtype))), True
+
+
+def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
+                       seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+                       heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Query-aware block scores (the FlashPrefill routing score): every query against the
+    block-mean keys, softmaxed over its block-causal key blocks, maxed over its block's rows
+    (definition: :func:`minference.reference.estimators.query_block_scores`).
+
+    Args:
+        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``,
+            never repeated). Strides respected.
+        block: block size for queries and keys, ``1..QBS_MAX_BLOCK`` (a power of two from 16 on
+            wastes no rows of the query tile).
+        scale: logit scale (default ``D ** -0.5``).
+        seqlens, seqstarts: ragged rows ``[B]`` int (read on the device); padding is never read.
+        heads: local query heads to compute (``Hg`` of them); default all.
+
+    Returns:
+        ``scores [B, Hg, NQB, NQB]`` float32, ``NQB = ceil(N / block)``: in ``(0, 1]`` for
+        ``J <= I`` inside the row, ``-inf`` above the diagonal and for query blocks past the row.
+
+    Launches: the key pooling (:func:`pool_blocks`), the hi/lo split (16-bit inputs) and one
+    ``(B * Hg, NQB)`` grid. No host synchronisation beyond :func:`check_ragged`'s value checks
+    (skipped under CUDA-graph capture).
+
+    Cost per head: each pass computes ``block * sum_I ceil((I + 1) / KT) * KT`` logits, about
+    ``N * (NQB / 2 + KT / 2)``, at ``2 D`` FLOPs each (twice with the hi/lo split), so
+    ``2 passes * 2 (split) * 2 D * N * NQB / 2 = 4 * N * NQB * D``: 5.9e10 FLOPs at N = 120K,
+    block 64, D = 64 (NQB = 1875; 3.1e10 at block 128), and one ``exp2`` per logit per pass
+    (2.3e8 / 1.2e8). Key means are re-read from L2 per program: ``2 * KT * D * 2`` bytes per tile,
+    ``NQB**2 / KT`` tiles per head over both passes (0.9 GB per head at block 64, 0.24 GB at 128).
+    Predicted for the H200, Hq = 14 (Hkv = 2), D = 64, bf16, N = 120K: block 64 about 2-3 ms
+    (exp2 0.8 ms, MMA 1.4 ms at 600 TFLOP/s, L2 13 GB, overlapping only in part), block 128
+    about 0.8-1.2 ms. Measured there (B = 1, ``do_bench`` median, whole call, random inputs):
+    block 64 3.08 ms (2.26 with ``QBS_SPLIT_KEYS`` off), block 128 1.27 ms (1.02); at 64K
+    1.00 / 0.45 ms; 2 to 4 pipeline stages within 5%. The mean-pooled
+    :func:`block_sparse_index` (top 32, block 64: scores, masks and top-k) took 5.24 ms in the
+    same run. The output (0.2 GB at block 64) is written once; a selection
+    that consumed the tiles in the kernel would save that write and its re-read, not the score
+    work.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= QBS_MAX_BLOCK:
+        raise ValueError(f"block must be an int in [1, {QBS_MAX_BLOCK}], got {block!r}")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    hs = heads_tensor(heads, Hq, q.device)
+    Hg, nqb = hs.shape[0], math.ceil(N / block)
+    out = torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    keys, split = _qbs_keys(k, block, lens, starts, q.dtype)
+    f32 = q.dtype not in (torch.float16, torch.bfloat16)
+    _qbs_kernel[(B * Hg, nqb)](q, keys, hs, lens, starts, out, Hg, Hkv, Hq // Hkv, nqb, block, scale * _LOG2E,
+                               keys[0].numel(), *q.stride(), D,
+                               BM=max(_MIN_DOT, triton.next_power_of_2(block)), KT=QBS_KEY_TILE,
+                               BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(D)), SPLIT=split,
+                               F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
+    return out

@@ -182,7 +182,14 @@ _SCHEMA_TEXT = r"""{
         "sink_columns": {"type": "integer", "minimum": 0, "maximum": 2147483647},
         "local_diagonals": {"type": "integer", "minimum": 0, "maximum": 2147483647},
         "aggregation": {"enum": ["sum", "max"]},
-        "extra_rows": {"type": "integer", "minimum": 0, "maximum": 2147483647}
+        "extra_rows": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "rule": {"enum": ["top_k", "mass", "relative"]},
+        "threshold": {
+          "description": "gamma of rule 'mass' or alpha of rule 'relative', in (0, 1]; null for 'top_k'.",
+          "type": ["number", "null"], "minimum": 0, "maximum": 1
+        },
+        "min_vertical": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "min_slash": {"type": "integer", "minimum": 0, "maximum": 2147483647}
       }
     },
     "block_sparse": {
@@ -194,7 +201,14 @@ _SCHEMA_TEXT = r"""{
         "top_k": {"type": "integer", "minimum": 1, "maximum": 2147483647},
         "block": {"type": "integer", "minimum": 1, "maximum": 2147483647},
         "sink_blocks": {"type": "integer", "minimum": 0, "maximum": 2147483647},
-        "force_diagonal": {"type": "boolean"}
+        "force_diagonal": {"type": "boolean"},
+        "rule": {"enum": ["top_k", "mass", "relative"]},
+        "threshold": {
+          "description": "gamma of rule 'mass' or alpha of rule 'relative', in (0, 1]; null for 'top_k'.",
+          "type": ["number", "null"], "minimum": 0, "maximum": 1
+        },
+        "min_blocks": {"type": "integer", "minimum": 0, "maximum": 2147483647},
+        "estimate": {"enum": ["pooled", "query"]}
       }
     },
     "dense": {
@@ -624,7 +638,8 @@ def from_minference(data: Any, *, signature: ModelSignature | None = None, model
 
 
 def to_minference(config: PatternConfig) -> list[dict]:
-    """Write a config in the MInference format (Dense heads cannot be expressed and raise)."""
+    """Write a config in the MInference format (Dense heads and the adaptive budget rules cannot be
+    expressed and raise)."""
     out = []
     for l, row in enumerate(config.layers):
         layer = {}
@@ -632,6 +647,8 @@ def to_minference(config: PatternConfig) -> list[dict]:
             score = None
             if config.provenance.scores is not None:
                 score = config.provenance.scores[l][h]
+            if getattr(p, "rule", "top_k") != "top_k":
+                raise ConfigError(f"layer {l} head {h}: budget rule {p.rule!r} has no MInference-format equivalent")
             if isinstance(p, VerticalSlash):
                 layer[str(h)] = ["vertical_and_slash", p.vertical, p.slash, score]
             elif isinstance(p, AShape):

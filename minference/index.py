@@ -17,10 +17,18 @@ Heads are grouped so that a layer costs a handful of launches, never one per hea
 them, so a prefill that reuses a plan creates no tensor from host data (a CUDA graph can
 capture it after one eager warm-up call).
 
-The builders' shared half also lives here: validation, per-head budget tensors, and the top-k
-selection with forced entries (:func:`build_vertical_slash_index`,
+The builders' shared half also lives here: validation, per-head budget tensors, and the one
+selection of columns, diagonals and blocks with forced entries and budget rules
+(:func:`select_top`, used by :func:`build_vertical_slash_index` and
 :func:`build_block_sparse_index`); the score computation is plugged in by
 :mod:`minference.kernels.estimate` (Triton) and :mod:`minference.torch_backend` (PyTorch).
+
+Budget rules (``rule``, ``threshold``, ``min_*`` of the patterns; definitions in
+:mod:`minference.reference.estimators`) become per computed head tensors, a
+:class:`SelectionRule` per selection, made once per plan like the budgets. Heads with different
+rules share a group; which counts a selection computes is decided on the host from the rules the
+plan holds (:attr:`SelectionRule.rules`), never from tensor values, so the adaptive rules keep
+the dispatcher capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,8 +41,17 @@ from types import ModuleType
 
 import torch
 
-from minference._checks import check_qkv, check_ragged, check_row_sampling, check_tensor, default_scale
-from minference.patterns import AShape, BlockSparse, Dense, Pattern, VerticalSlash
+from minference._checks import check_int, check_qkv, check_ragged, check_row_sampling, check_tensor, default_scale
+from minference.patterns import (
+    BLOCK_ESTIMATES,
+    RULES,
+    AShape,
+    BlockSparse,
+    Dense,
+    Pattern,
+    VerticalSlash,
+    check_budget_rule,
+)
 
 __all__ = [
     "HeadGroup",
@@ -45,6 +62,10 @@ __all__ = [
     "validate_plan",
     "heads_tensor",
     "budget_tensor",
+    "SelectionRule",
+    "RULE_CODES",
+    "vertical_slash_rules",
+    "block_sparse_rules",
     "select_top",
     "build_vertical_slash_index",
     "vertical_slash_budgets",
@@ -63,6 +84,8 @@ PLAN_CACHE_SIZE = 256
 #: Upper bound on the elements of one chunk of block-routing scores (bounds temporary memory).
 ROUTING_CHUNK_ELEMENTS = 1 << 27
 _INT = (torch.int32, torch.int64)
+#: Budget rule -> its code in :attr:`SelectionRule.code` (and in rule tensors given to builders).
+RULE_CODES = {rule: code for code, rule in enumerate(RULES)}
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,9 @@ class DeviceGroup:
         widths: output index widths (the group's largest budgets) by builder argument name.
         resolved: the builder's per computed head budgets (:func:`vertical_slash_budgets`,
             :func:`block_sparse_budgets`), made once per plan; empty for other kinds.
+        rules: the builder's per computed head budget rules (:func:`vertical_slash_rules`,
+            :func:`block_sparse_rules`), made once per plan; ``None`` when every head of the
+            group keeps ``top_k`` (and for other kinds).
     """
 
     group: HeadGroup
@@ -102,6 +128,25 @@ class DeviceGroup:
     budgets: dict[str, torch.Tensor] = field(default_factory=dict)
     widths: dict[str, int] = field(default_factory=dict)
     resolved: tuple[torch.Tensor, ...] = ()
+    rules: tuple[SelectionRule, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """The budget rule of one selection (columns, diagonals or blocks) per computed head.
+
+    Attributes:
+        code: ``[Hg]`` int64 rule of each head (:data:`RULE_CODES`).
+        threshold: ``[Hg]`` float64 γ (``"mass"``) or α (``"relative"``); unused for ``"top_k"``.
+        minimum: ``[Hg]`` int64 fewest entries the adaptive rules keep.
+        rules: the rules that may occur among the heads, known on the host: the counts a
+            selection computes (a ``"top_k"``-only set is the plain top-k path).
+    """
+
+    code: torch.Tensor
+    threshold: torch.Tensor
+    minimum: torch.Tensor
+    rules: frozenset[str]
 
 
 def validate_plan(plan: object, Hq: int, head_offset: int) -> tuple[Pattern, ...]:
@@ -130,7 +175,7 @@ def _key(pattern: Pattern) -> tuple:
     if isinstance(pattern, VerticalSlash):
         return (pattern.last_q, pattern.extra_rows, pattern.aggregation)
     if isinstance(pattern, BlockSparse):
-        return (pattern.block, pattern.force_diagonal)
+        return (pattern.block, pattern.force_diagonal, pattern.estimate)
     return ()
 
 
@@ -148,8 +193,9 @@ def group_heads(plan: Sequence[Pattern], Hq: int, head_offset: int = 0) -> list[
 _BUDGET_FIELDS = {
     "a_shape": {"sink": "sink", "window": "window"},
     "vertical_slash": {"vertical": "vertical", "slash": "slash", "sink_columns": "sink_columns",
-                       "local_diagonals": "local_diagonals"},
-    "block_sparse": {"top_k": "top_k", "sink_blocks": "sink_blocks"},
+                       "local_diagonals": "local_diagonals", "min_vertical": "min_vertical",
+                       "min_slash": "min_slash"},
+    "block_sparse": {"top_k": "top_k", "sink_blocks": "sink_blocks", "min_blocks": "min_blocks"},
     "dense": {},
 }
 #: Output width argument -> the budget it bounds.
@@ -175,14 +221,26 @@ def _prepare(local: tuple[Pattern, ...], head_offset: int, device: str) -> tuple
             budgets[arg] = torch.tensor(values, dtype=dtype, device=device)
         widths = {arg: max(getattr(p, _BUDGET_FIELDS[group.kind][b]) for p in group.patterns)
                   for arg, b in _WIDTHS.get(group.kind, {}).items()}
-        resolved = ()
+        resolved, rules = (), None
+        if group.kind in ("vertical_slash", "block_sparse"):
+            used = frozenset(p.rule for p in group.patterns)
+            code, threshold = [0] * (head_offset + Hq), [1.0] * (head_offset + Hq)
+            for h, pattern in zip(group.heads, group.patterns):
+                code[head_offset + h] = RULE_CODES[pattern.rule]
+                threshold[head_offset + h] = 1.0 if pattern.threshold is None else pattern.threshold
+            rule, threshold = ("top_k", None) if used == {"top_k"} else (
+                torch.tensor(code, dtype=torch.int64, device=device),
+                torch.tensor(threshold, dtype=torch.float64, device=device))
         if group.kind == "vertical_slash":
             resolved = vertical_slash_budgets(budgets["vertical"], budgets["slash"], budgets["sink_columns"],
                                               budgets["local_diagonals"], heads, head_offset)
+            rules = vertical_slash_rules(rule, threshold, budgets["min_vertical"], budgets["min_slash"], heads,
+                                         head_offset, rules=used)
         elif group.kind == "block_sparse":
             resolved = block_sparse_budgets(budgets["top_k"], budgets["sink_blocks"], group.key[1], heads,
                                             head_offset)
-        out.append(DeviceGroup(group, heads, budgets, widths, resolved))
+            rules = block_sparse_rules(rule, threshold, budgets["min_blocks"], heads, head_offset, rules=used)
+        out.append(DeviceGroup(group, heads, budgets, widths, resolved, rules))
     return tuple(out)
 
 
@@ -214,14 +272,15 @@ def build_group_index(
     """
     g = group.group
     common = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
-                  validate=validate, resolved=group.resolved)
+                  validate=validate, resolved=group.resolved, resolved_rules=group.rules)
     if g.kind == "vertical_slash":
         last_q, extra_rows, aggregation = g.key
         return builders.vertical_slash_index(q, k, last_q=last_q, extra_rows=extra_rows, aggregation=aggregation,
                                              **group.budgets, **group.widths, **common)
     if g.kind == "block_sparse":
-        block, force_diagonal = g.key
-        return builders.block_sparse_index(q, k, block=block, force_diagonal=force_diagonal, **group.budgets,
+        block, force_diagonal, estimate = g.key
+        return builders.block_sparse_index(q, k, block=block, force_diagonal=force_diagonal, estimate=estimate,
+                                           **group.budgets,
                                            **group.widths, **common)
     raise ValueError(f"{g.kind} heads have no online index")
 
@@ -264,18 +323,136 @@ def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: 
     return min(top, cap)
 
 
-def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int) -> torch.Tensor:
-    """Top ``width`` of ``scores [B, Hg, M]`` (-inf = invalid) after forcing positions
-    ``< forced [Hg]``, truncated to ``budget [Hg]`` per head; int32, -1 padded."""
-    B, Hg, M = scores.shape
+def _rule_tensor(rule: str | torch.Tensor, heads: torch.Tensor, head_offset: int) -> torch.Tensor:
+    """Per computed head rule codes ``[Hg]`` int64 from a rule name or a 1-D int tensor of
+    :data:`RULE_CODES` indexed by global head (codes not read: no sync)."""
+    if isinstance(rule, torch.Tensor):
+        check_tensor("rule", rule, rank=1, dtypes=_INT)
+        return rule.to(device=heads.device, dtype=torch.int64)[heads.long() + head_offset]
+    return torch.full(heads.shape, RULE_CODES[rule], dtype=torch.int64, device=heads.device)
+
+
+def _threshold_tensor(threshold: float | torch.Tensor, heads: torch.Tensor, head_offset: int) -> torch.Tensor:
+    if isinstance(threshold, torch.Tensor):
+        check_tensor("threshold", threshold, rank=1, dtypes=(torch.float32, torch.float64))
+        return threshold.to(device=heads.device, dtype=torch.float64)[heads.long() + head_offset]
+    return torch.full(heads.shape, threshold, dtype=torch.float64, device=heads.device)
+
+
+def _selection_rules(rule, threshold, minima: dict, heads: torch.Tensor, head_offset: int,
+                     rules: frozenset[str] | None) -> tuple[SelectionRule, ...] | None:
+    """One :class:`SelectionRule` per entry of ``minima`` (name -> minimum), sharing the rule and
+    threshold; ``None`` when ``rule`` is ``"top_k"``."""
+    for name, value in minima.items():
+        if not isinstance(value, torch.Tensor):
+            check_int(name, value, 0)
+    if isinstance(rule, torch.Tensor):
+        used = frozenset(RULES) if rules is None else frozenset(rules)
+        if not used <= set(RULES):
+            raise ValueError(f"rules must be a subset of {list(RULES)}, got {sorted(used)}")
+        if not isinstance(threshold, torch.Tensor):
+            if threshold is None and used != {"top_k"}:
+                raise ValueError("threshold is required with the rules 'mass' and 'relative'")
+            threshold = 1.0 if threshold is None else check_budget_rule("", "mass", threshold)
+    else:
+        if isinstance(threshold, torch.Tensor):
+            raise TypeError("a threshold tensor needs a rule tensor (per-head rules)")
+        threshold = check_budget_rule("", rule, threshold)
+        if rule == "top_k":
+            return None
+        used = frozenset((rule,))
+    code = _rule_tensor(rule, heads, head_offset)
+    thr = _threshold_tensor(threshold, heads, head_offset)
+    return tuple(SelectionRule(code, thr, budget_tensor(name, value, heads, head_offset, 0), used)
+                 for name, value in minima.items())
+
+
+def vertical_slash_rules(rule, threshold, min_vertical, min_slash, heads: torch.Tensor, head_offset: int, *,
+                         rules: frozenset[str] | None = None) -> tuple[SelectionRule, SelectionRule] | None:
+    """The per computed head budget rules of a vertical-slash build: ``(columns, diagonals)``,
+    one rule and threshold for both, or ``None`` when ``rule`` is ``"top_k"``.
+
+    ``rule``: a name of :data:`~minference.patterns.RULES` or a 1-D int tensor of
+    :data:`RULE_CODES` per global head ``head_offset + h`` (then ``rules`` names the codes it may
+    hold, default all: the host decides the work from it); ``threshold``: a float (required by
+    the adaptive rules), or a 1-D float tensor per global head (with a rule tensor);
+    ``min_vertical``, ``min_slash``: ints or 1-D int tensors per global head."""
+    return _selection_rules(rule, threshold, {"min_vertical": min_vertical, "min_slash": min_slash}, heads,
+                            head_offset, rules)
+
+
+def block_sparse_rules(rule, threshold, min_blocks, heads: torch.Tensor, head_offset: int, *,
+                       rules: frozenset[str] | None = None) -> tuple[SelectionRule] | None:
+    """The per computed head budget rule of a block-sparse build, ``(blocks,)``, or ``None`` when
+    ``rule`` is ``"top_k"``; arguments as :func:`vertical_slash_rules`."""
+    return _selection_rules(rule, threshold, {"min_blocks": min_blocks}, heads, head_offset, rules)
+
+
+def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int,
+               rule: SelectionRule | None = None, *, logits: bool = False) -> torch.Tensor:
+    """The selection of columns, diagonals and blocks (definition:
+    :func:`minference.reference.estimators.select_row`).
+
+    Args:
+        scores: ``[B, Hg, ..., M]`` candidate scores, ``-inf`` = not a candidate.
+        forced: ``[Hg]`` int count (positions ``< forced`` are forced) or a bool mask that
+            broadcasts to ``scores``; forced candidates come first.
+        budget: ``[Hg]`` int64: the count of ``"top_k"``, the maximum of the adaptive rules.
+        width: output width (at most ``M``).
+        rule: the heads' budget rules; ``None`` (or ``"top_k"`` only): every head keeps its budget.
+        logits: the weights of the adaptive rules are ``exp(scores - max)`` over the row's
+            candidates (block logits); else the scores themselves (``>= 0``).
+
+    Returns:
+        ``[B, Hg, ..., width]`` int32 positions, -1 padded. Per row ``min(max(count, minimum,
+        forced), budget, candidates, width)`` entries, ``count`` from the head's rule (the budget
+        for ``"top_k"``). Torch ops only, no host sync, fixed shapes.
+
+    Two paths, chosen on the host from ``rule.rules``: every head ``"top_k"``: one
+    ``torch.topk`` (forced entries as ``+inf``), entries in no particular order, ties at the
+    budget's boundary as ``torch.topk`` breaks them. Otherwise the whole selection order by one
+    stable descending sort (forced first in position order, then score descending, ties to the
+    lowest position), the rules' counts from float64 weights (prefix sums along that order for
+    ``"mass"``), entries in selection order: exactly the twin's, ties included. H200, ``[1, 32,
+    2048, 2048]`` block logits (128K tokens, block 64): the topk 3.6 ms, the sort 3.7 ms, an int64
+    (score, position) key topk 8.9 ms; at 512K the sort is 4.5x the topk per chunk.
+    """
+    lead = scores.shape[:-1]
+    M = scores.shape[-1]
     if width == 0:
-        return torch.empty(B, Hg, 0, dtype=torch.int32, device=scores.device)
-    pos = torch.arange(M, device=scores.device)
-    scores = torch.where((pos[None, :] < forced[:, None])[None] & (scores > float("-inf")),
-                         float("inf"), scores)
-    values, idx = torch.topk(scores, width, dim=-1, sorted=True)
-    keep = (torch.arange(width, device=scores.device)[None, :] < budget[:, None])[None] & (values > float("-inf"))
-    return torch.where(keep, idx, -1).to(torch.int32)
+        return torch.empty(*lead, 0, dtype=torch.int32, device=scores.device)
+    view = (1, -1) + (1,) * (scores.dim() - 2)  # [Hg] -> broadcast over [B, Hg, ..., M]
+    valid = scores > float("-inf")
+    if forced.dtype == torch.bool:
+        forced = forced & valid
+    else:
+        forced = (torch.arange(M, device=scores.device) < forced.reshape(view)) & valid
+    x = torch.where(forced, float("inf"), scores)
+    budget = budget.reshape(view)
+    if rule is None or rule.rules == {"top_k"}:
+        values, idx = torch.topk(x, width, dim=-1, sorted=True)
+        keep = (torch.arange(width, device=scores.device) < budget) & (values > float("-inf"))
+        return torch.where(keep, idx, -1).to(torch.int32)
+    # NaN is no candidate; -0.0 -> +0.0 (one zero, ties by position)
+    x = x.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).add_(0.0)
+    values, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [B, Hg, ..., M]
+    w = torch.where(valid, scores.double(), float("-inf") if logits else 0.0)  # [B, Hg, ..., M] float64
+    if logits:  # no candidate: exp(-inf) = 0
+        w = torch.exp(w - w.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float64).min))
+    code, threshold = rule.code.reshape(view), rule.threshold.reshape(view)
+    n_forced = forced.sum(-1, keepdim=True)
+    count = budget
+    if "relative" in rule.rules:
+        above = (valid & ~forced & (w >= threshold * w.amax(-1, keepdim=True))).sum(-1, keepdim=True)
+        count = torch.where(code == RULE_CODES["relative"], n_forced + above, count)
+    if "mass" in rule.rules:
+        cum = torch.gather(w, -1, order).cumsum_(-1)  # [B, Hg, ..., M] along the order
+        reached = (cum < threshold * cum[..., -1:]).sum(-1, keepdim=True) + 1
+        count = torch.where(code == RULE_CODES["mass"], reached, count)
+    count = torch.maximum(count, rule.minimum.reshape(view))
+    count = torch.minimum(torch.maximum(count, n_forced), budget)
+    keep = (torch.arange(width, device=scores.device) < count) & (values[..., :width] > float("-inf"))
+    return torch.where(keep, order[..., :width], -1).to(torch.int32)
 
 
 def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int) -> torch.Tensor:
@@ -299,14 +476,17 @@ def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int
 
 def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor,
                           locs: torch.Tensor, nv: torch.Tensor, ns: torch.Tensor, width_v: int,
-                          width_s: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          width_s: int, rules: tuple[SelectionRule, SelectionRule] | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The columns and offsets of a vertical-slash index from their scores ``[B, Hg, N]`` (torch
-    ops): positions past a row's length ``lens [B]`` never, the forced ones (``< sinks``, ``<
-    locs`` per head) first, then the best-scoring ones up to ``nv`` / ``ns`` per head."""
+    ops, :func:`select_top`): positions past a row's length ``lens [B]`` never, the forced ones
+    (``< sinks``, ``< locs`` per head) first, then the best-scoring ones, as many as the heads'
+    ``rules`` (:func:`vertical_slash_rules`; ``None``: ``nv`` / ``ns``) keep."""
     N = col.shape[-1]
     inside = torch.arange(N, device=col.device)[None, :] < lens[:, None]  # [B, N]
-    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v)
-    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s)
+    rule_v, rule_s = (None, None) if rules is None else rules
+    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v, rule_v)
+    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s, rule_s)
     return v_idx, s_idx
 
 
@@ -335,15 +515,18 @@ def block_sparse_budgets(top_k, sink_blocks, force_diagonal: bool, heads: torch.
 def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_rows, sink_columns,
                                local_diagonals, aggregation, scale, seqlens, seqstarts, heads, head_offset,
                                return_scores, vertical_width, slash_width, validate,
-                               selector=select_vertical_slash, resolved=None):
-    """Validation, per-head budgets and top-k selection around ``scorer`` (which computes the
+                               selector=select_vertical_slash, resolved=None, rule="top_k", threshold=None,
+                               min_vertical=0, min_slash=0, resolved_rules=None):
+    """Validation, per-head budgets and selection around ``scorer`` (which computes the
     column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
 
     ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation)`` gets the extra sampled
     rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
     ``selector`` has the signature of :func:`select_vertical_slash` (the Triton builder passes
     its one-launch selection). ``resolved``: :func:`vertical_slash_budgets` of these budgets and
-    heads, made ahead (the dispatcher keeps it per plan: no tensor op per call for budgets).
+    heads, made ahead (the dispatcher keeps it per plan: no tensor op per call for budgets);
+    ``resolved_rules``: :func:`vertical_slash_rules` of ``rule``, ``threshold``, ``min_vertical``,
+    ``min_slash``, made ahead likewise (``None`` with ``rule="top_k"``).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
@@ -353,11 +536,14 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     if resolved is None:
         resolved = vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, hs, head_offset)
     nv, ns, sinks, locs = _check_resolved(resolved, 4, hs)
+    if resolved_rules is None:
+        resolved_rules = vertical_slash_rules(rule, threshold, min_vertical, min_slash, hs, head_offset)
+    rules = _check_rules(resolved_rules, 2, hs)
     width_v = _width("vertical", vertical, nv, vertical_width, N)
     width_s = _width("slash", slash, ns, slash_width, N)
     rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
     col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation)
-    v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+    v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
@@ -372,11 +558,30 @@ def _check_resolved(resolved, count: int, heads: torch.Tensor) -> tuple[torch.Te
     return resolved
 
 
+def _check_rules(rules, count: int, heads: torch.Tensor) -> tuple[SelectionRule, ...] | None:
+    """``rules``: ``None`` or ``count`` :class:`SelectionRule` with ``[Hg]`` tensors on the heads' device."""
+    if rules is None:
+        return None
+    if not isinstance(rules, tuple) or len(rules) != count or not all(isinstance(r, SelectionRule) for r in rules):
+        raise TypeError(f"resolved budget rules must be None or a tuple of {count} SelectionRule")
+    for r in rules:
+        for x, dtype in ((r.code, torch.int64), (r.threshold, torch.float64), (r.minimum, torch.int64)):
+            if x.dtype != dtype or tuple(x.shape) != tuple(heads.shape) or x.device != heads.device:
+                raise ValueError(f"resolved budget rules must hold [{heads.shape[0]}] tensors on {heads.device} "
+                                 "(int64 codes and minima, float64 thresholds)")
+    return rules
+
+
 def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
-                             seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None):
-    """Validation, pooled scores, masks and top-k around ``pooler`` (which mean-pools blocks):
+                             seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None,
+                             rule="top_k", threshold=None, min_blocks=0, resolved_rules=None, estimate="pooled",
+                             scorer=None):
+    """Validation, pooled scores, masks and selection around ``pooler`` (which mean-pools blocks):
     shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
-    ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead."""
+    ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead;
+    ``resolved_rules``: :func:`block_sparse_rules` of ``rule``, ``threshold``, ``min_blocks``.
+    ``estimate="query"`` routes by ``scorer`` (the builders' ``query_block_scores``, same
+    arguments) instead of the pooled logits; its scores are the selection weights."""
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
@@ -389,10 +594,19 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     if resolved is None:
         resolved = block_sparse_budgets(top_k, sink_blocks, force_diagonal, hs, head_offset)
     tops, sinks = _check_resolved(resolved, 2, hs)
+    if resolved_rules is None:
+        resolved_rules = block_sparse_rules(rule, threshold, min_blocks, hs, head_offset)
+    (rule_b,) = _check_rules(resolved_rules, 1, hs) or (None,)
     nqb = math.ceil(N / block)
     width = _width("top_k", top_k, tops, top_k_width, nqb)
-    qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
-    km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
+    if estimate not in BLOCK_ESTIMATES:
+        raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
+    query = estimate == "query"
+    if query:  # [B, Hg, NQB, NQB] weights, -inf where not a candidate
+        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs)
+    else:
+        qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
+        km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
     nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
     J = torch.arange(nqb, device=q.device)
     out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
@@ -402,16 +616,16 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     for lo in range(0, nqb, chunk):
         hi = min(nqb, lo + chunk)
         I = J[lo:hi]
-        s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
+        if query:
+            s = weights[:, :, lo:hi]
+        else:
+            s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
         ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
         s = torch.where(ok[:, None], s, float("-inf"))
         if all_scores is not None:
             all_scores[:, :, lo:hi] = s
         forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]
-        s = torch.where(forced[None] & ok[:, None], float("inf"), s)
         if width == 0:
             continue
-        values, idx = torch.topk(s, width, dim=-1, sorted=True)
-        keep = (torch.arange(width, device=q.device)[None, :] < tops[:, None])[None, :, None] & (values > float("-inf"))
-        out[:, :, lo:hi] = torch.where(keep, idx, -1).to(torch.int32)
+        out[:, :, lo:hi] = select_top(s, forced[None], tops, width, rule_b, logits=not query)
     return (out, all_scores) if return_scores else out

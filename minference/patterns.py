@@ -11,10 +11,19 @@ Candidate sets, for query position ``i`` (0-based, causal ``j <= i``):
 * :class:`BlockSparse` with chosen key blocks ``J(I)`` for the query block ``I = i // block``:
   ``{j : j // block ∈ J(I), j <= i}``.
 * :class:`Dense`: ``{0..i}``.
+
+How many columns, diagonals or blocks a head keeps is its *budget rule* (``rule``, the same for
+the columns and the diagonals of a vertical-slash head): ``"top_k"`` keeps exactly the budget
+(``vertical``, ``slash``, ``top_k``); ``"mass"`` keeps the fewest best-scoring candidates whose
+share of the estimated weight reaches ``threshold`` (γ, FlexPrefill / XAttention); ``"relative"``
+keeps every candidate whose weight is at least ``threshold`` (α) times the largest (FlashPrefill).
+The adaptive counts are bounded by ``min_*`` below and the budget above, so the kernels keep a
+bounded tile list. The exact rule is in :mod:`minference.reference.estimators`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Literal, Union
 
@@ -30,12 +39,48 @@ __all__ = [
     "pattern_from_dict",
     "DEFAULT_LAST_Q",
     "DEFAULT_BLOCK_SIZE",
+    "RULES",
+    "BLOCK_ESTIMATES",
+    "check_budget_rule",
 ]
 
 #: Query rows used by the vertical-slash estimator (the last ``r`` queries of the prompt).
 DEFAULT_LAST_Q = 64
 #: Key/query block size of the block-sparse pattern (a routing granularity, not a kernel tile).
 DEFAULT_BLOCK_SIZE = 64
+
+
+#: Block-sparse routing scores (the first is the default).
+BLOCK_ESTIMATES = ("pooled", "query")
+#: Budget rules of the vertical-slash and block-sparse patterns (the first is the default).
+RULES = ("top_k", "mass", "relative")
+
+
+def check_budget_rule(name: str, rule: object, threshold: object) -> float | None:
+    """Validate a budget rule and its threshold; return the threshold as a float (``None`` for
+    ``"top_k"``, which takes none). ``name`` (a pattern class, or empty for builder arguments)
+    prefixes the field names in the messages."""
+    prefix = f"{name}." if name else ""
+    if rule not in RULES:
+        raise ValueError(f"{prefix}rule must be one of {list(RULES)}, got {rule!r}")
+    if rule == "top_k":
+        if threshold is not None:
+            raise ValueError(f"{prefix}threshold is for the 'mass' and 'relative' rules; leave it None with "
+                             f"'top_k', got {threshold!r}")
+        return None
+    if threshold is None:
+        raise ValueError(f"{prefix}threshold is required with rule {rule!r} (a fraction in (0, 1])")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"{prefix}threshold must be a float, got {type(threshold).__name__}")
+    if not math.isfinite(threshold) or not 0 < threshold <= 1:
+        raise ValueError(f"{prefix}threshold must be finite and in (0, 1], got {threshold!r}")
+    return float(threshold)
+
+
+def _check_minimum(name: str, field: str, minimum: object, bound: str, maximum: int) -> None:
+    check_int(f"{name}.{field}", minimum, 0)
+    if minimum > maximum:
+        raise ValueError(f"{name}.{field} must be <= {bound} ({maximum}), got {minimum}")
 
 
 def _check_kind(pattern: object, kind: str) -> None:
@@ -79,6 +124,13 @@ class VerticalSlash:
         extra_rows: further query rows, spread evenly over the part of the prompt before the
             last ``last_q``, that join the estimate (0: the last rows only; the exact rule is in
             :mod:`minference.reference.estimators`).
+        rule: budget rule of both the columns and the diagonals (module docstring): ``"top_k"``
+            keeps ``vertical`` / ``slash`` of them; ``"mass"`` and ``"relative"`` decide per
+            input, with ``vertical`` / ``slash`` as the maximum.
+        threshold: γ of ``"mass"`` (share of the column, resp. diagonal, score total) or α of
+            ``"relative"`` (fraction of the largest score), in ``(0, 1]``; ``None`` for ``"top_k"``.
+        min_vertical, min_slash: fewest columns / diagonals the adaptive rules keep (the forced
+            ones are kept anyway); at most ``vertical`` / ``slash``.
     """
 
     vertical: int = 1000
@@ -88,6 +140,10 @@ class VerticalSlash:
     local_diagonals: int = 100
     aggregation: Literal["sum", "max"] = "sum"
     extra_rows: int = 0
+    rule: Literal["top_k", "mass", "relative"] = "top_k"
+    threshold: float | None = None
+    min_vertical: int = 0
+    min_slash: int = 0
     kind: Literal["vertical_slash"] = "vertical_slash"
 
     def __post_init__(self) -> None:
@@ -100,6 +156,9 @@ class VerticalSlash:
         check_int("VerticalSlash.extra_rows", self.extra_rows, 0)
         if self.aggregation not in ("sum", "max"):
             raise ValueError(f"VerticalSlash.aggregation must be 'sum' or 'max', got {self.aggregation!r}")
+        object.__setattr__(self, "threshold", check_budget_rule("VerticalSlash", self.rule, self.threshold))
+        _check_minimum("VerticalSlash", "min_vertical", self.min_vertical, "vertical", self.vertical)
+        _check_minimum("VerticalSlash", "min_slash", self.min_slash, "slash", self.slash)
 
 
 @dataclass(frozen=True)
@@ -107,16 +166,30 @@ class BlockSparse:
     """Top-k key blocks per query block, routed by mean-pooled queries and keys.
 
     Attributes:
-        top_k: key blocks kept per query block, forced blocks included.
+        top_k: key blocks kept per query block, forced blocks included (the maximum of the
+            adaptive rules).
         block: block size in tokens, for both queries and keys.
         sink_blocks: leading key blocks always kept.
         force_diagonal: always keep the query block's own (causal-masked) diagonal block.
+        rule: budget rule per query block (module docstring); the weights are the softmax
+            numerators ``exp(s - max s)`` of the pooled block logits ``s``.
+        threshold: γ of ``"mass"`` or α of ``"relative"``, in ``(0, 1]``; ``None`` for ``"top_k"``.
+        min_blocks: fewest blocks the adaptive rules keep per query block (at most ``top_k``).
+        estimate: the routing score: ``"pooled"``, ``scale * mean(q in I) · mean(k in J)``
+            (weights ``exp(s - max s)``), or ``"query"``, every query of ``I`` against the block
+            means, softmaxed per query over ``J <= I`` and maxed over the block's queries (the
+            weights themselves; one query that needs a far block is not averaged away). Exact
+            definitions in :mod:`minference.reference.estimators`.
     """
 
     top_k: int = 100
     block: int = DEFAULT_BLOCK_SIZE
     sink_blocks: int = 1
     force_diagonal: bool = True
+    rule: Literal["top_k", "mass", "relative"] = "top_k"
+    threshold: float | None = None
+    min_blocks: int = 0
+    estimate: Literal["pooled", "query"] = "pooled"
     kind: Literal["block_sparse"] = "block_sparse"
 
     def __post_init__(self) -> None:
@@ -126,6 +199,10 @@ class BlockSparse:
         check_int("BlockSparse.sink_blocks", self.sink_blocks, 0)
         if not isinstance(self.force_diagonal, bool):
             raise TypeError("BlockSparse.force_diagonal must be a bool")
+        object.__setattr__(self, "threshold", check_budget_rule("BlockSparse", self.rule, self.threshold))
+        _check_minimum("BlockSparse", "min_blocks", self.min_blocks, "top_k", self.top_k)
+        if self.estimate not in BLOCK_ESTIMATES:
+            raise ValueError(f"BlockSparse.estimate must be one of {list(BLOCK_ESTIMATES)}, got {self.estimate!r}")
 
 
 @dataclass(frozen=True)

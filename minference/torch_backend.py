@@ -11,7 +11,7 @@ the reference masks row for row). Every entry point reads the row lengths on the
 backend synchronises on CUDA tensors: it is for portability, not for speed or graph capture.
 
 The index builders :func:`vertical_slash_index` and :func:`block_sparse_index` share validation,
-budgets and top-k selection with the Triton builders (:mod:`minference.kernels.estimate`); only
+budgets, budget rules and the selection with the Triton builders (:mod:`minference.kernels.estimate`); only
 the score computation differs: here the ``[Hg, r, n]`` probabilities of the sampled rows are
 materialised (fine on the host at the lengths this backend is for) and reduced with
 ``scatter_reduce``, and blocks are pooled with reshapes.
@@ -43,6 +43,7 @@ __all__ = [
     "causal_rows_mask",
     "vertical_slash_index",
     "block_sparse_index",
+    "query_block_scores",
     "CHUNK_ELEMENTS",
 ]
 
@@ -261,7 +262,9 @@ def vertical_slash_index(
     aggregation: str = "sum", scale: float | None = None, seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None, heads: torch.Tensor | None = None, head_offset: int = 0,
     return_scores: bool = False, vertical_width: int | None = None, slash_width: int | None = None,
-    validate: bool = True, resolved: tuple | None = None,
+    validate: bool = True, resolved: tuple | None = None, rule: str | torch.Tensor = "top_k",
+    threshold: float | torch.Tensor | None = None, min_vertical: int | torch.Tensor = 0,
+    min_slash: int | torch.Tensor = 0, resolved_rules: tuple | None = None,
 ):
     """Vertical-slash index in plain PyTorch; same arguments and result as
     :func:`minference.kernels.estimate.vertical_slash_index`."""
@@ -269,7 +272,8 @@ def vertical_slash_index(
         _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved)
+        vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
+        threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules)
 
 
 def block_sparse_index(
@@ -278,10 +282,59 @@ def block_sparse_index(
     seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, head_offset: int = 0, return_scores: bool = False,
     top_k_width: int | None = None, validate: bool = True, resolved: tuple | None = None,
+    rule: str | torch.Tensor = "top_k", threshold: float | torch.Tensor | None = None,
+    min_blocks: int | torch.Tensor = 0, resolved_rules: tuple | None = None, estimate: str = "pooled",
 ):
     """Block-sparse routing in plain PyTorch; same arguments and result as
     :func:`minference.kernels.estimate.block_sparse_index`."""
     return build_block_sparse_index(
         _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved)
+        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
+        threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
+        scorer=query_block_scores)
+
+
+def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
+                       seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+                       heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Query-aware block scores in plain PyTorch (float32): every query against the block-mean
+    keys, softmaxed over its block-causal key blocks, maxed over the query block's rows. Same
+    arguments and result as :func:`minference.kernels.estimate.query_block_scores` (definition:
+    :func:`minference.reference.estimators.query_block_scores`).
+
+    ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` -> ``scores [B, Hg, NQB, NQB]`` float32 (``-inf``
+    above the diagonal and outside the row). Query blocks are taken in chunks so that one
+    chunk's ``[Hg, C, block, keys]`` probabilities stay within :data:`CHUNK_ELEMENTS`.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    scale = default_scale(D, scale)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    ids = _ids(heads, Hq)
+    nqb = -(-N // block)
+    out = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float32, device=q.device)
+    if not ids:
+        return out
+    hq = torch.tensor(ids, device=q.device)
+    hk = hq // (Hq // Hkv)
+    km_all = _pool_torch(k, block, lens, starts, None)  # [B, Hkv, NQB, D]
+    for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+        nb = -(-n // block)
+        if nb == 0:
+            continue
+        km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
+        qb = F.pad(q[b, :, s : s + n].index_select(0, hq).float(), (0, 0, 0, nb * block - n))
+        qb = qb.view(len(ids), nb, block, D)
+        row_ok = (torch.arange(nb * block, device=q.device) < n).view(nb, block)
+        J = torch.arange(nb, device=q.device)
+        chunk = max(1, CHUNK_ELEMENTS // (len(ids) * block * nb))
+        for lo in range(0, nb, chunk):
+            hi = min(nb, lo + chunk)
+            causal = J[None, :hi] <= J[lo:hi, None]  # [C, hi]
+            logits = torch.matmul(qb[:, lo:hi], km[:, None, :hi].transpose(-1, -2)) * scale  # [Hg, C, block, hi]
+            probs = torch.softmax(logits.masked_fill_(~causal[None, :, None], float("-inf")), dim=-1)
+            best = probs.masked_fill_(~row_ok[None, lo:hi, :, None], float("-inf")).amax(2)  # [Hg, C, hi]
+            out[b, :, lo:hi, :hi] = best.masked_fill_(~causal[None], float("-inf"))
+    return out

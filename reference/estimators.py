@@ -23,8 +23,11 @@ Vertical-slash, for a row of length ``n`` and a head:
   the sampled ``i`` with ``i - δ >= 0`` (``agg`` is ``sum`` or ``max``); ``j, δ ∈ [0, n)``;
 * forced: columns ``j < min(sink_columns, vertical)`` and offsets
   ``δ < min(max(local_diagonals, 1), slash)`` (``δ = 0`` is always kept);
-* then the best-scoring remaining columns / offsets up to ``min(vertical, n)`` /
-  ``min(slash, n)`` in total.
+* then the best-scoring remaining columns / offsets, as many as the budget rule keeps (below;
+  ``"top_k"``: up to ``min(vertical, n)`` / ``min(slash, n)`` in total). The weights of the
+  rules are the scores ``col[j]``, ``diag[δ]`` themselves (``>= 0``); columns and diagonals
+  are selected separately, with one rule and threshold and their own minimum
+  (``min_vertical``, ``min_slash``) and maximum (``vertical``, ``slash``).
 
 Block-sparse, for a row of length ``n``, ``nb = ceil(n / block)`` valid blocks and a head:
 
@@ -32,8 +35,45 @@ Block-sparse, for a row of length ``n``, ``nb = ceil(n / block)`` valid blocks a
 * ``score[I, J] = scale * q̄_I · k̄_J`` for ``J <= I`` (block-causal);
 * forced: the diagonal ``J = I`` (when ``force_diagonal``) and the sinks
   ``J < min(sink_blocks, top_k - force_diagonal)``, ``J <= I``;
-* then the best-scoring remaining blocks up to ``min(top_k, I + 1)`` in total. Query blocks at
-  or past ``nb`` (padding only) get no blocks.
+* then the best-scoring remaining blocks, as many as the budget rule keeps (below;
+  ``"top_k"``: up to ``min(top_k, I + 1)`` in total), per query block. The weights of the rules
+  are ``w[J] = exp(score[I, J] - max_{J' <= I} score[I, J'])`` over the candidates ``J <= I``
+  (the softmax numerators of the block logits, largest 1), with ``min_blocks`` and ``top_k`` as
+  the bounds. Query blocks at or past ``nb`` (padding only) get no blocks.
+
+Budget rules (:func:`select_row`; one selection is the columns, or the diagonals, of one row and
+head, or the blocks of one query block). The candidates are the valid positions (inside the row;
+block-causal); invalid ones have no weight and are never chosen. ``w`` are the weights above,
+``F`` the forced candidates (``|F| <= max`` by the capping above), ``[min, max]`` the bounds:
+
+* order: the forced candidates first, in position order, then the others by score descending
+  (for blocks the logit, which orders like its weight: ``exp`` is increasing, and sorting the
+  logit lets the rounding of ``exp`` create no ties), ties to the LOWEST position;
+* count ``c``: ``"top_k"``: ``max``. ``"mass"`` (γ = ``threshold``; FlexPrefill, XAttention): the
+  smallest ``c`` whose prefix of the order holds ``c_w >= γ * W``, ``c_w`` the float64 sum of the
+  first ``c`` weights and ``W`` that of all of them, both accumulated one by one in this order
+  (forced weights count towards the mass; ``W`` so defined is reached at the last candidate).
+  ``"relative"`` (α = ``threshold``; FlashPrefill): ``|F|`` plus the non-forced candidates with
+  ``w >= α * max w`` (the max over all candidates, forced ones included): forced and qualifying
+  candidates are kept, a forced one below the bar takes no qualifying one's place;
+* kept: the first ``min(max(c, min, |F|), max, candidates)`` of the order (and at most the
+  output width). Threshold products and sums are in float64, so a fast selection given the same
+  float32 scores picks the same set, ties included (:func:`minference.index.select_top` with an
+  adaptive rule among the heads; a ``"top_k"``-only selection matches on tie-free scores, and
+  breaks ties at the budget's boundary as ``torch.topk`` does, or, in the Triton builder's
+  one-launch kernel, to the lowest positions).
+
+Query-aware block scores (:func:`query_block_scores`, the routing score of FlashPrefill), for a
+row of length ``n``, ``nb = ceil(n / block)`` valid blocks and a head:
+
+* ``k̄_J`` is the mean over the VALID keys of key block ``J`` (as above); queries are NOT pooled;
+* for every valid query ``i`` (``I(i) = i // block``), ``p_i(J)`` is the softmax over the
+  block-causal key blocks ``J <= I(i)`` of ``scale * q_i · k̄_J`` (so ``Σ_J p_i(J) = 1``);
+* ``score[I, J] = max`` over the valid queries ``i`` of block ``I`` of ``p_i(J)`` for
+  ``J <= I < nb``; ``-inf`` above the diagonal and for query blocks at or past ``nb``.
+
+A single query that needs a far block (a needle) keeps that block's score high, where the mean
+of the block's queries dilutes it; the score lies in ``(0, 1]`` and is comparable across rows.
 
 Output widths: ``NV = min(max vertical, N)``, ``NS = min(max slash, N)``,
 ``K = min(max top_k, ceil(N / block))`` over the computed heads; unused entries are -1. The
@@ -48,9 +88,9 @@ import torch
 from minference.reference.attention import head_ids, per_head_budget
 
 from minference._checks import check_qkv, check_ragged, check_row_sampling, default_scale
-from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
+from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule
 
-__all__ = ["vertical_slash_index", "block_sparse_index"]
+__all__ = ["vertical_slash_index", "block_sparse_index", "query_block_scores", "select_row"]
 
 
 def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
@@ -66,14 +106,65 @@ def _sampled_rows(n: int, last_q: int, extra_rows: int) -> list[int]:
     return sorted(i for i in extra if i < m) + list(range(m, n))
 
 
-def _select(scores: torch.Tensor, forced: int, budget: int) -> list[int]:
-    """Indices ``0..forced-1`` then the best of the rest by score (ties: lower index), ``budget`` in all."""
-    n = scores.shape[0]
-    budget = min(budget, n)
-    forced = min(forced, budget)
-    chosen = list(range(forced))
-    rest = sorted(range(forced, n), key=lambda j: (-float(scores[j]), j))
-    return chosen + rest[: budget - forced]
+def select_row(scores, forced, budget: int, *, rule: str = "top_k", threshold: float | None = None,
+               minimum: int = 0, logits: bool = False) -> list[int]:
+    """One selection by its budget rule (see the module docstring), in selection order.
+
+    Args:
+        scores: ``[M]`` scores (a sequence or 1-D tensor), ``-inf`` = not a candidate.
+        forced: the forced positions (an iterable; invalid ones are ignored).
+        budget: ``top_k``'s count, the adaptive rules' maximum.
+        rule, threshold, minimum: the budget rule, its γ / α and the adaptive rules' minimum.
+        logits: weights ``exp(score - max score)`` (block logits); else the scores (``>= 0``).
+    """
+    check_budget_rule("", rule, threshold)
+    score = [float(x) for x in scores]
+    valid = [j for j, x in enumerate(score) if x > float("-inf")]
+    forced = set(forced) & set(valid)
+    order = sorted(forced) + sorted((j for j in valid if j not in forced), key=lambda j: (-score[j], j))
+    if not order:
+        return []
+    top = max(score[j] for j in valid)
+    weight = {j: (math.exp(score[j] - top) if logits else score[j]) for j in valid}
+    if rule == "top_k":
+        count = budget
+    elif rule == "mass":
+        total = 0.0
+        for j in order:
+            total += weight[j]
+        count, acc = len(order), 0.0
+        for c, j in enumerate(order, 1):
+            acc += weight[j]
+            if acc >= threshold * total:
+                count = c
+                break
+    else:
+        high = max(weight.values())
+        count = len(forced) + sum(1 for j in order if j not in forced and weight[j] >= threshold * high)
+    if rule != "top_k":
+        count = max(count, minimum)
+    return order[: min(max(count, len(forced)), budget, len(order))]
+
+
+def _per_head_rule(rule, threshold, ids: list[int], head_offset: int) -> tuple[list[str], list[float | None]]:
+    """Rule name and threshold per computed head from a name and a float, or per global head a
+    1-D int tensor of rule codes (the order of :data:`minference.patterns.RULES`) and a 1-D float
+    tensor of thresholds."""
+    if isinstance(rule, torch.Tensor):
+        codes = per_head_budget("rule", rule, ids, head_offset, 0)
+        rules = [RULES[c] for c in codes]
+    else:
+        check_budget_rule("", rule, None if isinstance(threshold, torch.Tensor) else threshold)
+        rules = [rule] * len(ids)
+    if isinstance(threshold, torch.Tensor):
+        every = threshold.tolist()
+        thresholds = [every[head_offset + h] for h in ids]
+    else:
+        thresholds = [threshold] * len(ids)
+    thresholds = [None if r == "top_k" else t for r, t in zip(rules, thresholds)]
+    for r, t in zip(rules, thresholds):
+        check_budget_rule("", r, t)
+    return rules, thresholds
 
 
 def _pad(rows: list[list[int]], width: int) -> list[int]:
@@ -97,6 +188,10 @@ def vertical_slash_index(
     heads: torch.Tensor | None = None,
     head_offset: int = 0,
     return_scores: bool = False,
+    rule: str | torch.Tensor = "top_k",
+    threshold: float | torch.Tensor | None = None,
+    min_vertical: int | torch.Tensor = 0,
+    min_slash: int | torch.Tensor = 0,
 ):
     """Naive vertical-slash index from the last ``last_q`` queries of each row (and
     ``extra_rows`` earlier ones).
@@ -108,6 +203,9 @@ def vertical_slash_index(
         extra_rows: further sampled rows spread evenly over the earlier part of each row.
         sink_columns, local_diagonals: forced leading columns / offsets, per global head.
         aggregation: ``"sum"`` or ``"max"`` over the sampled rows.
+        rule, threshold: budget rule of columns and diagonals (a name and a float, or per global
+            head rule codes and thresholds); ``vertical`` / ``slash`` are the maxima.
+        min_vertical, min_slash: the adaptive rules' minima, per global head.
 
     Returns:
         ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32 on q's device, -1 padded;
@@ -122,6 +220,9 @@ def vertical_slash_index(
     ns = per_head_budget("slash", slash, ids, head_offset, 1)
     sinks = per_head_budget("sink_columns", sink_columns, ids, head_offset, 0)
     locs = per_head_budget("local_diagonals", local_diagonals, ids, head_offset, 0)
+    rules, thresholds = _per_head_rule(rule, threshold, ids, head_offset)
+    min_v = per_head_budget("min_vertical", min_vertical, ids, head_offset, 0)
+    min_s = per_head_budget("min_slash", min_slash, ids, head_offset, 0)
     width_v = min(max(nv, default=0), N)
     width_s = min(max(ns, default=0), N)
     group = Hq // Hkv
@@ -145,8 +246,11 @@ def vertical_slash_index(
             for d in range(n):
                 on = probs[delta == d]
                 diag[b, g, d] = on.sum() if aggregation == "sum" else on.max()
-            v_rows[b * len(ids) + g] = _select(col[b, g, :n], min(sinks[g], nv[g]), nv[g])
-            s_rows[b * len(ids) + g] = _select(diag[b, g, :n], min(max(locs[g], 1), ns[g]), ns[g])
+            rule_g = dict(rule=rules[g], threshold=thresholds[g])
+            v_rows[b * len(ids) + g] = select_row(col[b, g, :n], range(min(sinks[g], nv[g])), nv[g],
+                                                  minimum=min_v[g], **rule_g)
+            s_rows[b * len(ids) + g] = select_row(diag[b, g, :n], range(min(max(locs[g], 1), ns[g])), ns[g],
+                                                  minimum=min_s[g], **rule_g)
     v_idx = torch.tensor(_pad(v_rows, width_v), dtype=torch.int32).view(B, len(ids), width_v)
     s_idx = torch.tensor(_pad(s_rows, width_s), dtype=torch.int32).view(B, len(ids), width_s)
     v_idx, s_idx = v_idx.to(q.device), s_idx.to(q.device)
@@ -167,8 +271,13 @@ def block_sparse_index(
     heads: torch.Tensor | None = None,
     head_offset: int = 0,
     return_scores: bool = False,
+    rule: str | torch.Tensor = "top_k",
+    threshold: float | torch.Tensor | None = None,
+    min_blocks: int | torch.Tensor = 0,
+    estimate: str = "pooled",
 ):
-    """Naive block-sparse routing by mean-pooled queries and keys.
+    """Naive block-sparse routing by mean-pooled queries and keys (``estimate="pooled"``) or by
+    :func:`query_block_scores` (``"query"``: those scores are the selection weights).
 
     Args:
         q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
@@ -176,6 +285,9 @@ def block_sparse_index(
         block: block size for queries and keys.
         sink_blocks: forced leading key blocks, per global head.
         force_diagonal: always keep the query block's own block.
+        rule, threshold: budget rule per query block (as for :func:`vertical_slash_index`);
+            ``top_k`` is the maximum.
+        min_blocks: the adaptive rules' minimum, per global head.
 
     Returns:
         ``blocks [B, Hg, NQB, K]`` int32 on q's device, -1 padded; with ``return_scores`` also
@@ -190,9 +302,15 @@ def block_sparse_index(
     ids = head_ids(heads, Hq)
     tops = per_head_budget("top_k", top_k, ids, head_offset, 1)
     sinks = per_head_budget("sink_blocks", sink_blocks, ids, head_offset, 0)
+    rules, thresholds = _per_head_rule(rule, threshold, ids, head_offset)
+    mins = per_head_budget("min_blocks", min_blocks, ids, head_offset, 0)
     nqb = math.ceil(N / block)
     width = min(max(tops, default=0), nqb)
     group = Hq // Hkv
+    if estimate not in ("pooled", "query"):
+        raise ValueError(f"estimate must be 'pooled' or 'query', got {estimate!r}")
+    query = query_block_scores(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                               heads=heads) if estimate == "query" else None
     scores = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float64, device=q.device)
     out = torch.full((B, len(ids), nqb, width), -1, dtype=torch.int32)
     for b, s, n in _rows(q, k, seqlens, seqstarts):
@@ -204,14 +322,48 @@ def block_sparse_index(
                               for J in range(nb)]) if nb else None
             n_sink = min(sinks[g], tops[g] - int(force_diagonal))
             for I in range(nb):
-                sc = (km[: I + 1] @ qm[I]) * scale  # [I + 1]
+                sc = query[b, g, I, : I + 1] if query is not None else (km[: I + 1] @ qm[I]) * scale  # [I + 1]
                 scores[b, g, I, : I + 1] = sc
                 forced = {J for J in range(min(n_sink, I + 1))}
                 if force_diagonal:
                     forced.add(I)
-                budget = min(tops[g], I + 1)
-                rest = sorted((J for J in range(I + 1) if J not in forced), key=lambda J: (-float(sc[J]), J))
-                chosen = sorted(forced) + rest[: budget - len(forced)]
+                chosen = select_row(sc, forced, tops[g], rule=rules[g], threshold=thresholds[g], minimum=mins[g],
+                                    logits=query is None)
                 out[b, g, I, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
     out = out.to(q.device)
     return (out, scores) if return_scores else out
+
+
+def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
+                       seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
+                       heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Naive query-aware block scores (see the module docstring), every query row softmaxed on
+    its own, in float64.
+
+    Args:
+        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``).
+        block: block size for queries and keys.
+        heads: local query heads to compute (``Hg`` of them); default all.
+
+    Returns:
+        ``scores [B, Hg, NQB, NQB]`` float64, ``NQB = ceil(N / block)``: in ``(0, 1]`` for
+        ``J <= I`` inside the row, ``-inf`` elsewhere.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    scale = default_scale(D, scale)
+    ids = head_ids(heads, Hq)
+    nqb = math.ceil(N / block)
+    group = Hq // Hkv
+    scores = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float64, device=q.device)
+    for b, s, n in _rows(q, k, seqlens, seqstarts):
+        nb = math.ceil(n / block)
+        for g, h in enumerate(ids):
+            ks = k[b, h // group, s : s + n].double()  # [n, D]
+            km = torch.stack([ks[J * block : (J + 1) * block].mean(0) for J in range(nb)]) if nb else None
+            for I in range(nb):
+                qs = q[b, h, s + I * block : s + min((I + 1) * block, n)].double()  # [rows, D]
+                probs = torch.softmax((qs @ km[: I + 1].T) * scale, dim=-1)  # [rows, I + 1]
+                scores[b, g, I, : I + 1] = probs.amax(0)
+    return scores

@@ -29,6 +29,18 @@ PLAN = [
     BlockSparse(top_k=2, block=32, sink_blocks=0, force_diagonal=True),
     BlockSparse(top_k=4, block=16, sink_blocks=2),
 ]
+#: The budget rules and the query-aware routing score in one layer (mixed rules share groups).
+ADAPTIVE_PLAN = [
+    VerticalSlash(vertical=20, slash=30, last_q=16, rule="mass", threshold=0.9, min_vertical=2, min_slash=3),
+    BlockSparse(top_k=5, block=16, rule="relative", threshold=0.1, estimate="query"),
+    VerticalSlash(vertical=8, slash=12, last_q=16, rule="relative", threshold=0.2),
+    BlockSparse(top_k=6, block=16, rule="mass", threshold=0.9, min_blocks=2, estimate="query"),
+    BlockSparse(top_k=3, block=16, estimate="query"),
+    VerticalSlash(vertical=8, slash=12, last_q=16),
+    BlockSparse(top_k=4, block=16, rule="mass", threshold=0.95),
+    AShape(sink=2, window=20),
+    Dense(),
+]
 BACKENDS = [pytest.param("triton", marks=pytest.mark.interpret), "torch"]
 
 
@@ -52,11 +64,13 @@ def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, bui
             vi, si = builders.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q,
                                                    sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
                                                    aggregation=p.aggregation, extra_rows=p.extra_rows,
-                                                   heads=one, **rows)
+                                                   rule=p.rule, threshold=p.threshold, min_vertical=p.min_vertical,
+                                                   min_slash=p.min_slash, heads=one, **rows)
             o = ref.vertical_slash_attention(q, k, v, vi, si, fill_gaps=fill_gaps, **kw)
         elif isinstance(p, BlockSparse):
             bi = builders.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks,
-                                             force_diagonal=p.force_diagonal, heads=one, **rows)
+                                             force_diagonal=p.force_diagonal, rule=p.rule, threshold=p.threshold,
+                                             min_blocks=p.min_blocks, estimate=p.estimate, heads=one, **rows)
             o = ref.block_sparse_attention(q, k, v, bi, block=p.block, **kw)
         else:
             o = ref.dense_attention(q, k, v, **kw)
@@ -70,16 +84,17 @@ def _valid(B, N, seqlens, seqstarts) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ragged", [False, True])
-def test_mixed_plan_matches_per_head_reference(backend: str, ragged: bool) -> None:
+@pytest.mark.parametrize("plan", [PLAN, ADAPTIVE_PLAN], ids=["budgets", "adaptive"])
+def test_mixed_plan_matches_per_head_reference(backend: str, ragged: bool, plan) -> None:
     shape = AttnShape(B=2, Hq=9, Hkv=3, N=113, D=32)
     q, k, v = qkv(shape, torch.float32, "cpu", seed=3, layout="transposed")
     seqlens = torch.tensor([113, 70], dtype=torch.int32) if ragged else None
     seqstarts = torch.tensor([0, 30], dtype=torch.int32) if ragged else None
-    out = sparse_prefill(q, k, v, PLAN, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend=backend)
+    out = sparse_prefill(q, k, v, plan, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
     kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=_builders(backend))
-    r64 = _expected(q, k, v, PLAN, compute_dtype=torch.float64, **kw)
-    rsame = _expected(q, k, v, PLAN, compute_dtype=torch.float32, **kw)
+    r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, **kw)
+    rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, **kw)
     valid = _valid(shape.B, shape.N, seqlens, seqstarts)
     assert_close_to_reference(out, r64, rsame, where=valid)
     assert bool((out[~valid.expand_as(out)] == 0).all()), "padding rows must be zeros"
