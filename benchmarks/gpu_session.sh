@@ -9,6 +9,10 @@
 #   bench      benchmarks/bench_kernels.py $BENCH_ARGS   (kernels vs cuDNN / FlexAttention)
 #   bench2     benchmarks/bench_kernels.py $BENCH_ARGS2
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
+#   qwen       check the staged Qwen GGUF (/tmp/m/q.gguf, ../shared/tools/stage_qwen.sh; carry
+#              .stage/whl for the gguf wheel) and point $MINFERENCE_QWEN_GGUF at it
+#   search     minference search on Qwen: $SEARCH_ARGS, config to $OUT/qwen_search.json and /tmp/m/
+#   eval       minference eval on Qwen: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
 # With no STAGES every stage runs: name the stages of each device call.
 set -o pipefail
@@ -44,6 +48,22 @@ run_bench() {  # name, script, time bound, arguments
     tail -5 "$OUT/$1.err"
 }
 
+qwen() {
+    log "staged Qwen GGUF"
+    echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/m/q.gguf" | sha256sum -c - \
+        | tee -a "$OUT/summary.txt" || return 1
+    python -m pip install -q --no-index --no-deps --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} MINFERENCE_QWEN_GGUF=/tmp/m/q.gguf HF_HUB_OFFLINE=1
+}
+app() {  # name, time bound, command...
+    local name=$1 bound=$2
+    shift 2
+    log "$name: $*"
+    timeout "$bound" "$@" 2>"$OUT/$name.err" | tee "$OUT/$name.md"
+    log "$name rc=$?"
+    tail -5 "$OUT/$name.err"
+}
+
 log "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
     case $stage in
@@ -53,6 +73,13 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         bench) run_bench bench benchmarks/bench_kernels.py "${T_BENCH:-90}" "${BENCH_ARGS:-}" ;;
         bench2) run_bench bench2 benchmarks/bench_kernels.py "${T_BENCH2:-90}" "${BENCH_ARGS2:-}" ;;
         e2e) run_bench e2e benchmarks/bench_end_to_end.py "${T_E2E:-90}" "${E2E_ARGS:-}" ;;
+        qwen) qwen || break ;;
+        # shellcheck disable=SC2086
+        search) app search "${T_SEARCH:-240}" minference search --model qwen --device cuda $SEARCH_ARGS \
+                    --out "$OUT/qwen_search.json" && cp "$OUT/qwen_search.json" /tmp/m/ ;;
+        # shellcheck disable=SC2086
+        eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" minference eval --model qwen --device cuda $EVAL_ARGS \
+                  --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
         *) echo "unknown stage $stage" ;;
     esac
 done

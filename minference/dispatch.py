@@ -19,6 +19,7 @@ Backends:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -29,7 +30,8 @@ from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
 from minference.reference.masks import check_fill_gaps
 
-__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend"]
+__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend",
+           "INDEX_RANGE", "ATTENTION_RANGE", "profile_range"]
 
 #: Prompts shorter than this many tokens run dense attention. H200 runs of
 #: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash
@@ -55,6 +57,21 @@ BACKENDS = ("auto", "triton", "torch")
 #: both. Filling only adds candidates, so captured mass can only grow. 0 disables it. Any value
 #: >= 127 also lets the kernel be compiled without its bitmap path (``VSIndex.all_solid``).
 FILL_GAPS = 383
+#: ``torch.profiler`` range around each group's online index building and (Triton) its conversion
+#: to physical tiles; ``minference eval`` reads the device time under it (the eq. 13 split).
+INDEX_RANGE = "minference::index"
+#: Range around one whole attention call of a patched layer (sparse or dense path;
+#: :mod:`minference.integration`); it contains the :data:`INDEX_RANGE` ranges of that call.
+ATTENTION_RANGE = "minference::attention"
+
+
+def profile_range(name: str):
+    """``torch.profiler.record_function(name)`` while a profiler records, else a no-op context.
+
+    Host-only either way (no tensor, no device work, no sync): safe inside CUDA-graph capture,
+    and with the profiler off it costs one flag read instead of a RecordFunction.
+    """
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -70,14 +87,17 @@ def _ops(backend: str) -> SimpleNamespace:
     if backend == "triton":
         from minference import kernels
         from minference.kernels import estimate
+        from minference.kernels._common import default_tiles
 
         return SimpleNamespace(builders=estimate, ashape=kernels.ashape_attention,
                                vertical_slash=kernels.vertical_slash_attention,
+                               convert=kernels.convert_vertical_slash, tiles=default_tiles,
+                               vertical_slash_physical=kernels.vertical_slash_attention_physical,
                                block_sparse=kernels.block_sparse_attention, dense=None)
     import minference.torch_backend as tb
 
     return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
-                           block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
+                           convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
 
 
 def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out):
@@ -179,12 +199,20 @@ def sparse_prefill(
             ops.ashape(q, k, v, dg.budgets["sink"], dg.budgets["window"], heads=dg.heads, head_offset=head_offset,
                        out=out, validate=False, **rows)
         elif kind == "vertical_slash":
-            vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
-            extra = {} if dense_over is None else {"dense_over": dense_over}
-            ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False,
-                               fill_gaps=fill_gaps, **extra, **rows)
+            with profile_range(INDEX_RANGE):
+                vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+                if ops.convert is not None:  # Triton: convert here (what vertical_slash_attention does inside)
+                    tiles = ops.tiles(q)
+                    index = ops.convert(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
+                                        dense_over=dense_over, block_n=tiles.block_n)
+            if ops.convert is not None:
+                ops.vertical_slash_physical(q, k, v, index, heads=dg.heads, out=out, validate=False, **rows)
+            else:
+                ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False,
+                                   fill_gaps=fill_gaps, **rows)
         elif kind == "block_sparse":
-            blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+            with profile_range(INDEX_RANGE):
+                blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
             ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,
                              **rows)
         else:

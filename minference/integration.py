@@ -24,6 +24,8 @@ path                 when                                                       
 ==================== ==================================================================== ======
 
 Dense paths call transformers' own SDPA attention, so they equal an unpatched model bit for bit.
+Every call of a patched layer runs inside the profiler range
+:data:`~minference.dispatch.ATTENTION_RANGE` (recorded only while a ``torch.profiler`` runs).
 The sparse path calls :func:`minference.dispatch.sparse_prefill` with the layer's plan indexed by
 GLOBAL head id (``head_offset + local head``, for tensor-parallel shards). The KV cache is
 written by the model before attention runs and is never pruned, so after a sparse prefill it
@@ -45,6 +47,7 @@ import torch
 
 from minference._checks import token_mask
 from minference.config import PatternConfig, load_config, model_signature
+from minference.dispatch import ATTENTION_RANGE, profile_range
 from minference.distributed import HeadShard, _dist, check_head_partition, head_shard
 from minference.patterns import Dense, Pattern
 from minference.reference.masks import check_fill_gaps
@@ -188,17 +191,19 @@ def minference_attention(
         path = "dense_mask" if rows is False else "sparse"
     state.calls[path] += 1
     if path != "sparse":
-        return dense()
+        with profile_range(ATTENTION_RANGE):
+            return dense()
     from minference.dispatch import sparse_prefill
 
     seqlens, seqstarts = rows if rows is not None else (None, None)
     if state.observer is not None:
         state.observer(state.layer, query, key, seqlens, seqstarts)
-    out = sparse_prefill(
-        query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
-        head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
-        **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
-    )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
+    with profile_range(ATTENTION_RANGE):
+        out = sparse_prefill(
+            query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
+            head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
+            **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
+        )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
     return out.transpose(1, 2), None
 
 

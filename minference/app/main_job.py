@@ -370,6 +370,14 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         "search", help="offline per-head pattern search on calibration prompts; writes a PatternConfig",
     )
     search.add_argument("--out", required=True, help="where to write the config JSON")
+    search.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2", help="model to search")
+    search.add_argument("--model-path", default=None, help="qwen: its GGUF file (default: minference.app.models)")
+    search.add_argument("--select", choices=("best_mass", "cheapest"), default="best_mass",
+                        help="best_mass: highest mean mass at a common budget; cheapest: least tile cost whose "
+                             "worst calibration prompt reaches --min-mass")
+    search.add_argument("--candidates", choices=("budgeted", "adaptive"), default="budgeted",
+                        help="budgeted: fixed budgets at --target-density; adaptive: the budget rules of "
+                             "minference.app.search.adaptive_candidates")
     search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
@@ -411,15 +419,19 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
     from minference.app import search as S
-    from minference.app.models import load_smollm2
+    from minference.app.models import QWEN_MODEL_ID, load_model, set_context_length
     from minference.app.prompts import calibration_prompts
 
-    model, tokenizer = load_smollm2(device=args.device)
+    model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
+    if args.model == "qwen":
+        set_context_length(model, args.tokens)
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
     kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", args.min_mass),
                                               ("row_stride", args.row_stride)) if value is not None}
-    result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress,
-                      model_id=SMOLLM2_MODEL_ID, **kwargs)
+    if args.candidates == "adaptive":
+        kwargs["candidates"] = S.adaptive_candidates()
+    result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
+                      model_id=QWEN_MODEL_ID if args.model == "qwen" else SMOLLM2_MODEL_ID, **kwargs)
     result.config.save(args.out)
     print(f"wrote {args.out}: {result.config.counts()}", file=out or sys.stdout)
     return 0

@@ -52,6 +52,9 @@ __all__ = [
     "head_scores",
     "plan_coverage",
     "search",
+    "adaptive_candidates",
+    "tile_density",
+    "SELECTIONS",
 ]
 
 #: Density (fraction of causal pairs) every candidate is budgeted to at the calibration length.
@@ -139,6 +142,43 @@ def candidate_patterns(
     return out
 
 
+#: Largest budgets of the adaptive candidates (bounds of their tile lists): key blocks per query
+#: block, vertical columns, diagonals.
+ADAPTIVE_MAX_BLOCKS = 1024
+ADAPTIVE_MAX_VERTICAL = 2048
+ADAPTIVE_MAX_SLASH = 8192
+#: Thresholds of the adaptive candidates: γ of the mass rule (FlexPrefill 0.9-0.95, XAttention
+#: 0.9) and α of the relative rule (FlashPrefill 0.08-0.18 on its score).
+ADAPTIVE_GAMMAS = (0.9, 0.95)
+ADAPTIVE_ALPHAS = (0.3, 0.1, 0.03)
+#: A-shape candidates (sink, window) next to the adaptive ones.
+ADAPTIVE_ASHAPES = ((64, 1024), (128, 4096))
+
+
+def adaptive_candidates(
+    *,
+    gammas: Sequence[float] = ADAPTIVE_GAMMAS,
+    alphas: Sequence[float] = ADAPTIVE_ALPHAS,
+    ashapes: Sequence[tuple[int, int]] = ADAPTIVE_ASHAPES,
+    block: int = DEFAULT_BLOCK_SIZE,
+) -> list[Pattern]:
+    """Length-independent candidates for ``search(select="cheapest")``: A-shapes, block-sparse
+    with the query-aware score under the relative (each α) and mass (each γ) rules, and
+    vertical-slash under the mass rule (each γ), the adaptive budgets bounded by
+    :data:`ADAPTIVE_MAX_BLOCKS` / :data:`ADAPTIVE_MAX_VERTICAL` / :data:`ADAPTIVE_MAX_SLASH`."""
+    out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
+    for alpha in alphas:
+        out.append(BlockSparse(top_k=ADAPTIVE_MAX_BLOCKS, block=block, rule="relative", threshold=alpha,
+                               estimate="query"))
+    for gamma in gammas:
+        out.append(BlockSparse(top_k=ADAPTIVE_MAX_BLOCKS, block=block, rule="mass", threshold=gamma,
+                               estimate="query"))
+    for gamma in gammas:
+        out.append(VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass",
+                                 threshold=gamma))
+    return out
+
+
 def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(columns [H, n], offsets [H, n])`` bool: the online builder's vertical-slash index for
     ``q, k [H, n, D]``, as the sets the dispatcher runs (offsets closed over gaps of at most
@@ -147,7 +187,7 @@ def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -
     v_idx, s_idx = vertical_slash_index(
         q[None], k[None], p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
         local_diagonals=p.local_diagonals, aggregation=p.aggregation, extra_rows=p.extra_rows, scale=scale,
-        validate=False)
+        rule=p.rule, threshold=p.threshold, min_vertical=p.min_vertical, min_slash=p.min_slash, validate=False)
     return _scatter_set(n, v_idx[0]), slash_set(n, s_idx[0], FILL_GAPS)
 
 
@@ -156,7 +196,7 @@ def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) 
     nb = -(-q.shape[1] // p.block)
     blocks = block_sparse_index(
         q[None], k[None], p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
-        scale=scale, validate=False)
+        scale=scale, rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate, validate=False)
     return _scatter_set(nb, blocks[0])
 
 

@@ -1,0 +1,1082 @@
+"""``minference eval``: task accuracy and time to first token of a real model, sparse configs
+against dense in the same run (DESIGN.md, "Real-model protocol").
+
+For one model (:func:`minference.app.models.load_model`), several configs, lengths, tasks
+(:mod:`minference.app.evals`) and samples, :func:`run_eval` measures
+
+* **accuracy** per (config, task, length): the greedy answer (``max_new_tokens`` of the sample,
+  stopping at EOS) scored by exact match with :func:`minference.app.evals.score`; for the
+  perplexity task the mean next-token NLL per position bucket and overall, from ONE prefill of the
+  decoder (the LM head runs in chunks of :data:`NLL_CHUNK` rows, never ``[n, vocab]`` at once);
+* **TTFT**: prefill of the whole model (``model(ids[None], use_cache=True, logits_to_keep=1)``
+  and the greedy first token), synchronised on CUDA, after one untimed warm-up prefill per
+  (config, length); median and every value per (config, length);
+* **the eq. 13 split** of a prefill into attention, index building (+ conversion) and everything
+  else. It is the DEVICE time (sum of CUDA kernel durations) of one extra prefill per (config,
+  length) run under ``torch.profiler``, not a split of the unprofiled TTFT: kernels launched under
+  the ranges :data:`~minference.dispatch.ATTENTION_RANGE` (a patched layer's whole attention
+  call) and :data:`~minference.dispatch.INDEX_RANGE` (index building and conversion inside it),
+  plus, outside those ranges, ``aten::*scaled_dot_product*`` ops (the dense baseline's attention).
+  ``attention`` is the attention time minus the index time, ``other`` the profiled prefill's
+  total kernel time minus both. The CPU has no device timer: the split is ``None`` there;
+* **density and coverage** on one sample per (config, length), in a separate untimed prefill
+  whose observer (:attr:`minference.integration.LayerState.observer`) hands each sparse layer's
+  real queries and keys to :func:`minference.app.search.plan_coverage` on about
+  :data:`COVERAGE_ROWS` sampled query rows: logical density (fraction of the scored rows' causal
+  pairs the index holds) and coverage (dense attention mass it captures), per layer. Physical
+  density (area of the tiles the Triton kernels run, over the causal pairs) comes from the
+  vertical-slash converter's tile count and the block-sparse blocks; it is ``None`` ("n/a") on
+  the torch backend (masked dense arithmetic, no tiles) and for A-shape heads (no materialised
+  index). Layers that run dense count 1 for all three.
+
+Configs: ``"dense"`` (the unpatched model, transformers SDPA: the baseline), a PatternConfig file
+(refused for another model unless ``allow_mismatch``), or one pattern for every head as JSON
+(``'{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}'``); ``name=SPEC`` names one.
+The loop runs length -> sample -> config, so every config sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+__all__ = [
+    "DENSE",
+    "COVERAGE_ROWS",
+    "NLL_CHUNK",
+    "EvalError",
+    "EvalConfig",
+    "TimeSplit",
+    "SampleRecord",
+    "RunStats",
+    "EvalReport",
+    "uniform_config",
+    "resolve_config",
+    "sequence_nll",
+    "split_events",
+    "run_eval",
+    "format_report",
+    "plot_eval",
+    "add_cli",
+]
+
+#: Config spec of the baseline: the unpatched model (transformers SDPA).
+DENSE = "dense"
+#: Query rows scored per layer by the coverage measurement (``row_stride = n // COVERAGE_ROWS``).
+COVERAGE_ROWS = 512
+#: Rows of hidden states per LM-head chunk in the perplexity task (``[NLL_CHUNK, vocab]`` fp32).
+NLL_CHUNK = 2048
+#: Position buckets of the perplexity task.
+NLL_BUCKETS = 8
+#: Default prompt lengths of :func:`run_eval` (SmolLM2's dense retrieval holds up to ~4K).
+DEFAULT_LENGTHS = (4096,)
+#: Default samples per (task, length).
+DEFAULT_SAMPLES = 1
+#: Default uniform config when evaluating Qwen without a config (DESIGN.md's vertical-slash budget).
+DEFAULT_QWEN_PATTERN = '{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}'
+#: Names of ``aten`` ops whose kernels are the dense baseline's attention (SDPA and its backends).
+SDPA_OPS = re.compile(r"^aten::_?scaled_dot_product")
+#: CUDA runtime / driver calls that put work on the device (``cudaLaunchKernel``, ``cuLaunchKernelEx``,
+#: ``cudaMemcpyAsync``...): a kernel belongs to the range open when its call ran.
+_LAUNCH_CALLS = re.compile(r"^cu(da)?[A-Z]")
+REPORT_FORMAT = "minference.eval_report"
+REPORT_VERSION = 1
+#: ``name=SPEC``: a config name is letters, digits and ``._+-``.
+_NAMED = re.compile(r"^([A-Za-z0-9_.+\-]+)=(.+)$", re.S)
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run as asked (unknown task, config or model, bad lengths...)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs.
+
+
+@dataclass
+class EvalConfig:
+    """One evaluated config.
+
+    Attributes:
+        name: readable name (the table's row label).
+        spec: what was asked for (``"dense"``, a path, or a pattern's JSON).
+        kind: ``"dense"``, ``"file"`` or ``"uniform"``.
+        config: the full PatternConfig as plain JSON (``None`` for dense).
+        pattern: the pattern of a uniform config (plain JSON), else ``None``.
+    """
+
+    name: str
+    spec: str
+    kind: str
+    config: dict | None = None
+    pattern: dict | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.kind == "dense"
+
+    def pattern_config(self):
+        """The :class:`~minference.config.PatternConfig` (``None`` for dense)."""
+        from minference.config import PatternConfig
+
+        return None if self.config is None else PatternConfig.from_dict(self.config)
+
+    def counts(self) -> dict[str, int]:
+        """(layer, head) pairs per pattern kind (``{}`` for dense)."""
+        out: dict[str, int] = {}
+        for row in (self.config or {}).get("layers", []):
+            for p in row:
+                out[p["kind"]] = out.get(p["kind"], 0) + 1
+        return out
+
+
+def uniform_config(model: torch.nn.Module, pattern, *, model_id: str | None = None):
+    """A :class:`~minference.config.PatternConfig` giving ``pattern`` to every layer and head of
+    ``model`` (signature from the model, no weights fingerprint; provenance ``manual``)."""
+    from minference.config import PatternConfig, Provenance, _now, _version, model_signature
+    from minference.patterns import pattern_to_dict
+
+    signature = model_signature(model, model_id=model_id, fingerprint=False)
+    layers = [[pattern] * signature.num_heads for _ in range(signature.num_layers)]
+    provenance = Provenance(source="manual", package_version=_version(), created=_now(),
+                            notes=f"uniform: {json.dumps(pattern_to_dict(pattern))} for every layer and head")
+    return PatternConfig(signature, layers, provenance)
+
+
+def _pattern_name(pattern) -> str:
+    kind = pattern.kind
+    if kind == "vertical_slash":
+        return f"VS({pattern.vertical},{pattern.slash})"
+    if kind == "block_sparse":
+        return f"BS(top{pattern.top_k},b{pattern.block})"
+    if kind == "a_shape":
+        return f"A({pattern.sink},{pattern.window})"
+    return "dense-pattern"
+
+
+def _split_spec(spec: str) -> tuple[str | None, str]:
+    m = _NAMED.match(spec)
+    if m and not spec.lstrip().startswith("{"):
+        return m.group(1), m.group(2)
+    return None, spec
+
+
+def _parse_pattern(text: str):
+    from minference.patterns import pattern_from_dict
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EvalError(f"config {text!r} is not valid JSON: {err}") from None
+    try:
+        return pattern_from_dict(data)
+    except (TypeError, ValueError) as err:
+        raise EvalError(f"config {text!r} is not a pattern: {err}") from None
+
+
+def check_config_spec(spec: str) -> None:
+    """Refuse, before any model is loaded, a spec that is neither ``dense``, an existing file nor a
+    valid pattern JSON."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise EvalError(f"config spec must be a non-empty string, got {spec!r}")
+    _, body = _split_spec(spec)
+    body = body.strip()
+    if body == DENSE:
+        return
+    if body.startswith("{"):
+        _parse_pattern(body)
+        return
+    if not Path(body).is_file():
+        raise EvalError(f"unknown config {spec!r}: expected 'dense', a PatternConfig file, or one pattern for "
+                        f"every head as JSON, e.g. {DEFAULT_QWEN_PATTERN!r} (with an optional 'name=' prefix)")
+
+
+def resolve_config(spec: str, model: torch.nn.Module, *, allow_mismatch: bool = False) -> EvalConfig:
+    """:class:`EvalConfig` of one spec for ``model`` (see the module docstring for the forms)."""
+    from minference.config import load_config
+    from minference.patterns import pattern_to_dict
+
+    check_config_spec(spec)
+    name, body = _split_spec(spec)
+    body = body.strip()
+    if body == DENSE:
+        return EvalConfig(name or DENSE, spec, "dense")
+    if body.startswith("{"):
+        pattern = _parse_pattern(body)
+        config = uniform_config(model, pattern)
+        return EvalConfig(name or _pattern_name(pattern), spec, "uniform", config.to_dict(), pattern_to_dict(pattern))
+    config = load_config(body, model, allow_mismatch=allow_mismatch)
+    return EvalConfig(name or Path(body).stem, spec, "file", config.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+
+@dataclass
+class TimeSplit:
+    """Device time (ms) of one profiled prefill: ``attention + index + other = total``.
+
+    Attributes:
+        attention_ms: attention kernels (inside :data:`~minference.dispatch.ATTENTION_RANGE`, or
+            SDPA ops outside it) minus the index time.
+        index_ms: kernels under :data:`~minference.dispatch.INDEX_RANGE` (building + conversion).
+        other_ms: every other kernel of the prefill (projections, MLP, norms, LM head, copies).
+        total_ms: all kernels of the profiled prefill.
+        unlinked_ms: kernel time whose launch call was not in the trace (counted in ``other``).
+    """
+
+    attention_ms: float
+    index_ms: float
+    other_ms: float
+    total_ms: float
+    unlinked_ms: float = 0.0
+
+
+@dataclass
+class SampleRecord:
+    """One (config, task, length, sample) run.
+
+    Attributes:
+        correct: exact match of the greedy answer (``None`` for the perplexity task).
+        text: the generated text (``None`` for perplexity).
+        ttft_s: the timed prefill (``None`` where none was timed).
+        nll: mean next-token NLL (perplexity task), ``nll_buckets`` its mean per position bucket.
+    """
+
+    config: str
+    task: str
+    n_tokens: int
+    index: int
+    seed: int
+    depth: float | None
+    answers: list[str]
+    correct: bool | None
+    text: str | None
+    ttft_s: float | None
+    new_tokens: int = 0
+    nll: float | None = None
+    nll_buckets: list[float] | None = None
+
+
+@dataclass
+class RunStats:
+    """What was measured once per (config, length).
+
+    Attributes:
+        ttft_s: every timed prefill; ``ttft_median_s`` their median.
+        warmup_s: the untimed warm-up prefill.
+        split: :class:`TimeSplit` (``None``: CPU, or profiling off).
+        density, physical_density, coverage: means over layers (``None``: not measured / n/a).
+        layer_*: per layer.
+        calls: attention calls per path in one prefill (``{}`` for dense: unpatched).
+        yarn: the rotary embedding ran YaRN at this length.
+    """
+
+    config: str
+    n_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    ttft_median_s: float | None = None
+    warmup_s: float | None = None
+    split: TimeSplit | None = None
+    density: float | None = None
+    physical_density: float | None = None
+    coverage: float | None = None
+    layer_density: list[float] = field(default_factory=list)
+    layer_physical: list[float | None] = field(default_factory=list)
+    layer_coverage: list[float] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    yarn: bool = False
+
+
+def _build(cls, data: dict):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EvalReport:
+    """Everything :func:`run_eval` measured; :meth:`to_dict` is the JSON file's content."""
+
+    model: dict
+    machine: dict
+    settings: dict
+    configs: list[EvalConfig]
+    lengths: list[int]
+    tasks: list[str]
+    records: list[SampleRecord] = field(default_factory=list)
+    runs: list[RunStats] = field(default_factory=list)
+    started: str = ""
+    wall_s: float = 0.0
+
+    def run(self, config: str, n_tokens: int) -> RunStats | None:
+        return next((r for r in self.runs if r.config == config and r.n_tokens == n_tokens), None)
+
+    def accuracy(self) -> list[dict]:
+        """``{config, task, n_tokens, correct, total}`` per (config, task, length) of the
+        generation tasks, in run order."""
+        out: dict[tuple, dict] = {}
+        for r in self.records:
+            if r.correct is None:
+                continue
+            row = out.setdefault((r.config, r.task, r.n_tokens), dict(config=r.config, task=r.task,
+                                                                      n_tokens=r.n_tokens, correct=0, total=0))
+            row["correct"] += int(r.correct)
+            row["total"] += 1
+        return list(out.values())
+
+    def perplexity(self) -> list[dict]:
+        """``{config, n_tokens, samples, nll, buckets}``: means over the perplexity samples."""
+        groups: dict[tuple, list[SampleRecord]] = {}
+        for r in self.records:
+            if r.nll is not None:
+                groups.setdefault((r.config, r.n_tokens), []).append(r)
+        out = []
+        for (config, n), recs in groups.items():
+            buckets = [statistics.fmean(col) for col in zip(*(r.nll_buckets for r in recs))]
+            out.append(dict(config=config, n_tokens=n, samples=len(recs),
+                            nll=statistics.fmean(r.nll for r in recs), buckets=buckets))
+        return out
+
+    def to_dict(self) -> dict:
+        data = {"format": REPORT_FORMAT, "version": REPORT_VERSION, **asdict(self)}
+        data["summary"] = {"accuracy": self.accuracy(), "perplexity": self.perplexity()}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, allow_nan=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EvalReport:
+        if data.get("format") != REPORT_FORMAT:
+            raise ValueError(f"not an eval report (format {data.get('format')!r})")
+        runs = []
+        for r in data["runs"]:
+            r = dict(r)
+            r["split"] = None if r.get("split") is None else _build(TimeSplit, r["split"])
+            runs.append(_build(RunStats, r))
+        body = {k: v for k, v in data.items() if k not in ("format", "version", "summary")}
+        body["configs"] = [_build(EvalConfig, c) for c in data["configs"]]
+        body["records"] = [_build(SampleRecord, r) for r in data["records"]]
+        body["runs"] = runs
+        return _build(cls, body)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> EvalReport:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements.
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_name(model) -> str:
+    """The forward's cache keyword: ``cache`` (transformers >= 5.2x) or ``past_key_values`` (5.17,
+    the H200's)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _prefill(model, ids: torch.Tensor):
+    """Whole-model prefill; returns ``(seconds, cache, first token id tensor)`` synchronised."""
+    _sync(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True, logits_to_keep=1)
+        first = out.logits[0, -1].argmax()
+    _sync(ids.device)
+    return time.perf_counter() - start, _cache_of(out), first
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _generate(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[float, list[int]]:
+    """Timed prefill, then greedy decode up to ``max_new_tokens`` tokens (stops at EOS)."""
+    ttft, cache, first = _prefill(model, ids)
+    tokens = [int(first)]
+    name = _cache_name(model)
+    with torch.no_grad():
+        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+            nxt = model(torch.tensor([[tokens[-1]]], device=ids.device), use_cache=True, **{name: cache})
+            cache = _cache_of(nxt)
+            tokens.append(int(nxt.logits[0, -1].argmax()))
+    del cache
+    if tokens and tokens[-1] in eos:
+        tokens.pop()
+    return ttft, tokens
+
+
+def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_CHUNK) -> torch.Tensor:
+    """Next-token NLL ``[n - 1]`` float32 (on the CPU) of ``ids [n]`` from ONE prefill of the
+    decoder: the LM head and log-softmax run on ``chunk`` hidden rows at a time, so no
+    ``[n, vocab]`` tensor is ever built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``."""
+    if ids.dim() != 1 or ids.numel() < 2:
+        raise ValueError(f"ids must be 1-D with at least 2 tokens, got shape {tuple(ids.shape)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    n = ids.numel()
+    targets = ids[1:]
+    out = torch.empty(n - 1, dtype=torch.float32, device=ids.device)
+    with torch.no_grad():
+        hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]  # [n, hidden]
+        for s in range(0, n - 1, chunk):
+            e = min(s + chunk, n - 1)
+            logp = torch.log_softmax(head(hidden[s:e]).float(), dim=-1)  # [c, vocab]
+            out[s:e] = -logp.gather(1, targets[s:e, None].long())[:, 0]
+            del logp
+    return out.cpu()
+
+
+def _ancestors(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def split_events(events, *, device: bool = True) -> TimeSplit:
+    """The eq. 13 split of one profiled prefill from ``torch.profiler`` events (``prof.events()``).
+
+    ``device=True``: every device kernel (and copy) counts once, for the host range that was open
+    when its launch call (``cudaLaunchKernel``, ``cuLaunchKernelEx``, ... matched by correlation
+    id) ran, so Triton launches through the driver count as well as ATen's. Ranges count at
+    their outermost occurrence; SDPA ops inside an attention range belong to that range.
+    ``device=False`` splits CPU wall time of the same ranges instead (tests on CPU-only machines).
+    """
+    from minference.dispatch import ATTENTION_RANGE, INDEX_RANGE
+
+    cpu = torch.autograd.DeviceType.CPU
+    host = [e for e in events if e.device_type == cpu and not e.is_async]
+
+    def outermost(test) -> list:
+        return [e for e in host if test(e) and not any(test(a) for a in _ancestors(e))]
+
+    attention = outermost(lambda e: e.name == ATTENTION_RANGE)
+    attention += [e for e in outermost(lambda e: bool(SDPA_OPS.match(e.name)))
+                  if not any(a.name == ATTENTION_RANGE for a in _ancestors(e))]
+    index = outermost(lambda e: e.name == INDEX_RANGE)
+    if not device:
+        total = sum(e.cpu_time_total for e in host if e.cpu_parent is None)
+        att, idx, unlinked = (sum(e.cpu_time_total for e in attention), sum(e.cpu_time_total for e in index), 0.0)
+    else:
+        kernels = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)
+                   and e.name not in (ATTENTION_RANGE, INDEX_RANGE)]
+        launches = {e.id: e for e in host if _LAUNCH_CALLS.match(e.name)}
+        windows = lambda group: [(e.time_range.start, e.time_range.end) for e in group]
+        att_w, idx_w = windows(attention), windows(index)
+        total = att = idx = unlinked = 0.0
+        for k in kernels:
+            t = k.time_range.elapsed_us()
+            total += t
+            call = launches.get(k.id)
+            if call is None:
+                unlinked += t
+                continue
+            at = call.time_range.start
+            if any(a <= at <= b for a, b in att_w):
+                att += t
+                if any(a <= at <= b for a, b in idx_w):
+                    idx += t
+    ms = 1e-3
+    return TimeSplit(attention_ms=(att - idx) * ms, index_ms=idx * ms, other_ms=(total - att) * ms,
+                     total_ms=total * ms, unlinked_ms=unlinked * ms)
+
+
+def _profiled_split(model, ids: torch.Tensor) -> TimeSplit:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.no_grad():
+            model(ids[None], use_cache=True, logits_to_keep=1)
+        _sync(ids.device)
+    return split_events(prof.events(), device=True)
+
+
+def _physical_density(plan, query: torch.Tensor, key: torch.Tensor, scale, fill_gaps: int) -> list[float | None]:
+    """Per local head: area of the tiles the Triton kernels run over the causal pairs, from the
+    dispatcher's own index (vertical-slash: converted tiles; block-sparse: chosen blocks; dense:
+    1); ``None`` for A-shape heads (no materialised index)."""
+    from minference.index import build_group_index, prepare_plan
+    from minference.kernels import convert_vertical_slash, estimate, vs_physical_tiles
+    from minference.kernels._common import default_tiles
+
+    B, Hq, N, _ = query.shape
+    pairs = N * (N + 1) / 2
+    out: list[float | None] = [None] * Hq
+    tiles = default_tiles(query)
+    for dg in prepare_plan(plan, Hq, 0, query.device):
+        heads = dg.heads.tolist()
+        kind = dg.group.kind
+        if kind == "dense":
+            area = [pairs] * len(heads)
+        elif kind == "vertical_slash":
+            vertical, slash = build_group_index(estimate, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
+                                                head_offset=0)
+            index = convert_vertical_slash(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
+                                           block_n=tiles.block_n)
+            area = (vs_physical_tiles(index, tiles.block_n)[0].double() * tiles.block_m * tiles.block_n).tolist()
+        elif kind == "block_sparse":
+            blocks = build_group_index(estimate, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
+                                       head_offset=0)  # [B, Hg, NQB, K]
+            qb = torch.arange(blocks.shape[2], device=blocks.device)[:, None]
+            chosen = ((blocks >= 0) & (blocks <= qb)).sum(dim=(-1, -2))[0]  # [Hg]
+            area = (chosen.double() * dg.group.key[0] ** 2).tolist()
+        else:
+            continue
+        for h, a in zip(heads, area):
+            out[h] = min(1.0, a / pairs) if kind != "dense" else 1.0
+    return out
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    if not values or any(v is None or (isinstance(v, float) and math.isnan(v)) for v in values):
+        return None
+    return float(statistics.fmean(values))
+
+
+def _measure_coverage(model, config, ids: torch.Tensor, stats: RunStats, *, physical: bool) -> None:
+    """One untimed prefill whose observer scores every sparse layer (fills ``stats.layer_*``)."""
+    import minference.integration as integ
+    from minference.app.search import plan_coverage
+    from minference.dispatch import FILL_GAPS
+
+    n = ids.numel()
+    stride = max(1, n // COVERAGE_ROWS)
+    states = integ.layer_states(model)
+    modules = integ.attention_modules(model)
+    L = max(modules) + 1
+    density: list[float] = [1.0] * L
+    cover: list[float] = [1.0] * L
+    phys: list[float | None] = [1.0] * L
+
+    def observer(layer, query, key, seqlens, seqstarts):
+        state = states[layer]
+        heads = query.shape[1]
+        plan = state.plan[state.head_offset: state.head_offset + heads]
+        scale = getattr(modules[layer], "scaling", None)
+        m, d = plan_coverage(query[0].float(), key[0].float(), plan, scale=scale, row_stride=stride)
+        cover[layer], density[layer] = float(m.mean()), float(d.mean())
+        if physical:
+            per_head = _physical_density(plan, query, key, scale, state.fill_gaps or FILL_GAPS)
+            phys[layer] = _mean(per_head)
+        else:
+            phys[layer] = None
+
+    for state in states.values():
+        state.observer = observer
+    try:
+        with torch.no_grad():
+            model(ids[None], use_cache=False, logits_to_keep=1)
+    finally:
+        for state in states.values():
+            state.observer = None
+    stats.layer_density, stats.layer_coverage, stats.layer_physical = density, cover, phys
+    stats.density, stats.coverage, stats.physical_density = _mean(density), _mean(cover), _mean(phys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise EvalError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_tasks(tasks: Sequence[str]) -> list[str]:
+    from minference.app import evals
+
+    known = tuple(evals.TASKS) + (evals.PERPLEXITY_TASK,)
+    tasks = list(tasks)
+    if not tasks:
+        raise EvalError(f"no tasks given; choose from {', '.join(known)}")
+    for t in tasks:
+        if t not in known:
+            raise EvalError(f"unknown task {t!r}; choose from {', '.join(known)}")
+    if len(set(tasks)) != len(tasks):
+        raise EvalError(f"tasks repeat: {tasks}")
+    return tasks
+
+
+def _native_context(model) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    saved = getattr(model, "_minference_rope", None)  # set_context_length keeps the model's own
+    return int(saved[1]) if saved else int(cfg.max_position_embeddings)
+
+
+def _context_limit(model_name: str, model, force_length: bool) -> tuple[int, str]:
+    from minference.app.models import QWEN_YARN_FACTOR
+
+    native = _native_context(model)
+    if model_name == "qwen" or force_length:
+        return int(QWEN_YARN_FACTOR * native), f"YaRN x{QWEN_YARN_FACTOR:g} of the native {native}-token context"
+    return native, f"{model_name}'s {native}-token context (force_length / --force-length: run YaRN beyond it)"
+
+
+def machine_info(device: torch.device) -> dict:
+    """Machine, GPU and package versions of a run."""
+    from importlib import metadata
+
+    from minference.config import hardware_string
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "hardware": hardware_string(), "platform": platform.platform(), "cpus": os.cpu_count(), "gpu": gpu,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": version("transformers"), "triton": version("triton"),
+                     "minference": version("minference")},
+    }
+
+
+def run_eval(
+    model_name: str = "smollm2",
+    *,
+    model_path: str | os.PathLike | None = None,
+    configs: Sequence[str] | None = None,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    tasks: Sequence[str] | None = None,
+    samples: int = DEFAULT_SAMPLES,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    dense_threshold: int | None = None,
+    backend: str = "auto",
+    coverage: bool = True,
+    profile: bool = True,
+    allow_mismatch: bool = False,
+    force_length: bool = False,
+    progress: bool = True,
+    loaded: tuple | None = None,
+) -> EvalReport:
+    """Evaluate ``configs`` on ``model_name`` (see the module docstring).
+
+    Args:
+        model_name: one of :data:`minference.app.models.MODELS`; ``model_path`` the Qwen GGUF.
+        configs: config specs (default: dense + the bundled config for SmolLM2, dense +
+            :data:`DEFAULT_QWEN_PATTERN` for Qwen).
+        lengths: prompt lengths in tokens (each at least what every task needs, at most the model's
+            context: SmolLM2 8K unless ``force_length``, Qwen 128K with YaRN).
+        tasks: names from :data:`minference.app.evals.TASKS` and ``PERPLEXITY_TASK`` (default all).
+        samples: prompts per (task, length).
+        dense_threshold: passed to :func:`minference.patch` (``None``: the dispatcher's default).
+        coverage: measure density and coverage; ``profile``: the CUDA split (ignored on the CPU).
+        loaded: an already loaded, unpatched ``(model, tokenizer)`` (left unpatched).
+
+    Raises:
+        EvalError: unknown task, config or model; lengths, samples or seeds out of range.
+    """
+    from tqdm.auto import tqdm
+
+    import minference.integration as integ
+    from minference.app import evals
+    from minference.app.main_job import DEFAULT_CONFIG
+    from minference.app.models import MODELS, load_model, set_context_length
+
+    t_start = time.perf_counter()
+    if model_name not in MODELS:
+        raise EvalError(f"unknown model {model_name!r}; choose from {', '.join(MODELS)}")
+    tasks = _check_tasks(tasks if tasks is not None else tuple(evals.TASKS) + (evals.PERPLEXITY_TASK,))
+    _check_int("samples", samples, 1)
+    _check_int("seed", seed, 0)
+    lengths = [_check_int("length", n, 2) for n in lengths]
+    if not lengths:
+        raise EvalError("no lengths given")
+    if len(set(lengths)) != len(lengths):
+        raise EvalError(f"lengths repeat: {lengths}")
+    if dense_threshold is not None:
+        _check_int("dense_threshold", dense_threshold, 0)
+    if configs is None:
+        configs = [DENSE, str(DEFAULT_CONFIG) if model_name == "smollm2" else DEFAULT_QWEN_PATTERN]
+    configs = list(configs)
+    if not configs:
+        raise EvalError("no configs given")
+    for spec in configs:
+        check_config_spec(spec)
+    dev = torch.device(device)
+
+    model, tokenizer = loaded if loaded is not None else load_model(model_name, path=model_path, device=dev,
+                                                                    dtype=dtype)
+    if integ.is_patched(model):
+        raise EvalError("pass an unpatched model")
+    dev = next(model.parameters()).device
+    resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch) for spec in configs]
+    names = [c.name for c in resolved]
+    if len(set(names)) != len(names):
+        raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
+    pattern_configs = {c.name: c.pattern_config() for c in resolved}
+
+    gen_tasks = [t for t in tasks if t != evals.PERPLEXITY_TASK]
+    with_ppl = evals.PERPLEXITY_TASK in tasks
+    limit, limit_text = _context_limit(model_name, model, force_length)
+
+    # Build every task's first prompt of every length now: a length too short for a task (or too
+    # long for the model) fails here, not hours into the run.
+    first: dict[int, dict[str, Any]] = {}
+    for n in lengths:
+        first[n] = {}
+        for task in gen_tasks:
+            try:
+                first[n][task] = evals.make_sample(task, tokenizer, n, 0, samples=samples, seed=seed)
+            except ValueError as err:
+                raise EvalError(f"length {n} does not fit task {task!r}: {err}") from None
+        if with_ppl:
+            if n - 1 < NLL_BUCKETS:
+                raise EvalError(f"length {n} is too short for the perplexity task: it needs at least "
+                                f"{NLL_BUCKETS + 1} tokens ({NLL_BUCKETS} position buckets)")
+            try:
+                first[n][evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, 0, seed=seed)
+            except ValueError as err:
+                raise EvalError(f"length {n} does not fit the perplexity task: {err}") from None
+        need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+        if need > limit:
+            raise EvalError(f"length {n} + {need - n} new tokens exceeds {limit_text}")
+
+    report = EvalReport(
+        model={"name": model_name, "path": None if model_path is None else str(model_path),
+               "model_id": str(getattr(model.config, "name_or_path", "") or model_name),
+               "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+               "native_context": _native_context(model)},
+        machine=machine_info(dev),
+        settings={"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
+                  "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
+                  "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
+                  "allow_mismatch": allow_mismatch, "force_length": force_length},
+        configs=resolved, lengths=lengths, tasks=tasks,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    eos = _eos_ids(model, tokenizer)
+    physical = _triton_backend(backend, dev)
+    bar = tqdm(total=len(lengths) * samples * len(resolved), desc="eval", unit="run", disable=not progress)
+    try:
+        for n in lengths:
+            need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+            yarn = set_context_length(model, need)
+            for index in range(samples):
+                if index == 0:
+                    prompts = first[n]
+                else:
+                    prompts = {t: evals.make_sample(t, tokenizer, n, index, samples=samples, seed=seed)
+                               for t in gen_tasks}
+                    if with_ppl:
+                        prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
+                for cfg in resolved:
+                    bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
+                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch)
+                    stats = report.run(cfg.name, n)
+                    if stats is None:
+                        stats = RunStats(cfg.name, n, yarn=yarn)
+                        report.runs.append(stats)
+                        _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
+                                         coverage=coverage, profile=profile, physical=physical)
+                    for task in gen_tasks:
+                        sample = prompts[task]
+                        ids = sample.ids.to(dev)
+                        ttft, tokens = _generate(model, ids, sample.max_new_tokens, eos)
+                        text = tokenizer.decode(tokens, skip_special_tokens=True)
+                        stats.ttft_s.append(ttft)
+                        report.records.append(SampleRecord(
+                            cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
+                            bool(evals.score(sample, text)), text, ttft, len(tokens)))
+                    if with_ppl:
+                        ids = prompts[evals.PERPLEXITY_TASK].to(dev)
+                        ttft = None
+                        if not gen_tasks:  # nothing else is timed: time this prompt's prefill
+                            ttft = _prefill(model, ids)[0]
+                            stats.ttft_s.append(ttft)
+                        nll = sequence_nll(model, ids)
+                        buckets = [float(b) for b in evals.position_buckets(nll, NLL_BUCKETS)]
+                        report.records.append(SampleRecord(
+                            cfg.name, evals.PERPLEXITY_TASK, n, index, seed, None, [], None, None, ttft,
+                            nll=float(nll.mean()), nll_buckets=buckets))
+                    stats.ttft_median_s = float(statistics.median(stats.ttft_s))
+                    bar.update(1)
+    finally:
+        bar.close()
+        if integ.is_patched(model):
+            integ.unpatch(model)
+        set_context_length(model, 1)  # the model's own rotary embedding again
+    report.wall_s = time.perf_counter() - t_start
+    return report
+
+
+def _triton_backend(backend: str, device: torch.device) -> bool:
+    """True when the dispatcher runs the Triton kernels (physical tiles are measurable)."""
+    from minference.dispatch import resolve_backend
+
+    return resolve_backend(backend, device) == "triton"
+
+
+def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool) -> None:
+    import minference.integration as integ
+
+    if integ.is_patched(model):
+        integ.unpatch(model)
+    if config is not None:
+        integ.patch(model, config, dense_threshold=dense_threshold, backend=backend, allow_mismatch=allow_mismatch,
+                    check_fingerprint=False)  # checked once by resolve_config
+
+
+def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunStats, dev: torch.device, *,
+                     coverage: bool, profile: bool, physical: bool) -> None:
+    """Warm-up prefill (untimed), the profiled prefill (CUDA) and the coverage prefill, on the
+    first prompt of this (config, length)."""
+    import minference.integration as integ
+
+    first = next(iter(prompts.values()))
+    ids = (first.ids if hasattr(first, "ids") else first).to(dev)
+    if config is not None:
+        integ.reset_counts(model)
+    stats.warmup_s = _prefill(model, ids)[0]
+    if config is not None:
+        stats.calls = {k: v for k, v in integ.call_counts(model).items() if v}
+    if profile and dev.type == "cuda":
+        stats.split = _profiled_split(model, ids)
+    if config is None:
+        L = len(integ.attention_modules(model))
+        stats.layer_density, stats.layer_coverage, stats.layer_physical = [1.0] * L, [1.0] * L, [1.0] * L
+        stats.density = stats.coverage = stats.physical_density = 1.0
+    elif coverage:
+        _measure_coverage(model, config, ids, stats, physical=physical)
+
+
+# ---------------------------------------------------------------------------------------------
+# Table and plot.
+
+
+def _threshold_text(value: int | None) -> str:
+    if value is None:
+        from minference.dispatch import DENSE_THRESHOLD
+
+        return f"{DENSE_THRESHOLD} (dispatcher default)"
+    return str(value)
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_report(report: EvalReport) -> str:
+    """Markdown: accuracy per task and length (with counts), TTFT median, speedup against dense in
+    the same run, the split, density and coverage; then perplexity by position bucket."""
+    acc = {(a["config"], a["task"], a["n_tokens"]): a for a in report.accuracy()}
+    ppl = {(p["config"], p["n_tokens"]): p for p in report.perplexity()}
+    gen_tasks = [t for t in report.tasks if any(k[1] == t for k in acc)]
+    dense = next((c.name for c in report.configs if c.dense), None)
+    m = report.model
+    gpu = report.machine.get("gpu") or report.machine.get("hardware")
+    lines = [f"## minference eval: {m['name']} ({m['dtype']}) on {report.settings['device']} ({gpu})", "",
+             f"samples {report.settings['samples']} per task and length, seed {report.settings['seed']}, "
+             f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
+             f"backend {report.settings['backend']}", ""]
+    head = ["length", "config"] + gen_tasks + (["NLL"] if ppl else []) + [
+        "TTFT ms", "vs dense", "attn ms", "index ms", "other ms", "density (log/phys)", "coverage", "paths"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in report.lengths:
+        base = report.run(dense, n) if dense else None
+        for c in report.configs:
+            s = report.run(c.name, n)
+            if s is None:
+                continue
+            row = [str(n), c.name]
+            for t in gen_tasks:
+                a = acc.get((c.name, t, n))
+                row.append("-" if a is None else f"{a['correct']}/{a['total']}")
+            if ppl:
+                p = ppl.get((c.name, n))
+                row.append("-" if p is None else f"{p['nll']:.3f}")
+            med = s.ttft_median_s
+            row.append(_fmt(None if med is None else med * 1e3, ".1f"))
+            speed = (base.ttft_median_s / med) if base is not None and base.ttft_median_s and med else None
+            row.append("-" if speed is None else f"{speed:.2f}x")
+            sp = s.split
+            parts = ("attention_ms", "index_ms", "other_ms")
+            row += [_fmt(None if sp is None else getattr(sp, f), ".1f") for f in parts]
+            row.append(f"{_fmt(s.density)} / {_fmt(s.physical_density)}")
+            row.append(_fmt(s.coverage))
+            row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up). "
+              "attn / index / other: device (CUDA kernel) time of one separate profiled prefill, not a split of the "
+              "TTFT (n/a on the CPU: no device timer). density: fraction of causal pairs computed, logical on "
+              f"~{COVERAGE_ROWS} sampled rows / physical tile area (n/a: torch backend or A-shape heads). coverage: "
+              "dense attention mass captured (mean over layers). paths: attention calls per path in one prefill."]
+    if ppl:
+        buckets = max(len(p["buckets"]) for p in ppl.values())
+        head = ["length", "config"] + [f"b{i + 1}" for i in range(buckets)] + ["all"]
+        lines += ["", f"Perplexity task: mean next-token NLL per position bucket (b1 = start, b{buckets} = end)", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for (config, n), p in ppl.items():
+            lines.append("| " + " | ".join([str(n), config] + [f"{b:.3f}" for b in p["buckets"]]
+                                           + [f"{p['nll']:.3f}"]) + " |")
+    configs = [f"- {c.name}: {c.spec} ({c.kind}; {c.counts() or 'SDPA'})" for c in report.configs]
+    lines += ["", "Configs:"] + configs
+    return "\n".join(lines)
+
+
+def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110) -> None:
+    """Accuracy (all generation tasks pooled) against median TTFT, one colour per config and one
+    marker per length; dense drawn as black stars. Needs matplotlib (the ``plot`` extra)."""
+    from minference.app.plots import MATPLOTLIB_HINT
+
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+    except ImportError as err:
+        raise ImportError(f"{MATPLOTLIB_HINT} ({err})") from None
+    pooled: dict[tuple, list[int]] = {}
+    for a in report.accuracy():
+        c = pooled.setdefault((a["config"], a["n_tokens"]), [0, 0])
+        c[0] += a["correct"]
+        c[1] += a["total"]
+    markers = "osD^vP<>Xh"
+    fig = Figure(figsize=(7.0, 4.6))
+    ax = fig.add_subplot()
+    colors = [f"C{i % 10}" for i in range(len(report.configs))]
+    for c, color in zip(report.configs, colors):
+        xs, ys = [], []
+        for li, n in enumerate(report.lengths):
+            s = report.run(c.name, n)
+            got = pooled.get((c.name, n))
+            if s is None or s.ttft_median_s is None or not got:
+                continue
+            x, y = s.ttft_median_s * 1e3, got[0] / got[1]
+            xs.append(x)
+            ys.append(y)
+            if c.dense:
+                ax.scatter([x], [y], marker="*", s=160, color="black", zorder=3)
+            else:
+                ax.scatter([x], [y], marker=markers[li % len(markers)], s=55, color=color, zorder=3)
+            ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        if len(xs) > 1:
+            ax.plot(xs, ys, color="black" if c.dense else color, lw=0.8, alpha=0.5, ls="--" if c.dense else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT, median (ms, log scale)")
+    ax.set_ylabel("accuracy (generation tasks pooled)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"{report.model['name']}: accuracy vs time to first token ({report.settings['device']})", fontsize=9)
+    handles = [Line2D([], [], marker="*" if c.dense else "o", ls="", color="black" if c.dense else col,
+                      label=c.name + (" (dense)" if c.dense and c.name != DENSE else ""))
+               for c, col in zip(report.configs, colors)]
+    handles += [Line2D([], [], marker=markers[i % len(markers)], ls="", color="gray", label=f"{n} tokens")
+                for i, n in enumerate(report.lengths)]
+    ax.legend(handles=handles, fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+EVAL_DESCRIPTION = (
+    "Task accuracy and time to first token of a real model, sparse configs against dense in the same run. "
+    "For every length, sample and config: greedy answers scored by exact match, perplexity by position, TTFT "
+    "after a warm-up, the device-time split of one profiled prefill (CUDA only), density and coverage on sampled "
+    "rows. Prints a markdown table; --out writes every record as JSON, --plot draws accuracy vs TTFT."
+)
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` subcommand to ``minference``'s CLI."""
+    from minference.app.models import MODELS
+
+    p = subparsers.add_parser("eval", help="accuracy and TTFT of a real model: sparse configs vs dense, same run",
+                              description=EVAL_DESCRIPTION)
+    p.add_argument("--model", choices=MODELS, default="smollm2", help="which real model")
+    p.add_argument("--model-path", default=None, help="Qwen GGUF file (default: $MINFERENCE_QWEN_GGUF or the cache)")
+    p.add_argument("--config", dest="configs", action="extend", nargs="+", default=None, metavar="SPEC",
+                   help="'dense', a PatternConfig file, or a pattern JSON for every head, optionally 'name=SPEC' "
+                        "(repeatable; default: dense + the bundled config, or dense + uniform VS(1000,6096) for qwen)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="N",
+                   help="prompt lengths in tokens")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="T", help="tasks (default: all, perplexity included)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="prompts per task and length")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--dense-threshold", type=int, default=None,
+                   help="prompts shorter than this run dense (default: the dispatcher's)")
+    p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--plot", default=None, help="draw accuracy vs TTFT here (needs matplotlib)")
+    p.add_argument("--no-coverage", action="store_true", help="skip density and coverage")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled prefill (CUDA split)")
+    p.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
+    p.add_argument("--force-length", action="store_true", help="lengths beyond SmolLM2's 8K context (YaRN)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_eval_cmd)
+
+
+def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from minference.app.models import ModelNotAvailable
+    from minference.config import ConfigError, ConfigMismatchError
+
+    out = out or sys.stdout
+    try:
+        report = run_eval(
+            args.model, model_path=args.model_path, configs=args.configs, lengths=args.lengths, tasks=args.tasks,
+            samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
+            backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
+            allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
+        )
+    except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable) as err:
+        print(f"minference eval: error: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report), file=out)
+    if args.out:
+        report.save(args.out)
+        print(f"wrote {args.out}", file=out)
+    if args.plot:
+        try:
+            plot_eval(report, args.plot)
+        except ImportError as err:
+            print(f"minference eval: error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}", file=out)
+    return 0

