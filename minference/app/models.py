@@ -240,7 +240,10 @@ def _qwen_tokenizer(file: Path):
 
     saved = file.parent / (file.name + ".tokenizer")
     if (saved / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+        try:
+            return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+        except (OSError, ValueError, KeyError):  # saved by another transformers version: convert again
+            pass
     tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
     try:
         tokenizer.save_pretrained(saved)

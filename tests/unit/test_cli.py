@@ -91,3 +91,14 @@ def test_demo_data_has_the_advertised_structure() -> None:
     assert not cli.torch.equal(q, q2)
     with pytest.raises(ValueError, match="head_dim"):
         cli.demo_qkv(n, head_dim=16)
+
+
+def test_main_job_runs_smollm2_on_a_cpu_and_the_qwen_testbed_on_a_gpu():
+    from minference.app import main_job as J
+
+    assert J.main_job_defaults("cpu") == ("smollm2", J.DEFAULT_CONFIG, J.DEFAULT_TOKENS)
+    assert J.main_job_defaults("cuda") == ("qwen", J.QWEN_CONFIG, J.QWEN_TOKENS)
+    assert J.main_job_defaults("cuda", "smollm2")[0] == "smollm2"
+    assert J.QWEN_CONFIG.is_file() and J.QWEN_TOKENS > 4 * 16384
+    with pytest.raises(ValueError, match="model"):
+        J.main_job_defaults("cpu", "llama")
