@@ -47,7 +47,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
@@ -693,8 +693,11 @@ def run_eval(
     force_length: bool = False,
     progress: bool = True,
     loaded: tuple | None = None,
+    checkpoint: Callable[[EvalReport], None] | None = None,
 ) -> EvalReport:
-    """Evaluate ``configs`` on ``model_name`` (see the module docstring).
+    """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
+    with the report so far after every (length, sample) round (the CLI saves it: a run cut short
+    keeps what it measured).
 
     Args:
         model_name: one of :data:`minference.app.models.MODELS`; ``model_path`` the Qwen GGUF.
@@ -836,6 +839,9 @@ def run_eval(
                             nll=float(nll.mean()), nll_buckets=buckets))
                     stats.ttft_median_s = float(statistics.median(stats.ttft_s))
                     bar.update(1)
+                if checkpoint is not None:
+                    report.wall_s = time.perf_counter() - t_start
+                    checkpoint(report)
     finally:
         bar.close()
         if integ.is_patched(model):
@@ -1064,6 +1070,7 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
             samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
             backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
             allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
+            checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
         )
     except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable) as err:
         print(f"minference eval: error: {err}", file=sys.stderr)
