@@ -685,18 +685,21 @@ def hardware_string() -> str:
 
 
 def weights_fingerprint(model: torch.nn.Module, samples: int = FINGERPRINT_SAMPLES) -> str:
-    """sha256 over every parameter's name, shape and dtype and ``samples`` evenly strided values
-    (as float32), so two different checkpoints of one architecture differ without hashing it all."""
+    """sha256 over every parameter's name and shape and ``samples`` evenly strided values, so two
+    different checkpoints of one architecture differ without hashing it all.
+
+    The values are rounded to bfloat16 and the dtype is not hashed: one checkpoint loaded in
+    float32 (a config searched on a CPU) and in bfloat16 (served on a GPU) is one model."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         if not isinstance(p, torch.Tensor):
             continue
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}".encode())
+        h.update(f"{name}|{tuple(p.shape)}".encode())
         flat = p.detach().reshape(-1)
         if flat.numel() == 0:
             continue
         step = max(1, flat.numel() // samples)
-        sample = flat[::step][:samples].to(device="cpu", dtype=torch.float32).contiguous()
+        sample = flat[::step][:samples].to(device="cpu", dtype=torch.bfloat16).float().contiguous()
         h.update(sample.numpy().tobytes())
     return "sha256:" + h.hexdigest()
 

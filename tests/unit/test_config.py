@@ -231,6 +231,12 @@ def test_unrecorded_fields_are_not_compared(sig):
     assert C.compare_signatures(partial, C.model_signature(tiny_llama(rope_theta=1.0, seed=3))) == []
 
 
+def test_fingerprint_is_the_same_in_float32_and_bfloat16(model):
+    import copy
+
+    assert C.weights_fingerprint(copy.deepcopy(model).to(torch.bfloat16)) == C.weights_fingerprint(model)
+
+
 def test_fingerprint_sees_a_single_changed_weight(model):
     before = C.weights_fingerprint(model)
     with torch.no_grad():
