@@ -35,11 +35,9 @@ def test_distributed_does_not_import_integration():
     assert not any(n.startswith("minference.integration") for n in _imports(ROOT / "minference" / "distributed.py"))
 
 
-def test_each_library_module_imports_first_in_a_fresh_interpreter():
+def test_the_library_imports_without_the_application():
     modules = ["minference.distributed", "minference.integration", "minference.dispatch", "minference.index",
-               "minference.config", "minference.torch_backend", "minference.testing"]
-    code = "import importlib, sys\nfor m in %r:\n    importlib.import_module(m)\n" \
-           "assert not [m for m in sys.modules if m.startswith('minference.app')], 'library pulled in the app'\n"
-    for m in modules:
-        order = [m] + [x for x in modules if x != m]
-        subprocess.run([sys.executable, "-c", code % (order,)], check=True, cwd=ROOT)
+               "minference.config", "minference.torch_backend", "minference.testing", "minference.kernels"]
+    code = ("import importlib, sys\nfor m in %r:\n    importlib.import_module(m)\n"
+            "assert not [m for m in sys.modules if m.startswith('minference.app')], 'library pulled in the app'\n")
+    subprocess.run([sys.executable, "-c", code % (modules,)], check=True, cwd=ROOT)
