@@ -272,11 +272,25 @@ def _gpu_case(N: int, dtype=torch.bfloat16):
     return q, k, v, plan, seqlens, seqstarts
 
 
+#: The budget rules and the query-aware routing score under CUDA-graph capture (8 heads).
+ADAPTIVE_GPU_PLAN = [
+    VerticalSlash(vertical=64, slash=128, rule="mass", threshold=0.9, min_vertical=8, min_slash=16),
+    VerticalSlash(vertical=64, slash=128), BlockSparse(top_k=8, rule="relative", threshold=0.12),
+    BlockSparse(top_k=8, rule="mass", threshold=0.95, min_blocks=2), BlockSparse(top_k=4),
+    VerticalSlash(vertical=32, slash=256, rule="relative", threshold=0.08),
+    VerticalSlash(vertical=100, slash=64, last_q=128, rule="mass", threshold=0.95),
+    BlockSparse(top_k=8, rule="relative", threshold=0.1, estimate="query"),
+]
+
+
 @pytest.mark.gpu
-def test_cuda_graph_capture_matches_eager() -> None:
+@pytest.mark.parametrize("adaptive", [False, True], ids=["budgets", "adaptive"])
+def test_cuda_graph_capture_matches_eager(adaptive: bool) -> None:
     """Capturing the whole triton path in a CUDA graph fails on any host synchronisation; the
-    replay on new inputs matches an eager call on them."""
+    replay on new inputs matches an eager call on them (fixed budgets, and the adaptive rules)."""
     q, k, v, plan, seqlens, seqstarts = _gpu_case(4096 + 37)
+    if adaptive:
+        plan = ADAPTIVE_GPU_PLAN
     kw = dict(seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend="triton")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

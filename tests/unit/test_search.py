@@ -96,14 +96,19 @@ def test_candidates_have_comparable_worst_case_cost(n, rho):
     assert int(block_sparse_mask(n, keep, bs.block).sum()) <= budget
 
 
-def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
+def _tiny_llama_and_prompts(n: int):
+    """A random 2-layer Llama (4 query / 2 kv heads) and two random prompts of ``n`` tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).eval()
-    prompts = [torch.randint(0, 64, (160,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    return LlamaForCausalLM(cfg).eval(), prompts
+
+
+def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
+    model, prompts = _tiny_llama_and_prompts(160)
     res = S.search(model, prompts, target_density=0.4, min_mass=0.0, seed=7, progress=False)
     assert model.config._attn_implementation == "sdpa"  # the observer is gone again
     assert not any(hasattr(m, "minference_observer") for m in model.modules())
@@ -210,13 +215,7 @@ def test_tile_density_of_slashes_counts_their_key_tiles(offsets):
 
 
 def test_cheapest_selection_takes_the_least_costly_candidate_that_holds_on_the_worst_prompt():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).eval()
-    prompts = [torch.randint(0, 64, (1024,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    model, prompts = _tiny_llama_and_prompts(1024)
     cands = [AShape(sink=16, window=128), AShape(sink=16, window=512), BlockSparse(top_k=8, block=64), Dense()]
     res = S.search(model, prompts, candidates=cands, min_mass=0.5, select="cheapest", progress=False, row_stride=8)
     assert res.worst_mass.shape == res.cost.shape == (2, 4, 4)
