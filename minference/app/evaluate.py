@@ -38,7 +38,6 @@ The loop runs length -> sample -> config, so every config sees the same prompts.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -53,6 +52,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from minference.app.models import decode_step, output_cache, synchronize
 
 __all__ = [
     "DENSE",
@@ -387,32 +388,15 @@ class EvalReport:
 # Measurements.
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _cache_name(model) -> str:
-    """The forward's cache keyword: ``cache`` (transformers >= 5.2x) or ``past_key_values`` (5.17,
-    the H200's)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 def _prefill(model, ids: torch.Tensor):
     """Whole-model prefill; returns ``(seconds, cache, first token id tensor)`` synchronised."""
-    _sync(ids.device)
+    synchronize(ids.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model(ids[None], use_cache=True, logits_to_keep=1)
         first = out.logits[0, -1].argmax()
-    _sync(ids.device)
-    return time.perf_counter() - start, _cache_of(out), first
+    synchronize(ids.device)
+    return time.perf_counter() - start, output_cache(out), first
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -430,11 +414,10 @@ def _generate(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> t
     """Timed prefill, then greedy decode up to ``max_new_tokens`` tokens (stops at EOS)."""
     ttft, cache, first = _prefill(model, ids)
     tokens = [int(first)]
-    name = _cache_name(model)
     with torch.no_grad():
         while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            nxt = model(torch.tensor([[tokens[-1]]], device=ids.device), use_cache=True, **{name: cache})
-            cache = _cache_of(nxt)
+            nxt = decode_step(model, tokens[-1], cache, ids.device)
+            cache = output_cache(nxt)
             tokens.append(int(nxt.logits[0, -1].argmax()))
     del cache
     if tokens and tokens[-1] in eos:
@@ -526,7 +509,7 @@ def _profiled_split(model, ids: torch.Tensor) -> TimeSplit:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with torch.no_grad():
             model(ids[None], use_cache=True, logits_to_keep=1)
-        _sync(ids.device)
+        synchronize(ids.device)
     return split_events(prof.events(), device=True)
 
 

@@ -25,6 +25,8 @@ from typing import TextIO
 
 import torch
 
+from minference.app.models import decode_step, output_cache, synchronize
+
 __all__ = [
     "DEFAULT_CONFIG",
     "DEFAULT_TOKENS",
@@ -114,28 +116,23 @@ class MainJobReport:
         return sum(self.layer_coverage) / len(self.layer_coverage) if self.layer_coverage else float("nan")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _prefill_and_decode(model, ids: torch.Tensor, steps: int, tokenizer, bar=None, observer_time=None) -> RunResult:
     device = ids.device
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model(ids[None], use_cache=True, logits_to_keep=1)
-    _sync(device)
+    synchronize(device)
     prefill = time.perf_counter() - start - (observer_time[0] if observer_time else 0.0)
     tokens, margins = [], []
-    cache, logits = out.cache, out.logits[0, -1]
+    cache, logits = output_cache(out), out.logits[0, -1]
     with torch.no_grad():
         for _ in range(steps):
             top = torch.topk(logits.float(), 2)
             tokens.append(int(top.indices[0]))
             margins.append(float(top.values[0] - top.values[1]))
-            nxt = model(torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True)
-            cache, logits = nxt.cache, nxt.logits[0, -1]
+            nxt = decode_step(model, tokens[-1], cache, device)
+            cache, logits = output_cache(nxt), nxt.logits[0, -1]
     return RunResult(prefill, tokens, tokenizer.decode(tokens), min(margins))
 
 
@@ -295,12 +292,12 @@ def _greedy(model, ids: torch.Tensor, steps: int) -> tuple[list[int], list[torch
     tokens, logits_seq = [], []
     with torch.no_grad():
         out = model(ids[None], use_cache=True, logits_to_keep=1)
-        cache, logits = out.cache, out.logits[0, -1].float()
+        cache, logits = output_cache(out), out.logits[0, -1].float()
         for _ in range(steps):
             logits_seq.append(logits)
             tokens.append(int(logits.argmax()))
-            nxt = model(torch.tensor([[tokens[-1]]], device=ids.device), cache=cache, use_cache=True)
-            cache, logits = nxt.cache, nxt.logits[0, -1].float()
+            nxt = decode_step(model, tokens[-1], cache, ids.device)
+            cache, logits = output_cache(nxt), nxt.logits[0, -1].float()
     return tokens, logits_seq
 
 

