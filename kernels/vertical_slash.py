@@ -298,17 +298,7 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
         raise ValueError(f"vertical-slash tiles {prep.tiles} exceed the packed diagonal window")
     if index.n != prep.N:
         raise ValueError(f"index.n={index.n} but the sequence length is {prep.N}")
-    if tuple(index.run_count.shape) != (prep.B, prep.Hg):
-        raise ValueError(f"index is for [B, H]={tuple(index.run_count.shape)}, expected {(prep.B, prep.Hg)}")
-    if index.run_count.device != q.device:
-        raise ValueError(f"index must be on {q.device}, got {index.run_count.device}")
-    nqb = triton.cdiv(prep.N, prep.tiles.block_m)
-    NV = index.columns.shape[-1] if index.columns.dim() == 3 else -1
-    for name, want in (("columns", (prep.B, prep.Hg, NV)), ("col_lead", (prep.B, prep.Hg, nqb)),
-                       ("col_index", (prep.B, prep.Hg, nqb, NV))):
-        x = getattr(index, name)
-        if tuple(x.shape) != want or not x.is_contiguous():
-            raise ValueError(f"index.{name} must be contiguous with shape {want}, got {tuple(x.shape)}")
+    _check_physical(prep, index, q.device)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:
@@ -329,6 +319,40 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
             SCRATCH_STAGES=SCRATCH_STAGES,
         )
     return finish(prep, return_lse)
+
+
+def _check_physical(prep: Prepared, index: VSIndex, device) -> None:
+    """Every tensor field of ``index`` must have the shape, dtype and (contiguous) layout the
+    kernel addresses it with, on ``device``. Only metadata is read: no host synchronisation, on
+    every device and with ``validate`` on or off (the kernel reads each field through flat offsets
+    computed from these shapes, so a mismatch would read out of bounds, not raise)."""
+    B, Hg, n = prep.B, prep.Hg, prep.N
+    if tuple(index.run_count.shape) != (B, Hg):
+        raise ValueError(f"index is for [B, H]={tuple(index.run_count.shape)}, expected {(B, Hg)}")
+    nqb = triton.cdiv(n, prep.tiles.block_m)
+    R = index.run_start.shape[-1] if index.run_start.dim() == 3 else -1
+    NV = index.columns.shape[-1] if index.columns.dim() == 3 else -1
+    NW = BITS_PAD_WORDS + triton.cdiv(n, _WORD) + 1
+    i32, i8 = torch.int32, torch.int8
+    want = {
+        "run_start": ((B, Hg, R), i32), "run_end": ((B, Hg, R), i32), "run_count": ((B, Hg), i32),
+        "run_solid": ((B, Hg, R), i8), "columns": ((B, Hg, NV), i32), "col_index": ((B, Hg, nqb, NV), i32),
+        "col_count": ((B, Hg, nqb), i32), "col_before": ((B, Hg, nqb), i32), "col_lead": ((B, Hg, nqb), i32),
+        "diag_bits": ((B, Hg, NW), torch.int64), "col_mask": ((B, Hg, n), i8),
+    }
+    if R < 1:
+        raise ValueError(f"index.run_start must have shape [B, H, R] with R >= 1, got {tuple(index.run_start.shape)}")
+    for name, (shape, dtype) in want.items():
+        x = getattr(index, name)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"index.{name} must be a tensor, got {type(x).__name__}")
+        if tuple(x.shape) != shape or not x.is_contiguous():
+            raise ValueError(f"index.{name} must be contiguous with shape {shape}, got {tuple(x.shape)}"
+                             + ("" if x.is_contiguous() else " (not contiguous)"))
+        if x.dtype != dtype:
+            raise TypeError(f"index.{name} must have dtype {dtype}, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"index must be on {device}, got index.{name} on {x.device}")
 
 
 def _column_scratch(prep: Prepared, k, v, index: VSIndex, heads: torch.Tensor, wide: int):

@@ -218,20 +218,52 @@ def test_physical_tile_count_matches_the_kernel_loop(data):
         assert int(got[0, h]) == want
 
 
+def _mutations(x: torch.Tensor):
+    """Ways to make one field of a physical index disagree with the kernel's addressing: one entry
+    short on the last axis, the right shape but not contiguous, the wrong dtype."""
+    short = x[..., :-1]
+    strided = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)[..., ::2]
+    strided.copy_(x)
+    wide = torch.int16 if x.dtype == torch.int64 else torch.int64
+    return (("short", short, ValueError), ("strided", strided, ValueError), ("dtype", x.to(wide), TypeError))
+
+
 def test_physical_index_must_match_the_kernel():
-    q = torch.randn(1, 2, 40, 16, device=DEVICE)
-    k = torch.randn(1, 1, 40, 16, device=DEVICE)
-    idx = torch.zeros(1, 2, 1, dtype=torch.int32, device=DEVICE)
-    bm = kernels.vertical_slash_block_m(q)
+    """Every field of a mismatched physical index is refused before the launch, the same on every
+    device: the geometry is derived from the kernel's own query tile (several query blocks, several
+    columns and runs), so no mutation below is a no-op there. (On main the fixture was N=40, one
+    column: with the CUDA fp32 tile of 64 rows there was one query block, so cutting col_lead to one
+    block or transposing a [1, 1] col_index changed nothing, and the GPU tier saw "DID NOT RAISE".)"""
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.randn(1, 2, 8, 16, generator=g).to(DEVICE)
+    bm = kernels.vertical_slash_block_m(q0)
+    N = 2 * bm + 7  # three query blocks, the last one partial
+    q = torch.randn(1, 2, N, 16, generator=g).to(DEVICE)
+    k = torch.randn(1, 1, N, 16, generator=g).to(DEVICE)
+    vert = torch.tensor([[[3, N - 2, 0], [1, 1, -1]]], dtype=torch.int32, device=DEVICE)
+    sl = torch.tensor([[[0, N // 2], [2, -1]]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="block_m"):
-        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(idx, idx, 40, block_m=bm + 1))
+        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(vert, sl, N, block_m=bm + 1))
     with pytest.raises(ValueError, match="index.n"):
-        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(idx, idx, 41, block_m=bm))
+        kernels.vertical_slash_attention_physical(q, k, k, kernels.convert_vertical_slash(vert, sl, N + 1, block_m=bm))
     with pytest.raises(TypeError, match="VSIndex"):
-        kernels.vertical_slash_attention_physical(q, k, k, (idx, idx))
-    # the column fields must agree with one another (the column scratch is read through them)
-    good = kernels.convert_vertical_slash(idx, idx, 40, block_m=bm)
-    for field, bad in (("columns", good.columns[:, :1]), ("col_lead", good.col_lead[..., :1]),
-                       ("col_index", good.col_index.transpose(-1, -2))):
-        with pytest.raises(ValueError, match=f"index.{field}"):
-            kernels.vertical_slash_attention_physical(q, k, k, dataclasses.replace(good, **{field: bad}))
+        kernels.vertical_slash_attention_physical(q, k, k, (vert, sl))
+    good = kernels.convert_vertical_slash(vert, sl, N, block_m=bm)
+    kernels.vertical_slash_attention_physical(q, k, k, good)  # the unmutated index is accepted
+    with pytest.raises(ValueError, match=r"\[B, H\]"):
+        kernels.vertical_slash_attention_physical(q[:, :1], k, k, good)
+    # the sizes that define the others (R from run_start, NV from columns) name a sibling
+    names = {"run_start": "index.(run_start|run_end|run_solid)", "columns": "index.(columns|col_index)",
+             "run_count": r"\[B, H\]|index.run_count"}
+    checked = 0
+    for f in dataclasses.fields(convert.VSIndex):
+        x = getattr(good, f.name)
+        if not isinstance(x, torch.Tensor) or f.name in ("diag_mask", "dense"):  # not read by the kernel
+            continue
+        for how, bad, err in _mutations(x):
+            # the mutation really changes what the kernel would address (never a no-op)
+            assert bad.shape != x.shape or not bad.is_contiguous() or bad.dtype != x.dtype, (f.name, how)
+            with pytest.raises(err, match=names.get(f.name, f"index.{f.name}")):
+                kernels.vertical_slash_attention_physical(q, k, k, dataclasses.replace(good, **{f.name: bad}))
+            checked += 1
+    assert checked == 3 * 11
