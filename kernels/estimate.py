@@ -46,7 +46,7 @@ from minference._checks import check_qkv, check_ragged, default_scale
 from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor, select_vertical_slash
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
-__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "query_block_scores"]
+__all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "query_block_scores", "select_query_blocks"]
 
 #: Keys per program of the vertical-slash estimator (at least its row chunk). H200, 128K, smooth
 #: inputs, whole index build (``bench_end_to_end.py --index-sweep``, s4 runs 2 and 3): 64 keys
@@ -517,7 +517,7 @@ def block_sparse_index(
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
         return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved,
         rule=rule, threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules,
-        estimate=estimate, scorer=query_block_scores)
+        estimate=estimate, scorer=query_block_scores, selector=select_query_blocks)
 
 
 #: Block-mean keys per loop step of the query-aware block scores (:func:`_qbs_kernel`).
@@ -674,4 +674,141 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
                                BM=max(_MIN_DOT, triton.next_power_of_2(block)), KT=QBS_KEY_TILE,
                                BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(D)), SPLIT=split,
                                F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
+    return out
+
+
+#: Scores per loop step of the fused block selection (:func:`_block_select_kernel`).
+BLOCK_SELECT_CHUNK = 1024
+#: Warps per program of the fused block selection.
+BLOCK_SELECT_WARPS = 4
+_TOP_K_CODE = 0  # minference.index.RULE_CODES["top_k"], checked in select_query_blocks
+_RELATIVE_CODE = 2  # minference.index.RULE_CODES["relative"]
+
+
+@triton.jit
+def _block_candidates(row, pos, I, sinks, FORCE_DIAG: tl.constexpr):
+    """A chunk of one query block's routing scores: ``(x, valid, forced)``; NaN and positions
+    past the diagonal are no candidates (``-inf``)."""
+    x = tl.load(row + pos, mask=pos <= I, other=float("-inf"))
+    x = tl.where(x == x, x, float("-inf"))
+    valid = x > float("-inf")
+    forced = pos < sinks
+    if FORCE_DIAG:
+        forced = forced | (pos == I)
+    return x, valid, valid & forced
+
+
+@triton.jit
+def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_ptr, mins_ptr, out_ptr,
+                         Hg, NQB, block, width, FORCE_DIAG: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per (batch row, head, query block ``I``): the block selection of
+    :func:`minference.index.select_top` for the ``"top_k"`` and ``"relative"`` rules on
+    query-aware scores (weights = the scores), without a sort.
+
+    Pass 1: the row's largest score, its valid and forced counts; pass 2 (relative): how many
+    unforced candidates reach ``alpha * max`` (compared in float64, as the definition does). The
+    count ``c = min(max(rule count, minimum, forced), budget, candidates, width)`` then picks the
+    ``c`` largest (forced ones as ``+inf``, ties to the lowest position) by the radix select of
+    :func:`_select_kernel`: four 8-bit histogram passes find the ``c``-th largest key and the ties
+    to take, a last pass writes the chosen positions ascending, -1 after."""
+    r = tl.program_id(0)  # b * Hg + g
+    I = tl.program_id(1)
+    g = r % Hg
+    b = r // Hg
+    n = tl.load(lens_ptr + b)
+    out = out_ptr + (r.to(tl.int64) * NQB + I) * width
+    offs = tl.arange(0, CHUNK)
+    row = s_ptr + (r.to(tl.int64) * NQB + I) * NQB
+    sinks = tl.load(sinks_ptr + g).to(tl.int32)
+    end = tl.where(I < (n + block - 1) // block, I + 1, 0)  # no candidate in a block past the row
+    top = tl.full([], float("-inf"), tl.float32)
+    n_valid = tl.zeros([], tl.int32)
+    n_forced = tl.zeros([], tl.int32)
+    for c0 in range(0, end, CHUNK):
+        x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
+        top = tl.maximum(top, tl.max(x, 0))
+        n_valid += tl.sum(valid.to(tl.int32), 0)
+        n_forced += tl.sum(forced.to(tl.int32), 0)
+    code = tl.load(code_ptr + g)
+    budget = tl.load(tops_ptr + g).to(tl.int32)
+    count = budget
+    if code == 2:  # relative
+        bar = tl.load(alpha_ptr + g) * top.to(tl.float64)
+        above = tl.zeros([], tl.int32)
+        for c0 in range(0, end, CHUNK):
+            x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
+            above += tl.sum((valid & ~forced & (x.to(tl.float64) >= bar)).to(tl.int32), 0)
+        count = tl.maximum(n_forced + above, tl.load(mins_ptr + g).to(tl.int32))
+    count = tl.minimum(tl.maximum(count, n_forced), budget)
+    need = tl.minimum(tl.minimum(count, n_valid), width)
+    bins = tl.arange(0, 512)
+    prefix = tl.zeros([], tl.int64)  # the digits of the need-th largest key chosen so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([512], tl.int32)
+        for c0 in range(0, end, CHUNK):
+            x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
+            u = _order_bits(tl.where(forced, float("inf"), x))
+            ok = valid
+            if p > 0:
+                ok = ok & ((u >> (32 - 8 * p)) == prefix)
+            hist += tl.histogram(tl.where(ok, (u >> (24 - 8 * p)) & 255, 256).to(tl.int32), 512)
+        hist = tl.where(bins < 256, hist, 0)
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [bin]: entries with digit >= bin
+        digit = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), 0)  # 255 when need == 0
+        need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), 0)  # minus those above the digit
+        prefix = prefix * 256 + digit
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, end, CHUNK):
+        pos = c0 + offs
+        x, valid, forced = _block_candidates(row, pos, I, sinks, FORCE_DIAG)
+        u = _order_bits(tl.where(forced, float("inf"), x))
+        eq = valid & (u == prefix)
+        sel = (valid & (u > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, pos, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(taken, width, CHUNK):
+        tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
+
+
+def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor, budget: torch.Tensor,
+                        rule, *, block: int, force_diagonal: bool, width: int) -> torch.Tensor | None:
+    """The block selection of :func:`minference.index.build_block_sparse_index` on query-aware
+    scores in one launch, or ``None`` when a head may use the ``"mass"`` rule (its prefix sums
+    stay with :func:`minference.index.select_top`; decided on the host from ``rule.rules``).
+
+    Args:
+        scores: ``[B, Hg, NQB, NQB]`` float32 :func:`query_block_scores` (``-inf`` = no candidate).
+        lens: ``[B]`` int row lengths; sinks, budget: ``[Hg]`` forced leading blocks and the
+            budget (``top_k``'s count, the relative rule's maximum) per computed head.
+        rule: the heads' :class:`minference.index.SelectionRule` or ``None`` (every head top-k).
+        block: the routing block; force_diagonal: keep each query block's own block.
+        width: output width.
+
+    Returns:
+        ``[B, Hg, NQB, width]`` int32 key blocks, ascending, -1 padded: the same sets as
+        :func:`minference.index.select_top` (ties to the lowest position). No host sync.
+    """
+    from minference.index import RULE_CODES
+
+    assert RULE_CODES["top_k"] == _TOP_K_CODE and RULE_CODES["relative"] == _RELATIVE_CODE
+    if rule is not None and not rule.rules <= {"top_k", "relative"}:
+        return None
+    B, Hg, nqb, _ = scores.shape
+    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=scores.device)
+    if out.numel() == 0:
+        return out
+    dev = scores.device
+    if rule is None:
+        code = torch.zeros(Hg, dtype=torch.int64, device=dev)
+        alpha = torch.zeros(Hg, dtype=torch.float64, device=dev)
+        mins = torch.zeros(Hg, dtype=torch.int64, device=dev)
+    else:
+        code, alpha, mins = rule.code, rule.threshold.to(torch.float64), rule.minimum
+    scores = scores.contiguous()
+    _block_select_kernel[(B * Hg, nqb)](scores, lens, sinks, budget, code, alpha, mins, out, Hg, nqb, block, width,
+                                        FORCE_DIAG=force_diagonal,
+                                        CHUNK=min(BLOCK_SELECT_CHUNK, max(16, triton.next_power_of_2(nqb))),
+                                        num_warps=BLOCK_SELECT_WARPS)
     return out

@@ -575,13 +575,15 @@ def _check_rules(rules, count: int, heads: torch.Tensor) -> tuple[SelectionRule,
 def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
                              seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None,
                              rule="top_k", threshold=None, min_blocks=0, resolved_rules=None, estimate="pooled",
-                             scorer=None):
+                             scorer=None, selector=None):
     """Validation, pooled scores, masks and selection around ``pooler`` (which mean-pools blocks):
     shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
     ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead;
     ``resolved_rules``: :func:`block_sparse_rules` of ``rule``, ``threshold``, ``min_blocks``.
     ``estimate="query"`` routes by ``scorer`` (the builders' ``query_block_scores``, same
-    arguments) instead of the pooled logits; its scores are the selection weights."""
+    arguments) instead of the pooled logits; its scores are the selection weights. ``selector``
+    (the Triton builder's ``select_query_blocks``) then takes the whole selection in one launch
+    where the heads' rules allow (``None`` from it: the chunked :func:`select_top` runs)."""
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
@@ -607,6 +609,10 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     else:
         qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
         km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
+    if query and selector is not None and width > 0:
+        out = selector(weights, lens, sinks, tops, rule_b, block=block, force_diagonal=force_diagonal, width=width)
+        if out is not None:
+            return (out, weights) if return_scores else out
     nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
     J = torch.arange(nqb, device=q.device)
     out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)

@@ -250,6 +250,82 @@ def test_vertical_slash_builders_keep_the_rule(fast, data) -> None:
                     assert len(got) == min(budget, n)
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@settings(max_examples=min(settings().max_examples, 8), deadline=None)
+@given(data=st.data())
+def test_fused_block_selection_is_the_naive_rule(device, data) -> None:
+    """The one-launch block selection (``select_query_blocks``: radix select, no sort) on
+    query-aware scores in ``[0, 1]`` with ties: per head ``"top_k"`` or ``"relative"``, minima,
+    budgets, sinks, the diagonal, rows past a length, NaN scores (no candidate): exactly the
+    naive rule's sets (ties to the lowest position), ascending, -1 after; a ``"mass"`` head
+    hands the selection back (``None``)."""
+    B, Hg, nqb = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 24))
+    block = data.draw(st.sampled_from((1, 16, 64)))
+    scores = _rows(data, (B, Hg, nqb, nqb), logits=False)
+    nb = [data.draw(st.integers(0, nqb)) for _ in range(B)]
+    lens = [max(0, data.draw(st.integers((n - 1) * block + 1, n * block))) if n else 0 for n in nb]
+    J = torch.arange(nqb)
+    ok = (J[None, None, :] <= J[None, :, None]) & (J[None, :, None] < torch.tensor(nb)[:, None, None])
+    scores = scores.masked_fill(~ok[:, None], float("-inf"))
+    if data.draw(st.booleans(), label="nan"):
+        scores[0, 0, -1, 0] = float("nan")
+    budgets = [data.draw(st.integers(1, nqb + 2)) for _ in range(Hg)]
+    diagonal = data.draw(st.booleans())
+    sinks = [data.draw(st.integers(0, b - diagonal)) for b in budgets]
+    codes = [2 * data.draw(st.integers(0, 1)) for _ in range(Hg)]  # top_k or relative
+    thresholds = [data.draw(THRESHOLDS) for _ in range(Hg)]
+    minima = [data.draw(st.integers(0, b)) for b in budgets]
+    width = min(max(budgets) + data.draw(st.integers(-1, 1)), nqb)
+    rule = _rule(codes, thresholds, minima)
+    to = lambda x: x.to(device)  # noqa: E731
+    dev_rule = type(rule)(to(rule.code), to(rule.threshold), to(rule.minimum), rule.rules - {"mass"})
+    got = triton_builders.select_query_blocks(
+        to(scores), to(torch.tensor(lens, dtype=torch.int32)), to(torch.tensor(sinks)), to(torch.tensor(budgets)),
+        dev_rule, block=block, force_diagonal=diagonal, width=width).cpu()
+    assert got.dtype == torch.int32 and got.shape == (B, Hg, nqb, width)
+    for b in range(B):
+        for h in range(Hg):
+            for I in range(nqb):
+                f = {j for j in range(I + 1) if j < sinks[h] or (diagonal and j == I)}
+                want = _naive(scores[b, h, I], f, budgets[h], codes[h], thresholds[h], minima[h], False, width)
+                picked = _picked(got[b, h, I].tolist())
+                assert picked == sorted(want), (b, h, I, RULES[codes[h]], thresholds[h], picked, sorted(want))
+    assert triton_builders.select_query_blocks(to(scores), to(torch.tensor(lens, dtype=torch.int32)),
+                                               to(torch.tensor(sinks)), to(torch.tensor(budgets)), _rule(
+                                                   [1] * Hg, thresholds, minima), block=block,
+                                               force_diagonal=diagonal, width=width) is None
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_block_selection_boundaries(device) -> None:
+    """Rows where the rule's boundary falls on ties: all scores equal with alpha 1 (every block
+    reaches alpha * max), three levels with alpha 2/3 exactly on a level, top-k cutting a run of
+    equal scores (lowest positions win), a minimum above the relative count, a budget below it."""
+    nqb = 12
+    flat = torch.full((nqb,), 0.25)
+    levels = (torch.arange(nqb) % 3).float() / 3 + 1 / 3  # 1/3, 2/3, 1, ...
+    scores = torch.stack([flat, levels, flat, levels, levels])[None, :, None].expand(1, 5, nqb, nqb).clone()
+    scores = scores.masked_fill(torch.arange(nqb)[None, None, None] > torch.arange(nqb)[None, None, :, None],
+                                float("-inf"))
+    codes, thresholds = [2, 2, 0, 2, 2], [1.0, 2 / 3, 1.0, 1.0, 0.1]
+    budgets, minima, sinks = [nqb, nqb, 5, nqb, 3], [0, 0, 0, 7, 0], [1, 0, 0, 0, 1]
+    rule = _rule(codes, thresholds, minima)
+    rule = type(rule)(rule.code.to(device), rule.threshold.to(device), rule.minimum.to(device), frozenset({"top_k",
+                                                                                                           "relative"}))
+    got = triton_builders.select_query_blocks(
+        scores.to(device), torch.tensor([nqb * 16], dtype=torch.int32, device=device),
+        torch.tensor(sinks, device=device), torch.tensor(budgets, device=device), rule, block=16,
+        force_diagonal=True, width=nqb).cpu()
+    for h in range(5):
+        for I in range(nqb):
+            f = {j for j in range(I + 1) if j < sinks[h] or j == I}
+            want = _naive(scores[0, h, I], f, budgets[h], codes[h], thresholds[h], minima[h], False, nqb)
+            assert _picked(got[0, h, I].tolist()) == sorted(want), (h, I)
+    assert _picked(got[0, 0, nqb - 1].tolist()) == list(range(nqb))  # alpha 1 on a flat row: all
+
+
 @pytest.mark.parametrize("estimate", ["pooled", "query"])
 @pytest.mark.parametrize("fast", IMPLS)
 @FEW
