@@ -30,7 +30,7 @@ from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
 from minference.reference.masks import check_fill_gaps
 
-__all__ = ["sparse_prefill", "dense_prefill", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend",
+__all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend",
            "INDEX_RANGE", "ATTENTION_RANGE", "profile_range"]
 
 #: Prompts shorter than this many tokens run dense attention. H200 runs of
@@ -148,6 +148,7 @@ def sparse_prefill(
     backend: str = "auto",
     fill_gaps: int = FILL_GAPS,
     dense_over: float | None = None,
+    dense_tail: int = 0,
 ) -> torch.Tensor:
     """Prefill attention of one layer with each head's sparse pattern.
 
@@ -168,6 +169,10 @@ def sparse_prefill(
             than ``dense_over`` times the dense causal key tiles computes dense causal attention
             instead (:func:`minference.kernels.convert.convert_vertical_slash`; decided on the
             device, no sync). ``None`` (default): never.
+        dense_tail: the last ``dense_tail`` query rows of every row (batch row) attend densely,
+            whatever their heads' patterns (:func:`dense_tail_attention`): the rows that make
+            the first generated token, a small share of the work (``dense_tail / N`` of the
+            rows). 0 (default): every row follows its pattern.
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype.
@@ -187,6 +192,8 @@ def sparse_prefill(
         _check_triton_plan(groups, q)
     elif dense_over is not None:
         raise ValueError("dense_over needs the triton backend (the torch backend has no tile cost model)")
+    if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
+        raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
     if N < dense_threshold or all(g.group.kind == "dense" for g in groups):
         return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name)
     ops = _ops(name)
@@ -217,6 +224,45 @@ def sparse_prefill(
                              **rows)
         else:
             _dense_heads(ops, q, k, v, dg.heads, out=out, **rows)
+    if dense_tail:
+        dense_tail_attention(q, k, v, dense_tail, out=out, **rows)
+    return out
+
+
+def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, *, out: torch.Tensor,
+                         scale: float | None = None, seqlens: torch.Tensor | None = None,
+                         seqstarts: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal dense attention of the last ``rows`` query rows of each batch row (all of a row
+    shorter than that), written into ``out`` (other rows untouched); returns ``out``.
+
+    The query heads of a kv head are folded into one SDPA call's rows (no repeated keys) with a
+    boolean mask ``key <= query position`` inside the row, so the work is ``rows * N`` pairs
+    per head. Device ops only, fixed shapes (no host sync: CUDA-graph capturable); a row of
+    length 0 is left untouched."""
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    T = min(rows, N)
+    if T == 0 or B == 0 or Hq == 0:
+        return out
+    g = Hq // Hkv
+    dev = q.device
+    if seqlens is None and seqstarts is None:
+        lens = torch.full((B,), N, dtype=torch.int64, device=dev)
+        starts = torch.zeros(B, dtype=torch.int64, device=dev)
+    else:
+        lens, starts = check_ragged(seqlens, seqstarts, B, N, dev, values=False)
+        lens, starts = lens.long(), starts.long()
+    i = torch.arange(T, device=dev)
+    pos = starts[:, None] + torch.clamp(lens[:, None] - T + i[None], min=0)  # [B, T] physical
+    pos = torch.minimum(pos, torch.full_like(pos, N - 1))
+    idx = pos[:, None, :, None].expand(B, Hq, T, D)
+    qt = torch.gather(q, 2, idx).reshape(B, Hkv, g * T, D)  # heads of a kv head folded into rows
+    j = torch.arange(N, device=dev)
+    mask = (j[None, None] >= starts[:, None, None]) & (j[None, None] <= pos[:, :, None])  # [B, T, N]
+    mask = mask[:, None].expand(B, g, T, N).reshape(B, 1, g * T, N)
+    o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=default_scale(D, scale))
+    o = o.reshape(B, Hq, T, D)
+    keep = (lens > 0)[:, None, None, None]
+    out.scatter_(2, idx, torch.where(keep, o.to(out.dtype), torch.gather(out, 2, idx)))
     return out
 
 
