@@ -90,6 +90,7 @@ class LayerState:
             :data:`minference.dispatch.DENSE_THRESHOLD`, measured on the GPU).
         backend: dispatcher backend (``"auto"``, ``"triton"``, ``"torch"``).
         calls: how many calls took each path (see the module docstring).
+        dense_tail: prompt tokens at the end of a sparse prefill that attend densely.
         observer: optional ``fn(layer, query, key, seqlens, seqstarts)`` called on the sparse path
             with the inputs the dispatcher sees (measurements such as coverage; not timed work).
     """
@@ -103,6 +104,7 @@ class LayerState:
     fill_gaps: int | None = None
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     observer: Callable | None = None
+    dense_tail: int = 0
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -201,7 +203,7 @@ def minference_attention(
     with profile_range(ATTENTION_RANGE):
         out = sparse_prefill(
             query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
-            head_offset=state.head_offset, dense_threshold=0, backend=state.backend,
+            head_offset=state.head_offset, dense_threshold=0, backend=state.backend, dense_tail=state.dense_tail,
             **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
         )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
     return out.transpose(1, 2), None
@@ -252,6 +254,7 @@ def patch(
     check_fingerprint: bool = True,
     check_partition: bool | None = None,
     fill_gaps: int | None = None,
+    dense_tail: int = 0,
 ) -> torch.nn.Module:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
@@ -268,6 +271,8 @@ def patch(
         backend: dispatcher backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         fill_gaps: vertical-slash gap filling passed to the dispatcher (``None``: its default
             :data:`minference.dispatch.FILL_GAPS`; 0 runs the estimator's exact sets).
+        dense_tail: the last ``dense_tail`` prompt tokens of a sparse prefill attend densely
+            (:func:`minference.dispatch.sparse_prefill`; 0, the default: none).
         head_offset: global id of local query head 0 (a tensor-parallel shard of the model).
         check_fingerprint: hash the weights to compare with the config's fingerprint (a
             tensor-parallel shard hashes differently from the full model: pass False there).
@@ -291,6 +296,8 @@ def patch(
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
     if fill_gaps is not None:
         check_fill_gaps(fill_gaps)
+    if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
+        raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
     if is_patched(model):
         unpatch(model)
     modules = attention_modules(model)
@@ -318,7 +325,8 @@ def patch(
             )
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
-        setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps))
+        setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps,
+                                               dense_tail=dense_tail))
     first = min(modules)
     local, total = _local_heads(modules[first], cfg), len(config.plan(first))
     if check_partition is None:

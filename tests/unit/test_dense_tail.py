@@ -93,3 +93,30 @@ def test_tail_on_gpu_and_capturable() -> None:
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, out)
+
+
+def test_patch_passes_the_tail_to_every_layer() -> None:
+    """A patched tiny Llama whose narrow A-shapes change the logits: with a tail as long as the
+    prompt it gives the unpatched (dense) model's logits; a bad tail is refused by ``patch``."""
+    import transformers as T
+
+    import minference.integration as I
+    from minference.config import PatternConfig, model_signature
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        dense = model(ids).logits
+        config = PatternConfig(model_signature(model), [[AShape(sink=0, window=2)] * 4] * 2)
+        with pytest.raises(ValueError, match="dense_tail"):
+            I.patch(model, config, dense_threshold=0, backend="torch", dense_tail=-1)
+        I.patch(model, config, dense_threshold=0, backend="torch")
+        sparse = model(ids).logits
+        I.unpatch(model)
+        I.patch(model, config, dense_threshold=0, backend="torch", dense_tail=40)
+        tail = model(ids).logits
+        I.unpatch(model)
+    assert (sparse - dense).abs().max() > 1e-3
+    torch.testing.assert_close(tail, dense, atol=1e-5, rtol=1e-5)
