@@ -676,6 +676,7 @@ def run_eval(
     force_length: bool = False,
     progress: bool = True,
     loaded: tuple | None = None,
+    dense_tail: int = 0,
     checkpoint: Callable[[EvalReport], None] | None = None,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
@@ -691,6 +692,8 @@ def run_eval(
         tasks: names from :data:`minference.app.evals.TASKS` and ``PERPLEXITY_TASK`` (default all).
         samples: prompts per (task, length).
         dense_threshold: passed to :func:`minference.patch` (``None``: the dispatcher's default).
+        dense_tail: passed to :func:`minference.patch`: the last prompt tokens of a sparse
+            prefill that attend densely (0: none).
         coverage: measure density and coverage; ``profile``: the CUDA split (ignored on the CPU).
         loaded: an already loaded, unpatched ``(model, tokenizer)`` (left unpatched).
 
@@ -710,6 +713,7 @@ def run_eval(
     tasks = _check_tasks(tasks if tasks is not None else tuple(evals.TASKS) + (evals.PERPLEXITY_TASK,))
     _check_int("samples", samples, 1)
     _check_int("seed", seed, 0)
+    _check_int("dense_tail", dense_tail, 0)
     lengths = [_check_int("length", n, 2) for n in lengths]
     if not lengths:
         raise EvalError("no lengths given")
@@ -772,7 +776,7 @@ def run_eval(
         settings={"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
                   "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
                   "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
-                  "allow_mismatch": allow_mismatch, "force_length": force_length},
+                  "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail},
         configs=resolved, lengths=lengths, tasks=tasks,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -793,7 +797,7 @@ def run_eval(
                         prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
                 for cfg in resolved:
                     bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
-                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch)
+                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail)
                     stats = report.run(cfg.name, n)
                     if stats is None:
                         stats = RunStats(cfg.name, n, yarn=yarn)
@@ -841,14 +845,14 @@ def _triton_backend(backend: str, device: torch.device) -> bool:
     return resolve_backend(backend, device) == "triton"
 
 
-def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool) -> None:
+def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, dense_tail: int = 0) -> None:
     import minference.integration as integ
 
     if integ.is_patched(model):
         integ.unpatch(model)
     if config is not None:
         integ.patch(model, config, dense_threshold=dense_threshold, backend=backend, allow_mismatch=allow_mismatch,
-                    check_fingerprint=False)  # checked once by resolve_config
+                    check_fingerprint=False, dense_tail=dense_tail)  # fingerprint checked once by resolve_config
 
 
 def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunStats, dev: torch.device, *,
@@ -902,7 +906,7 @@ def format_report(report: EvalReport) -> str:
     lines = [f"## minference eval: {m['name']} ({m['dtype']}) on {report.settings['device']} ({gpu})", "",
              f"samples {report.settings['samples']} per task and length, seed {report.settings['seed']}, "
              f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
-             f"backend {report.settings['backend']}", ""]
+             f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens", ""]
     head = ["length", "config"] + gen_tasks + (["NLL"] if ppl else []) + [
         "TTFT ms", "vs dense", "attn ms", "index ms", "other ms", "density (log/phys)", "coverage", "paths"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1032,6 +1036,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dense-threshold", type=int, default=None,
                    help="prompts shorter than this run dense (default: the dispatcher's)")
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
+    p.add_argument("--dense-tail", type=int, default=0, metavar="T",
+                   help="the last T prompt tokens of a sparse prefill attend densely (default 0: none)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="draw accuracy vs TTFT here (needs matplotlib)")
     p.add_argument("--no-coverage", action="store_true", help="skip density and coverage")
@@ -1053,6 +1059,7 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
             samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
             backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
             allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
+            dense_tail=args.dense_tail,
             checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
         )
     except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable) as err:

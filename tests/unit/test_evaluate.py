@@ -162,7 +162,7 @@ def test_cli_parses_every_option():
         "eval", "--model", "qwen", "--model-path", "q.gguf", "--config", "dense", "fast=" + UNIFORM,
         "--config", "c.json", "--lengths", "8192", "16384", "--tasks", "single_needle", "perplexity",
         "--samples", "3", "--seed", "7", "--device", "cuda", "--dense-threshold", "0", "--out", "r.json",
-        "--plot", "r.png", "--no-coverage", "--no-profile", "--allow-mismatch", "--no-progress"])
+        "--plot", "r.png", "--no-coverage", "--no-profile", "--allow-mismatch", "--no-progress", "--dense-tail", "64"])
     assert args.func is E._eval_cmd
     assert (args.model, args.model_path, args.configs) == ("qwen", "q.gguf", ["dense", "fast=" + UNIFORM, "c.json"])
     assert (args.lengths, args.tasks, args.samples, args.seed) == ([8192, 16384], ["single_needle", "perplexity"], 3, 7)
@@ -170,6 +170,19 @@ def test_cli_parses_every_option():
     assert args.no_coverage and args.no_profile and args.allow_mismatch and args.no_progress
     default = build_parser().parse_args(["eval"])
     assert default.configs is None and default.dense_threshold is None and default.model == "smollm2"
+    assert (args.dense_tail, default.dense_tail) == (64, 0)
+
+
+def test_configs_are_patched_with_the_dense_tail(monkeypatch):
+    """``run_eval(dense_tail=T)`` reaches :func:`minference.patch` for every sparse config."""
+    import minference.integration as integ
+
+    seen = []
+    monkeypatch.setattr(integ, "is_patched", lambda model: False)
+    monkeypatch.setattr(integ, "patch", lambda model, config, **kw: seen.append(kw))
+    E._apply(object(), object(), None, "auto", False, 128)
+    E._apply(object(), None, None, "auto", False, 128)  # dense: not patched
+    assert [kw["dense_tail"] for kw in seen] == [128]
 
 
 def test_cli_refuses_an_unknown_model(capsys):
