@@ -11,7 +11,7 @@
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
 #   qwen       check the staged Qwen GGUF (/tmp/m/q.gguf, ../shared/tools/stage_qwen.sh; carry
 #              .stage/whl for the gguf wheel) and point $MINFERENCE_QWEN_GGUF at it
-#   search     minference search on Qwen: $SEARCH_ARGS, config to $OUT/qwen_search.json and /tmp/m/
+#   search     minference search on Qwen: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json and /tmp/m/
 #   eval       minference eval on Qwen: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
 # With no STAGES every stage runs: name the stages of each device call.
@@ -78,7 +78,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         qwen) qwen || break ;;
         # shellcheck disable=SC2086
         search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model qwen --device cuda $SEARCH_ARGS \
-                    --out "$OUT/qwen_search.json" && cp "$OUT/qwen_search.json" /tmp/m/ ;;
+                    --out "$OUT/qwen_search_{min_mass}.json" && cp "$OUT"/qwen_search_*.json /tmp/m/ ;;
         # shellcheck disable=SC2086
         eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model qwen --device cuda $EVAL_ARGS \
                   --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;

@@ -415,7 +415,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
     search.add_argument("--target-density", type=float, default=None, help="candidate budget (fraction of pairs)")
-    search.add_argument("--min-mass", type=float, default=None, help="below this captured mass a head stays dense")
+    search.add_argument("--min-mass", type=float, nargs="+", default=None, metavar="M",
+                        help="below this captured mass a head stays dense; several values write one config each "
+                             "from one scoring pass (then --out must hold '{min_mass}')")
     search.add_argument("--row-stride", type=int, default=None, help="score every k-th query row")
     search.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -456,18 +458,25 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from minference.app.models import QWEN_MODEL_ID, load_model, set_context_length
     from minference.app.prompts import calibration_prompts
 
+    masses = args.min_mass or [None]
+    if len(masses) > 1 and "{min_mass}" not in args.out:
+        print("minference search: error: several --min-mass values need '{min_mass}' in --out", file=sys.stderr)
+        return 2
     model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
     if args.model == "qwen":
         set_context_length(model, args.tokens)
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
-    kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", args.min_mass),
+    kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", masses[0]),
                                               ("row_stride", args.row_stride)) if value is not None}
     if args.candidates == "adaptive":
         kwargs["candidates"] = S.adaptive_candidates()
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
                       model_id=QWEN_MODEL_ID if args.model == "qwen" else SMOLLM2_MODEL_ID, **kwargs)
-    result.config.save(args.out)
-    print(f"wrote {args.out}: {result.config.counts()}", file=out or sys.stdout)
+    for i, mass in enumerate(masses):
+        config = result.config if i == 0 else result.rechoose(mass)
+        path = args.out.replace("{min_mass}", f"{result.min_mass if mass is None else mass:g}")
+        config.save(path)
+        print(f"wrote {path}: {config.counts()}", file=out or sys.stdout)
     return 0
 
 

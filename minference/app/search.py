@@ -21,7 +21,9 @@ seed, metric, per-head scores and densities, versions, hardware).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -142,17 +144,24 @@ def candidate_patterns(
     return out
 
 
-#: Largest budgets of the adaptive candidates (bounds of their tile lists): key blocks per query
-#: block, vertical columns, diagonals.
-ADAPTIVE_MAX_BLOCKS = 1024
+#: Largest budgets of the adaptive candidates (bounds of their tile lists): keys per query block
+#: (64K: the block-sparse width is ``ADAPTIVE_MAX_BLOCK_TOKENS // block`` blocks), vertical
+#: columns, diagonals.
+ADAPTIVE_MAX_BLOCK_TOKENS = 65536
 ADAPTIVE_MAX_VERTICAL = 2048
 ADAPTIVE_MAX_SLASH = 8192
 #: Thresholds of the adaptive candidates: γ of the mass rule (FlexPrefill 0.9-0.95, XAttention
-#: 0.9) and α of the relative rule (FlashPrefill 0.08-0.18 on its score).
+#: 0.9) for vertical-slash and α of the relative rule (FlashPrefill 0.08-0.18 on its score) for
+#: query-routed blocks. Block-sparse candidates take the relative rule only: its selection runs in
+#: one launch (:func:`minference.kernels.estimate.select_query_blocks`); the mass rule's sort and
+#: prefix sums made most of the 168 ms index time of the first searched Qwen config at 120K (s9).
 ADAPTIVE_GAMMAS = (0.9, 0.95)
-ADAPTIVE_ALPHAS = (0.3, 0.1, 0.03)
+ADAPTIVE_ALPHAS = (0.3, 0.1, 0.03, 0.01)
 #: A-shape candidates (sink, window) next to the adaptive ones.
 ADAPTIVE_ASHAPES = ((64, 1024), (128, 4096))
+#: Routing block of the adaptive block-sparse candidates: 128 (the query-aware scores cost 1.27 ms
+#: per layer at 120K on the H200 against 3.08 ms at 64, helper measurement of s9).
+ADAPTIVE_BLOCK = 128
 
 
 def adaptive_candidates(
@@ -160,19 +169,16 @@ def adaptive_candidates(
     gammas: Sequence[float] = ADAPTIVE_GAMMAS,
     alphas: Sequence[float] = ADAPTIVE_ALPHAS,
     ashapes: Sequence[tuple[int, int]] = ADAPTIVE_ASHAPES,
-    block: int = DEFAULT_BLOCK_SIZE,
+    block: int = ADAPTIVE_BLOCK,
 ) -> list[Pattern]:
     """Length-independent candidates for ``search(select="cheapest")``: A-shapes, block-sparse
-    with the query-aware score under the relative (each α) and mass (each γ) rules, and
-    vertical-slash under the mass rule (each γ), the adaptive budgets bounded by
-    :data:`ADAPTIVE_MAX_BLOCKS` / :data:`ADAPTIVE_MAX_VERTICAL` / :data:`ADAPTIVE_MAX_SLASH`."""
+    with the query-aware score under the relative rule (each α), and vertical-slash under the
+    mass rule (each γ), the adaptive budgets bounded by :data:`ADAPTIVE_MAX_BLOCK_TOKENS` /
+    :data:`ADAPTIVE_MAX_VERTICAL` / :data:`ADAPTIVE_MAX_SLASH`."""
     out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
     for alpha in alphas:
-        out.append(BlockSparse(top_k=ADAPTIVE_MAX_BLOCKS, block=block, rule="relative", threshold=alpha,
-                               estimate="query"))
-    for gamma in gammas:
-        out.append(BlockSparse(top_k=ADAPTIVE_MAX_BLOCKS, block=block, rule="mass", threshold=gamma,
-                               estimate="query"))
+        out.append(BlockSparse(top_k=max(1, ADAPTIVE_MAX_BLOCK_TOKENS // block), block=block, rule="relative",
+                               threshold=alpha, estimate="query"))
     for gamma in gammas:
         out.append(VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass",
                                  threshold=gamma))
@@ -401,6 +407,23 @@ class SearchResult:
     density: torch.Tensor
     worst_mass: torch.Tensor | None = None
     cost: torch.Tensor | None = None
+    select: str = "best_mass"
+    min_mass: float = 0.0
+
+    def rechoose(self, min_mass: float, select: str | None = None) -> PatternConfig:
+        """The config this search gives under another ``min_mass`` (and ``select``), from the
+        scores already measured: no model run. Provenance as :func:`search` writes it."""
+        select = self.select if select is None else select
+        _check_choice(min_mass, select)
+        if select == "cheapest" and (self.worst_mass is None or self.cost is None):
+            raise ValueError("select='cheapest' needs the worst masses and costs of a search()")
+        layers, scores, dens = _choose(self.candidates, self.mass, self.density, self.worst_mass, self.cost,
+                                       min_mass, select)
+        prov = self.config.provenance
+        notes = re.sub(r"min_mass [0-9.e+-]+; selection \w+", f"min_mass {min_mass}; selection {select}",
+                       prov.notes or "")
+        provenance = dataclasses.replace(prov, scores=scores, densities=dens, notes=notes)
+        return PatternConfig(self.config.model, layers, provenance)
 
 
 #: How :func:`search` picks a head's pattern: the highest mean mass at the candidates' common
@@ -447,10 +470,7 @@ def search(
     lengths = {int(p.numel()) for p in prompts}
     if len(lengths) != 1 or any(p.dim() != 1 for p in prompts):
         raise ValueError(f"prompts must be 1-D token id tensors of one length, got lengths {sorted(lengths)}")
-    if not 0 <= min_mass <= 1:
-        raise ValueError(f"min_mass must lie in [0, 1], got {min_mass!r}")
-    if select not in SELECTIONS:
-        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
+    _check_choice(min_mass, select)
     (n,) = lengths
     cands = list(candidates) if candidates is not None else candidate_patterns(n, target_density)
     signature = model_signature(model, model_id=model_id)
@@ -482,6 +502,28 @@ def search(
     mass /= len(prompts)
     density /= len(prompts)
     cost /= len(prompts)
+    layers, scores, dens = _choose(cands, mass, density, worst, cost, min_mass, select)
+    provenance = Provenance(
+        source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
+        calibration_fingerprint=data_fingerprint([p.tolist() for p in prompts]), calibration_lengths=[n],
+        seed=seed, metric="captured_mass", target_density=target_density, scores=scores, densities=dens,
+        notes=(f"{len(prompts)} prompt(s), every {row_stride}th query row scored; min_mass {min_mass}; "
+               f"selection {select}; candidates: {[repr(c) for c in cands]}"),
+    )
+    config = PatternConfig(signature, layers, provenance)
+    return SearchResult(config, cands, mass, density, worst, cost, select, min_mass)
+
+
+def _check_choice(min_mass: float, select: str) -> None:
+    if not 0 <= min_mass <= 1:
+        raise ValueError(f"min_mass must lie in [0, 1], got {min_mass!r}")
+    if select not in SELECTIONS:
+        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}")
+
+
+def _choose(cands, mass, density, worst, cost, min_mass: float, select: str):
+    """Per (layer, head) the chosen candidate (or Dense), its mean mass and density."""
+    L, H = mass.shape[:2]
     layers, scores, dens = [], [], []
     for l in range(L):
         row, srow, drow = [], [], []
@@ -504,15 +546,7 @@ def search(
         layers.append(row)
         scores.append(srow)
         dens.append(drow)
-    provenance = Provenance(
-        source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
-        calibration_fingerprint=data_fingerprint([p.tolist() for p in prompts]), calibration_lengths=[n],
-        seed=seed, metric="captured_mass", target_density=target_density, scores=scores, densities=dens,
-        notes=(f"{len(prompts)} prompt(s), every {row_stride}th query row scored; min_mass {min_mass}; "
-               f"selection {select}; candidates: {[repr(c) for c in cands]}"),
-    )
-    config = PatternConfig(signature, layers, provenance)
-    return SearchResult(config, cands, mass, density, worst, cost)
+    return layers, scores, dens
 
 
 def expected_density(config: PatternConfig) -> float:

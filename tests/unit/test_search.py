@@ -230,3 +230,27 @@ def test_cheapest_selection_takes_the_least_costly_candidate_that_holds_on_the_w
     assert chosen != {Dense()}  # the test must exercise a real choice
     with pytest.raises(ValueError, match="select"):
         S.search(model, prompts, candidates=cands, select="fastest", progress=False)
+    # another min_mass from the same scores: what a search with it would choose, no model run
+    for mass in (0.5, 0.9, 0.99):
+        again = res.rechoose(mass)
+        for l in range(2):
+            for h in range(4):
+                ok = [c for c in range(4) if res.worst_mass[l, h, c] >= mass]
+                assert again.layers[l][h] == cands[min(ok, key=lambda c: float(res.cost[l, h, c]))]
+        assert f"min_mass {mass}; selection cheapest" in again.provenance.notes
+    assert res.rechoose(0.5).layers == res.config.layers
+    with pytest.raises(ValueError, match="min_mass"):
+        res.rechoose(1.5)
+
+
+def test_search_cli_takes_several_min_masses(capsys, monkeypatch):
+    """``--min-mass`` with several values writes one config per value from one search; ``--out``
+    must then name them (checked before any model loads)."""
+    from minference.app import main_job, models
+    from minference.app.cli import build_parser
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    args = build_parser().parse_args(["search", "--out", "c.json", "--min-mass", "0.9", "0.95"])
+    assert args.min_mass == [0.9, 0.95]
+    assert main_job._search_cmd(args) == 2
+    assert "{min_mass}" in capsys.readouterr().err
