@@ -20,15 +20,18 @@ The published MInference format is read too (:func:`from_minference`): a JSON li
 (``VerticalSlash(vertical, slash)``), ``"stream_llm"`` (A-shape: ``AShape(sink=vertical,
 window=slash)``) or ``"block_sparse"`` (``BlockSparse(top_k=vertical)``).
 
-Loading is safe for untrusted files: a size limit, plain :mod:`json` (no pickle, no code), duplicate
-keys and NaN/Infinity refused, then schema validation by the small validator in this module (no
-``jsonschema`` dependency), then the pattern dataclasses' own checks. Every error names where in the
-file it is.
+Loading is safe for untrusted files: a size limit (:data:`MAX_CONFIG_BYTES`), plain :mod:`json` (no
+pickle, no code), duplicate keys and non-finite numbers (NaN, Infinity, and literals such as ``1e400``
+that overflow to infinity) refused, then the shapes (layer and head counts against ``model``, at most
+:data:`MAX_CONFIG_PAIRS` pairs) before any entry, then schema validation by the ``jsonschema``
+library (imported on first use), then the pattern dataclasses' own checks. Every error names where in
+the file it is (``$.layers[3][5].vertical: must be >= 0, got -1``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -56,6 +59,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_PAIRS",
     "ConfigError",
     "ConfigMismatchError",
     "ModelSignature",
@@ -76,6 +80,10 @@ FORMAT = "minference.pattern_config"
 VERSION = 1
 #: Refuse config files larger than this (a 128-layer x 128-head config is well under 4 MiB).
 MAX_CONFIG_BYTES = 64 * 1024 * 1024
+#: Refuse configs with more (layer, head) pairs than this (8x Llama-3.1-405B's 126 x 128), before any
+#: pattern entry is validated: the schema walks the entries one by one (a few tenths of a millisecond
+#: for each distinct one on a CPU core; repeats are cheaper), so this bounds the work.
+MAX_CONFIG_PAIRS = 1 << 17
 #: Values sampled per parameter tensor for the weights fingerprint (evenly strided).
 FINGERPRINT_SAMPLES = 4096
 #: Relative tolerance when comparing floating RoPE settings (JSON round trips floats exactly; this only
@@ -240,115 +248,153 @@ class ConfigMismatchError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# A small JSON-schema validator for the subset SCHEMA uses.
+# Schema validation: the maintained ``jsonschema`` library, imported on first use (``import
+# minference`` works without it; loading a config needs it).
 
-_ANNOTATIONS = {"$schema", "$id", "$defs", "$comment", "title", "description", "default"}
-_TYPES = {
-    "object": lambda x: isinstance(x, dict),
-    "array": lambda x: isinstance(x, list),
-    "string": lambda x: isinstance(x, str),
-    "integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
-    "number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-    "boolean": lambda x: isinstance(x, bool),
-    "null": lambda x: x is None,
-}
+#: What the message says when ``jsonschema`` is missing (a machine without a package index).
+JSONSCHEMA_HINT = (
+    "validating a pattern config needs the 'jsonschema' package: pip install 'jsonschema>=4.18' "
+    "(offline: carry the wheels of jsonschema, jsonschema-specifications, referencing and rpds-py; attrs "
+    "and typing-extensions are its other needs)"
+)
+_INT32_MAX = 2**31 - 1
 
 
-def _resolve(root: dict, ref: str) -> dict:
-    if not ref.startswith("#/"):
-        raise ConfigError(f"schema: only local $ref are supported, got {ref!r}")
+def _is_integer(checker: Any, x: Any) -> bool:
+    """JSON-schema ``integer``, strictly: a Python int (not a bool). Draft 2020-12 also counts 2.0,
+    which the pattern dataclasses would then hold as a float."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_number(checker: Any, x: Any) -> bool:
+    """JSON-schema ``number`` without NaN and +-inf (a dict built in Python can hold them)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
+
+
+def _local(root: dict, ref: str) -> Any:
+    """The node a local ``$ref`` (``#/...``) names, or ``None``."""
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
     node: Any = root
     for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
         node = node[part]
     return node
 
 
-def _discriminated(root: dict, branches: list, instance: Any) -> dict | None:
-    """The one ``oneOf`` branch whose ``const`` property matches ``instance`` (clear errors for tagged unions)."""
-    if not isinstance(instance, dict):
+def _union_tag(root: dict, branches: Any) -> tuple[str, list[str]] | None:
+    """``(key, [tag per branch])`` when every ``oneOf`` branch is an object schema that requires the
+    same property ``key`` to be a distinct string ``const`` (a tagged union: the pattern ``kind``)."""
+    if not isinstance(branches, list) or not branches:
         return None
-    resolved = [_resolve(root, b["$ref"]) if "$ref" in b else b for b in branches]
     tags = []
-    for b in resolved:
+    for b in branches:
+        if isinstance(b, dict) and set(b) == {"$ref"}:
+            b = _local(root, b["$ref"])
+        if not isinstance(b, dict):
+            return None
         consts = [(k, p["const"]) for k, p in b.get("properties", {}).items() if isinstance(p, dict) and "const" in p]
-        if len(consts) != 1:
+        if len(consts) != 1 or not isinstance(consts[0][1], str) or consts[0][0] not in b.get("required", []):
             return None
         tags.append(consts[0])
     keys = {k for k, _ in tags}
-    if len(keys) != 1:
+    values = [v for _, v in tags]
+    if len(keys) != 1 or len(set(values)) != len(values):
         return None
-    (key,) = keys
-    for (_, value), b in zip(tags, resolved):
-        if instance.get(key) == value:
-            return b
-    allowed = sorted(str(v) for _, v in tags)
-    raise ConfigError(f"{{path}}.{key}: must be one of {allowed}, got {instance.get(key)!r}")
+    return keys.pop(), values
 
 
-def _validate(root: dict, schema: dict, x: Any, path: str) -> None:
-    for key in schema:
-        if key not in _ANNOTATIONS and key not in _KEYWORDS:
-            raise ConfigError(f"schema: unsupported keyword {key!r} at {path}")
-    if "$ref" in schema:
-        _validate(root, _resolve(root, schema["$ref"]), x, path)
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        if not any(_TYPES[t](x) for t in types):
-            raise ConfigError(f"{path}: must be {' or '.join(types)}, got {type(x).__name__} {_short(x)}")
-    if "const" in schema and not _json_equal(x, schema["const"]):
-        raise ConfigError(f"{path}: must be {schema['const']!r}, got {_short(x)}")
-    if "enum" in schema and not any(_json_equal(x, e) for e in schema["enum"]):
-        raise ConfigError(f"{path}: must be one of {schema['enum']}, got {_short(x)}")
-    if _TYPES["number"](x):
-        if "minimum" in schema and x < schema["minimum"]:
-            raise ConfigError(f"{path}: must be >= {schema['minimum']}, got {x}")
-        if "maximum" in schema and x > schema["maximum"]:
-            raise ConfigError(f"{path}: must be <= {schema['maximum']}, got {x}")
-    if isinstance(x, list):
-        if "minItems" in schema and len(x) < schema["minItems"]:
-            raise ConfigError(f"{path}: needs at least {schema['minItems']} item(s), got {len(x)}")
-        if "items" in schema:
-            for i, item in enumerate(x):
-                _validate(root, schema["items"], item, f"{path}[{i}]")
-    if isinstance(x, dict):
-        for key in schema.get("required", []):
-            if key not in x:
-                raise ConfigError(f"{path}: missing required field {key!r}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, value in x.items():
-            if key in props:
-                _validate(root, props[key], value, f"{path}.{key}")
-            elif extra is False:
-                raise ConfigError(f"{path}: unknown field {key!r} (allowed: {sorted(props)})")
-            elif isinstance(extra, dict):
-                _validate(root, extra, value, f"{path}.{key}")
-    if "oneOf" in schema:
+#: Distinct valid pattern entries remembered per validator class.
+_MEMO_ENTRIES = 1 << 16
+
+
+def _entry_key(entry: dict) -> tuple | None:
+    """A hashable key of a flat entry that tells ``1``, ``1.0`` and ``True`` apart (they are equal in
+    Python, not in a schema); ``None`` when a value is not a JSON scalar."""
+    key = []
+    for name, value in entry.items():
+        if value is not None and not isinstance(value, (str, int, float)):
+            return None
+        key.append((name, type(value), value))
+    return tuple(sorted(key, key=lambda item: item[0]))
+
+
+def _validator_class(draft: type, root: dict) -> type:
+    """``draft`` (a jsonschema validator class) with the strict ``integer`` and finite ``number``
+    types, and ``oneOf`` told tagged unions of ``root`` (the schema) apart by their tag."""
+    import jsonschema
+
+    library_one_of = draft.VALIDATORS["oneOf"]
+    tags: dict[int, tuple[str, list[str]] | None] = {}
+    known_valid: set = set()  # (id(branch), entry key) of entries found valid: validity is a pure function
+
+    def one_of(validator, branches, instance, schema):
+        # A tagged union validates only the branch its tag names: the same verdict as oneOf (each
+        # other branch fails on its const), that branch's own errors (the library's oneOf says only
+        # "not valid under any of the given schemas"), and a quarter of the work for four kinds.
+        key = id(branches)  # a list inside ``root``, alive as long as the class
+        if key not in tags:
+            tags[key] = _union_tag(root, branches)
+        tag = tags[key]
+        if tag is None or not isinstance(instance, dict):
+            yield from library_one_of(validator, branches, instance, schema)
+            return
+        name, values = tag
+        if name not in instance:
+            yield jsonschema.ValidationError(f"missing required field {name!r}", validator="required",
+                                             validator_value=[name], instance=instance)
+            return
+        value = instance[name]
+        if not isinstance(value, str) or value not in values:
+            yield jsonschema.ValidationError(f"must be one of {sorted(values)}", validator="enum", path=[name],
+                                             validator_value=sorted(values), instance=value)
+            return
+        i = values.index(value)
+        # A searched config repeats a few distinct patterns (the bundled ones: 9 in 336 heads, 5 in
+        # 270), so each distinct valid entry is walked once.
+        memo = _entry_key(instance)
+        if memo is not None:
+            memo = (id(branches[i]), memo)
+            if memo in known_valid:
+                return
+        failed = False
+        for error in validator.descend(instance, branches[i], schema_path=i):
+            failed = True
+            yield error
+        if memo is not None and not failed:
+            if len(known_valid) >= _MEMO_ENTRIES:
+                known_valid.clear()
+            known_valid.add(memo)
+
+    types = draft.TYPE_CHECKER.redefine_many({"integer": _is_integer, "number": _is_finite_number})
+    return jsonschema.validators.extend(draft, validators={"oneOf": one_of}, type_checker=types)
+
+
+def _jsonschema():
+    try:
+        import jsonschema
+        import jsonschema.validators
+    except ImportError as err:
+        raise ImportError(JSONSCHEMA_HINT) from err
+    return jsonschema
+
+
+def _make_validator(schema: dict, *, check: bool) -> Any:
+    jsonschema = _jsonschema()
+    draft = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    if check:
         try:
-            branch = _discriminated(root, schema["oneOf"], x)
-        except ConfigError as err:
-            raise ConfigError(str(err).replace("{path}", path)) from None
-        if branch is not None:
-            _validate(root, branch, x, path)
-        else:
-            matches = 0
-            for b in schema["oneOf"]:
-                try:
-                    _validate(root, b, x, path)
-                    matches += 1
-                except ConfigError:
-                    pass
-            if matches != 1:
-                raise ConfigError(f"{path}: must match exactly one alternative, matched {matches}")
+            draft.check_schema(schema)
+        except jsonschema.SchemaError as err:
+            raise ConfigError(f"schema is not a valid {draft.__name__} schema: {err.message}") from None
+    return _validator_class(draft, schema)(schema)
 
 
-_KEYWORDS = {"$ref", "type", "const", "enum", "minimum", "maximum", "minItems", "items", "required",
-             "properties", "additionalProperties", "oneOf"}
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b or (_TYPES["number"](a) and _TYPES["number"](b) and a == b
-                                              and isinstance(a, bool) == isinstance(b, bool))
+@functools.lru_cache(maxsize=1)
+def _schema_validator() -> Any:
+    return _make_validator(SCHEMA, check=False)  # SCHEMA is checked against its meta-schema by the tests
 
 
 def _short(x: Any) -> str:
@@ -356,11 +402,74 @@ def _short(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _message(err: Any) -> str:
+    """One line naming the JSON path (``$.layers[3][5].vertical``) and what is wrong there."""
+    return f"{err.json_path}: {_detail(err)}"
+
+
+def _detail(err: Any) -> str:
+    kind, rule, x = err.validator, err.validator_value, err.instance
+    if kind == "type":
+        if isinstance(x, float) and not math.isfinite(x):
+            return f"non-finite number {x} is not allowed in a config"
+        types = rule if isinstance(rule, list) else [rule]
+        return f"must be {' or '.join(types)}, got {type(x).__name__} {_short(x)}"
+    if kind == "const":
+        return f"must be {rule!r}, got {_short(x)}"
+    if kind == "enum":
+        return f"must be one of {rule}, got {_short(x)}"
+    if kind in ("minimum", "maximum"):
+        return f"must be {'>=' if kind == 'minimum' else '<='} {rule}, got {_short(x)}"
+    if kind == "minItems":
+        return f"needs at least {rule} item(s), got {len(x)}"
+    if kind == "required" and isinstance(x, dict):
+        missing = [k for k in rule if k not in x]
+        return f"missing required field {missing[0]!r}"
+    if kind == "additionalProperties" and rule is False and isinstance(x, dict):
+        allowed = sorted(err.schema.get("properties", {}))
+        extra = sorted(k for k in x if k not in allowed)
+        return f"unknown field {extra[0]!r} (allowed: {allowed})"
+    if kind == "oneOf":
+        if not err.context:
+            return "must match exactly one alternative, matched more than one"
+        from jsonschema.exceptions import best_match
+
+        return f"must match exactly one alternative, matched none; closest: {_message(best_match(err.context))}"
+    return err.message
+
+
 def validate_schema(data: Any, schema: dict | None = None) -> None:
     """Raise :class:`ConfigError` (naming the JSON path) unless ``data`` satisfies ``schema``
-    (default :data:`SCHEMA`). Supports the keywords the published schema uses."""
-    schema = SCHEMA if schema is None else schema
-    _validate(schema, schema, data, "$")
+    (default :data:`SCHEMA`), by the ``jsonschema`` library under the draft the schema declares
+    (Draft 2020-12 when it declares none). Two deliberate differences from the spec: ``integer``
+    excludes 2.0 and ``number`` excludes NaN and infinities. The first error found is reported."""
+    validator = _schema_validator() if schema is None else _make_validator(schema, check=True)
+    err = next(iter(validator.iter_errors(data)), None)
+    if err is not None:
+        raise ConfigError(_message(err))
+
+
+def _check_shape(num_layers: Any, num_heads: Any, layers: list) -> None:
+    """Layer and head counts (``layers[l]`` holds the patterns of layer ``l``) against the model's,
+    and the :data:`MAX_CONFIG_PAIRS` limit: O(layers) work, done before any entry is looked at.
+    Counts that are not positive ints are left to the schema (which then reports them)."""
+    rows = [row for row in layers if isinstance(row, list)]
+    pairs = max(len(layers), sum(len(row) for row in rows))
+    if _positive_int(num_layers) and _positive_int(num_heads):
+        pairs = max(pairs, num_layers * num_heads)
+    if pairs > MAX_CONFIG_PAIRS:
+        raise ConfigError(f"config has {pairs} (layer, head) pairs, more than the limit of {MAX_CONFIG_PAIRS} "
+                          f"(minference.config.MAX_CONFIG_PAIRS)")
+    if _positive_int(num_layers) and len(layers) != num_layers:
+        raise ConfigError(f"layers has {len(layers)} entries but model.num_layers is {num_layers}")
+    if _positive_int(num_heads):
+        for l, row in enumerate(layers):
+            if isinstance(row, list) and len(row) != num_heads:
+                raise ConfigError(f"layers[{l}] has {len(row)} heads but model.num_heads is {num_heads}")
+
+
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,11 +523,8 @@ class PatternConfig:
     provenance: Provenance = field(default_factory=Provenance)
 
     def __post_init__(self) -> None:
-        if len(self.layers) != self.model.num_layers:
-            raise ConfigError(f"layers has {len(self.layers)} entries but model.num_layers is {self.model.num_layers}")
+        _check_shape(self.model.num_layers, self.model.num_heads, self.layers)
         for l, row in enumerate(self.layers):
-            if len(row) != self.model.num_heads:
-                raise ConfigError(f"layers[{l}] has {len(row)} heads but model.num_heads is {self.model.num_heads}")
             for h, p in enumerate(row):
                 if not isinstance(p, tuple(PATTERN_TYPES.values())):
                     raise ConfigError(f"layers[{l}][{h}] is not a pattern: {type(p).__name__}")
@@ -449,7 +555,13 @@ class PatternConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> PatternConfig:
-        """Validate ``data`` against :data:`SCHEMA` and build the config."""
+        """Validate ``data`` against :data:`SCHEMA` and build the config.
+
+        The shapes are checked first (layer and head counts against ``model``, at most
+        :data:`MAX_CONFIG_PAIRS` pairs: work proportional to the layers), then every entry."""
+        if isinstance(data, dict) and isinstance(data.get("layers"), list):
+            model = data.get("model") if isinstance(data.get("model"), dict) else {}
+            _check_shape(model.get("num_layers"), model.get("num_heads"), data["layers"])
         validate_schema(data)
         layers = []
         for l, row in enumerate(data["layers"]):
@@ -501,6 +613,14 @@ def _reject_constant(name: str) -> None:
     raise ConfigError(f"non-finite number {name} is not allowed in a config")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: valid JSON, but a float64 overflows to infinity
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ConfigError(f"non-finite number {shown} (overflows to {value}) is not allowed in a config")
+    return value
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     out: dict = {}
     for key, value in pairs:
@@ -511,8 +631,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 
 
 def _read_json(source: str | os.PathLike | bytes) -> Any:
-    if isinstance(source, bytes):
-        raw = source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        raw = bytes(source)
+    elif not isinstance(source, (str, os.PathLike)):
+        # an int would be taken for a file descriptor by open() and os.path.getsize()
+        raise TypeError(f"config source must be a path, bytes, or parsed JSON (dict or list), "
+                        f"got {type(source).__name__}")
     else:
         size = os.path.getsize(source)
         if size > MAX_CONFIG_BYTES:
@@ -522,10 +646,13 @@ def _read_json(source: str | os.PathLike | bytes) -> Any:
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config exceeds the {MAX_CONFIG_BYTES}-byte limit")
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicates)
+    except ConfigError:
+        raise
     except UnicodeDecodeError as err:
         raise ConfigError(f"config is not UTF-8 text: {err}") from None
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # JSONDecodeError, or an integer of more digits than int() converts
         raise ConfigError(f"config is not valid JSON: {err}") from None
     except RecursionError:
         raise ConfigError("config is nested too deeply to be a pattern config") from None
@@ -542,7 +669,8 @@ def load_config(
     """Load a PatternConfig (native or MInference format) and check it against the model.
 
     Args:
-        source: a path, raw bytes, or already-parsed JSON (dict: native format; list: MInference).
+        source: a path (str or os.PathLike), raw bytes, or already-parsed JSON (dict: native
+            format; list: MInference). Anything else raises TypeError.
         model: a transformers model to check against (its signature is computed, with the weights
             fingerprint when ``fingerprint``); or pass ``signature`` directly. Neither: no check.
         allow_mismatch: use the config even if it was made for a different model (the caller
@@ -574,6 +702,8 @@ def _int_budget(value: Any, where: str) -> int:
         raise ConfigError(f"{where}: budget must be an integer, got {_short(value)}")
     if int(value) != value:
         raise ConfigError(f"{where}: budget must be an integer, got {value}")
+    if value > _INT32_MAX:  # as the native schema's "maximum": the kernels index in int32
+        raise ConfigError(f"{where}: budget must be <= {_INT32_MAX} (int32), got {int(value)}")
     return int(value)
 
 
@@ -583,9 +713,10 @@ def _minference_pattern(entry: Any, where: str) -> tuple[Pattern, float | None]:
     kind, v, s, score = entry
     if kind not in _MINF_TYPES:
         raise ConfigError(f"{where}: unknown pattern type {kind!r}; expected one of {list(_MINF_TYPES)}")
-    v, s = _int_budget(v, where), _int_budget(s, where)
-    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
-        raise ConfigError(f"{where}: score must be a number, got {_short(score)}")
+    v, s = _int_budget(v, f"{where}[1]"), _int_budget(s, f"{where}[2]")
+    if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))
+                              or not math.isfinite(score)):
+        raise ConfigError(f"{where}[3]: score must be a finite number or null, got {_short(score)}")
     try:
         if kind == "vertical_and_slash":
             pattern: Pattern = VerticalSlash(vertical=v, slash=s)
@@ -604,23 +735,30 @@ def from_minference(data: Any, *, signature: ModelSignature | None = None, model
 
     The file records no model, so the signature is taken from ``signature`` where given (only the
     layer and head counts are checked against the file); otherwise from the file's own counts.
+    Layer 0 sets the head count; every layer's count (and :data:`MAX_CONFIG_PAIRS`) is checked
+    before any entry is read.
     """
-    if isinstance(data, (str, bytes, os.PathLike)):
+    if isinstance(data, (str, bytes, bytearray, memoryview, os.PathLike)):
         data = _read_json(data)
     if not isinstance(data, list) or not data:
         raise ConfigError("MInference config must be a non-empty JSON list over layers")
-    layers, scores = [], []
-    num_heads = None
     for l, row in enumerate(data):
         if not isinstance(row, dict) or not row:
             raise ConfigError(f"$[{l}]: expected an object mapping head index to a pattern, got {_short(row)}")
+    num_heads = len(data[0])
+    if len(data) * num_heads > MAX_CONFIG_PAIRS:
+        raise ConfigError(f"config has {len(data) * num_heads} (layer, head) pairs, more than the limit of "
+                          f"{MAX_CONFIG_PAIRS} (minference.config.MAX_CONFIG_PAIRS)")
+    for l, row in enumerate(data):
+        if len(row) != num_heads:
+            raise ConfigError(f"$[{l}]: heads must be 0..{num_heads - 1} (as in layer 0), got {len(row)} heads")
+    layers, scores = [], []
+    for l, row in enumerate(data):
         heads = {}
         for key, entry in row.items():
             if not isinstance(key, str) or not re.fullmatch(r"0|[1-9][0-9]*", key):
                 raise ConfigError(f"$[{l}]: head key {key!r} is not a non-negative integer")
             heads[int(key)] = _minference_pattern(entry, f"$[{l}][{key!r}]")
-        if num_heads is None:
-            num_heads = len(heads)
         if sorted(heads) != list(range(num_heads)):
             missing = sorted(set(range(num_heads)) - set(heads))
             raise ConfigError(f"$[{l}]: heads must be 0..{num_heads - 1} (as in layer 0); missing {missing}, "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minference import config as C
-from minference.patterns import PATTERN_TYPES, AShape, BlockSparse, Dense, VerticalSlash
+from minference.patterns import PATTERN_TYPES, AShape, BlockSparse, Dense, VerticalSlash, pattern_to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_FILE = ROOT / "fixtures" / "configs" / "pattern_config.schema.json"
@@ -95,6 +95,15 @@ def _mutated(sig, fn):
         (lambda d: d["layers"][0][0].update(extra=1), "unknown field 'extra'"),
         (lambda d: d["layers"][0][1].update(vertical=True), "$.layers[0][1].vertical: must be integer"),
         (lambda d: d["layers"][0][1].update(vertical=2.5), "$.layers[0][1].vertical: must be integer"),
+        # Draft 2020-12 counts 2.0 as an integer; the dataclasses would then hold a float
+        (lambda d: d["layers"][0][1].update(vertical=2.0), "$.layers[0][1].vertical: must be integer"),
+        (lambda d: d["layers"][1][2].pop("kind"), "$.layers[1][2]: missing required field 'kind'"),
+        (lambda d: d["layers"][1][0].update(extra_rows=-1), "$.layers[1][0].extra_rows: must be >= 0, got -1"),
+        (lambda d: d["layers"][1].__setitem__(1, 7), "$.layers[1][1]: must match exactly one alternative"),
+        (lambda d: d["provenance"].update(target_density=float("inf")),
+         "$.provenance.target_density: non-finite number inf"),
+        (lambda d: d["provenance"]["scores"][1].__setitem__(2, float("nan")),
+         "$.provenance.scores[1][2]: non-finite number nan"),
         (lambda d: d["model"].pop("num_heads"), "$.model: missing required field 'num_heads'"),
         (lambda d: d.update(version=2), "$.version: must be 1"),
         (lambda d: d["provenance"].update(source="pickle"), "$.provenance.source: must be one of"),
@@ -124,6 +133,128 @@ def test_untrusted_bytes_are_refused(raw, needle):
     assert needle in str(err.value)
 
 
+def _numbers_in(sig, target_density: str) -> bytes:
+    text = json.dumps(make_config(sig).to_dict())
+    text = text.replace('"target_density": null', f'"target_density": {target_density}')
+    assert target_density in text
+    return text.encode()
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e999", "123456789e999"])
+def test_numbers_that_overflow_to_infinity_are_refused(sig, number):
+    """``float("1e400")`` is inf: json's default float parser let such a config load with inf."""
+    with pytest.raises(C.ConfigError, match=rf"non-finite number {number} \(overflows to -?inf\)"):
+        C.load_config(_numbers_in(sig, number))
+    with pytest.raises(C.ConfigError, match="non-finite number"):
+        C.load_config(f'[{{"0": ["stream_llm", 1, 2, {number}]}}]'.encode())
+    assert C.load_config(_numbers_in(sig, "1e300")).provenance.target_density == 1e300
+
+
+def test_integers_too_long_to_convert_are_a_config_error(sig):
+    """int() refuses more than 4300 digits with a plain ValueError: it must come out as a ConfigError."""
+    with pytest.raises(C.ConfigError, match="not valid JSON"):
+        C.load_config(_numbers_in(sig, "1" + "0" * 5000))
+
+
+def test_minference_scores_must_be_finite():
+    with pytest.raises(C.ConfigError, match=r"\$\[0\]\['0'\]\[3\]: score must be a finite number"):
+        C.from_minference([{"0": ["stream_llm", 1, 2, float("inf")]}])
+
+
+@pytest.mark.parametrize("source", [0, 1.5, True, None, object()])
+def test_a_source_that_is_no_path_nor_bytes_is_a_type_error(source):
+    with pytest.raises(TypeError, match="config source must be a path, bytes, or parsed JSON"):
+        C.load_config(source)
+
+
+def test_an_int_source_is_not_read_as_a_file_descriptor(tmp_path, sig):
+    """open(3) opens file descriptor 3: an int source must not read whatever file that is."""
+    import os
+
+    path = tmp_path / "c.json"
+    make_config(sig).save(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(TypeError, match="got int"):
+            C.load_config(fd)
+    finally:
+        os.close(fd)
+    assert C.load_config(bytearray(path.read_bytes())).layers == make_config(sig).layers
+
+
+def _entries_never_validated(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("entries were validated before the shapes were checked")
+
+    monkeypatch.setattr(C, "validate_schema", fail)
+    monkeypatch.setattr(C, "pattern_from_dict", fail)
+
+
+def test_head_count_is_checked_before_any_entry(monkeypatch, sig):
+    """A layer of 100,000 bogus entries against num_heads = 4: the error is the head count's, and
+    no entry is validated (the schema validator and the pattern builder are never called)."""
+    data = make_config(sig).to_dict()
+    data["layers"][1] = [{"kind": "bogus"}] * 100_000
+    _entries_never_validated(monkeypatch)
+    with pytest.raises(C.ConfigError) as err:
+        C.load_config(data)
+    assert str(err.value) == "layers[1] has 100000 heads but model.num_heads is 4"
+    with pytest.raises(C.ConfigError, match="layers has 3 entries but model.num_layers is 2"):
+        C.load_config(dict(data, layers=[data["layers"][0]] * 3))
+
+
+def test_millions_of_heads_are_refused_by_the_pair_limit_before_any_entry(monkeypatch, sig):
+    """A self-consistent config of 3 million heads (counts agree with ``model``): refused by
+    MAX_CONFIG_PAIRS, with no entry validated."""
+    data = make_config(sig).to_dict()
+    n = 3_000_000
+    data["model"].update(num_layers=1, num_heads=n)
+    data["layers"] = [[{"kind": "dense"}] * n]
+    data["provenance"]["scores"] = None
+    _entries_never_validated(monkeypatch)
+    with pytest.raises(C.ConfigError, match=f"config has {n} .layer, head. pairs, more than the limit of 131072"):
+        C.load_config(data)
+    # declared counts alone (a schema error elsewhere, a short layer list) are enough
+    data["model"].update(num_layers=2, num_heads=n)
+    data["layers"] = [[{"kind": "dense"}], "not a row"]
+    with pytest.raises(C.ConfigError, match=f"config has {2 * n} .layer, head. pairs"):
+        C.load_config(data)
+
+
+def test_minference_format_checks_every_head_count_before_any_entry():
+    """Layer 0 sets the head count; a later layer of bogus entries is refused by its count, and
+    a file of more than MAX_CONFIG_PAIRS pairs by the limit, before any entry is read."""
+    bogus = dict.fromkeys(map(str, range(70_000)), ["bogus", 1, 2, 1.0])
+    with pytest.raises(C.ConfigError) as err:
+        C.from_minference([{"0": ["stream_llm", 1, 2, 1.0]}, bogus])
+    assert str(err.value) == "$[1]: heads must be 0..0 (as in layer 0), got 70000 heads"
+    with pytest.raises(C.ConfigError, match="config has 140000 .layer, head. pairs, more than the limit"):
+        C.from_minference([bogus, bogus])
+
+
+@pytest.mark.parametrize("index, name", [(1, "vertical"), (2, "slash")])
+def test_minference_budgets_beyond_int32_are_refused_at_load(index, name):
+    entry = ["vertical_and_slash", 100, 200, 1.0]
+    entry[index] = 2**31
+    raw = json.dumps([{"0": ["stream_llm", 1, 2, 1.0], "1": entry}]).encode()
+    with pytest.raises(C.ConfigError, match=rf"^\$\[0\]\['1'\]\[{index}\]: budget must be <= 2147483647 \(int32\)"):
+        C.load_config(raw)
+    entry[index] = 2**31 - 1
+    cfg = C.load_config(json.dumps([{"0": ["stream_llm", 1, 2, 1.0], "1": entry}]).encode())
+    assert getattr(cfg.layers[0][1], name) == 2**31 - 1
+
+
+def test_native_budgets_beyond_int32_are_refused_at_load_with_their_path(sig):
+    for kind, field in [("a_shape", "sink"), ("vertical_slash", "last_q"), ("vertical_slash", "extra_rows"),
+                        ("block_sparse", "block"), ("block_sparse", "min_blocks")]:
+        data = make_config(sig).to_dict()
+        l, h = next((l, h) for l, row in enumerate(data["layers"]) for h, p in enumerate(row) if p["kind"] == kind)
+        data["layers"][l][h][field] = 2**31
+        raw = json.dumps(data).encode()
+        with pytest.raises(C.ConfigError, match=rf"^\$\.layers\[{l}\]\[{h}\]\.{field}: must be <= 2147483647"):
+            C.load_config(raw)
+
+
 def test_size_limit(tmp_path, monkeypatch, sig):
     path = tmp_path / "c.json"
     make_config(sig).save(path)
@@ -132,16 +263,83 @@ def test_size_limit(tmp_path, monkeypatch, sig):
         C.load_config(path)
 
 
-def test_validator_rejects_unknown_schema_keywords():
-    with pytest.raises(C.ConfigError, match="unsupported keyword 'pattern'"):
-        C.validate_schema("x", {"type": "string", "pattern": "^x$"})
+def test_schema_is_a_valid_draft_2020_12_schema():
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import validator_for
+
+    assert validator_for(C.SCHEMA) is Draft202012Validator
+    Draft202012Validator.check_schema(C.SCHEMA)
 
 
-def test_validator_oneof_without_tag_counts_matches():
+def test_validation_is_the_jsonschema_library():
+    """Every keyword of the draft works (the hand-written validator knew only the ones SCHEMA used)."""
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+              "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}, "maxProperties": 1}
+    C.validate_schema({"name": "abc"}, schema)
+    with pytest.raises(C.ConfigError, match=r"^\$\.name: 'ABC' does not match"):
+        C.validate_schema({"name": "ABC"}, schema)
+    with pytest.raises(C.ConfigError, match="not a valid Draft202012Validator schema"):
+        C.validate_schema(1, {"type": "strin"})
+
+
+def test_validator_oneof_without_tag():
     schema = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
     C.validate_schema(2.5, schema)
-    with pytest.raises(C.ConfigError, match="matched 2"):
+    with pytest.raises(C.ConfigError, match=r"^\$: must match exactly one alternative, matched more than one"):
         C.validate_schema(2, schema)
+    with pytest.raises(C.ConfigError, match=r"matched none; closest: \$: must be integer, got str"):
+        C.validate_schema("s", schema)
+
+
+def test_tagged_oneof_gives_the_library_verdict():
+    """The pattern ``oneOf`` validates only the branch its ``kind`` names; its verdict must be the
+    library's own ``oneOf`` (same strict integer / finite number types): every kind (and a bogus,
+    a missing and a non-string one) with every field set to each of a few values."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import extend
+
+    types = Draft202012Validator.TYPE_CHECKER.redefine_many({"integer": C._is_integer, "number": C._is_finite_number})
+    plain = extend(Draft202012Validator, type_checker=types)(C.SCHEMA)
+    ours = C._schema_validator()
+    fields = sorted({f for kind in PATTERN_TYPES for f in C.SCHEMA["$defs"][kind]["properties"]} - {"kind"})
+    values = [-1, 0, 1, 2**31, 2.0, 0.5, True, None, "sum", "query", "top_k"]
+    entries = []
+    for kind in [*sorted(PATTERN_TYPES), "bogus", 3, None]:
+        base = pattern_to_dict(PATTERN_TYPES[kind]()) if kind in PATTERN_TYPES else {}
+        base = {k: v for k, v in base.items() if k != "kind"}
+        tag = {} if kind is None else {"kind": kind}
+        entries += [{**base, **tag}, {**tag}, {**base, **tag, "extra": 1}]
+        entries += [{**base, field: value, **tag} for field in fields for value in values]
+    model = {"model_id": "m", "architecture": None, "num_layers": 1, "num_heads": 1, "num_kv_heads": None,
+             "head_dim": None, "rope": None, "weights_fingerprint": None}
+    verdicts = []
+    for entry in entries:
+        doc = {"format": C.FORMAT, "version": 1, "model": model, "layers": [[entry]],
+               "provenance": {"source": "manual", "package_version": "0"}}
+        verdicts.append(ours.is_valid(doc))
+        assert verdicts[-1] == plain.is_valid(doc), entry
+    assert 0 < sum(verdicts) < len(verdicts)  # both verdicts exercised
+
+
+def test_the_library_imports_without_jsonschema_and_loading_says_what_is_missing(monkeypatch, sig):
+    """The H200 image has no jsonschema: ``import minference`` must not need it (no module-level
+    import), and loading a config without it names the package and the wheels to carry."""
+    import ast
+    import sys
+
+    tree = ast.parse(Path(C.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n and n.split(".")[0] == "jsonschema"]
+    data = make_config(sig).to_dict()
+    C._schema_validator.cache_clear()
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    try:
+        with pytest.raises(ImportError, match="needs the 'jsonschema' package.*rpds-py"):
+            C.load_config(data)
+    finally:
+        C._schema_validator.cache_clear()
 
 
 def test_minference_format_maps_each_type():
