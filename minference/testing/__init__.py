@@ -4,9 +4,12 @@ strategies (:mod:`minference.testing.strategies`), and a pytest plugin (markers,
 from minference.testing.tolerance import (
     ATOL_FACTOR,
     FLOORS,
+    STATS_RTOL,
     assert_close_to_reference,
     assert_not_written,
+    assert_stats_close,
     poison,
 )
 
-__all__ = ["ATOL_FACTOR", "FLOORS", "assert_close_to_reference", "assert_not_written", "poison"]
+__all__ = ["ATOL_FACTOR", "FLOORS", "STATS_RTOL", "assert_close_to_reference", "assert_not_written",
+           "assert_stats_close", "poison"]

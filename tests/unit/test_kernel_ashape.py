@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_kernel_common import COMBOS, DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 from minference import kernels
 from minference import reference as ref
@@ -55,3 +55,13 @@ def test_budget_errors():
         kernels.ashape_attention(q, k, k, torch.tensor([1.0, 1.0], device=DEVICE), 3)
     with pytest.raises(TypeError, match="head_offset"):
         kernels.ashape_attention(q, k, k, 1, 3, head_offset=1.5)
+
+
+@pytest.mark.parametrize(("dtype", "nats", "shape", "seqlens", "seqstarts", "heads"), SHARP_CASES)
+def test_masked_keys_dominating_the_kept_ones(dtype, nats, shape, seqlens, seqstarts, heads):
+    """Every row's masked key (between sink and window, or just after the row) leads its kept keys
+    by 30 or 150 nats: a mask applied after the exponential instead of -inf before the max fails."""
+    sink, window = 3, 20
+    p = sharp_problem(shape, dtype, lambda b, g, L: ref.ashape_mask(L, sink, window), nats=nats,
+                      seqlens=seqlens, seqstarts=seqstarts, heads=heads)
+    check_sharp(p, kernels.ashape_attention, ref.ashape_attention, sink, window)

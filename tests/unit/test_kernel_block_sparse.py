@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels.block_sparse import normalize_blocks
-from test_kernel_common import COMBOS, CUDA, DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, CUDA, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 from minference import kernels
 from minference import reference as ref
@@ -60,3 +60,20 @@ def test_bad_blocks():
         kernels.block_sparse_attention(q, k, k, good + 3, block=16)
     with pytest.raises(ValueError, match="blocks must have rank 4"):
         kernels.block_sparse_attention(q, k, k, good[0], block=16)
+
+
+@pytest.mark.parametrize(("dtype", "nats", "shape", "seqlens", "seqstarts", "heads"), SHARP_CASES)
+def test_masked_keys_dominating_the_kept_ones(dtype, nats, shape, seqlens, seqstarts, heads):
+    """Keys after the row inside its diagonal block (the only masked keys of a visited block) and
+    in unselected blocks lead the kept ones by 30 or 150 nats: a mask applied after the
+    exponential fails."""
+    block = BLOCKS[0]
+    Hg = shape.Hq if heads is None else len(heads)
+    nqb = -(-shape.N // block)
+    gen = torch.Generator().manual_seed(12)
+    blocks = torch.randint(0, nqb, (shape.B, Hg, nqb, 2), generator=gen, dtype=torch.int32)
+    blocks[..., 0] = torch.arange(nqb, dtype=torch.int32)  # the diagonal block: its future keys are masked
+    # logical blocks of a row that starts at an offset are still counted from its first token
+    p = sharp_problem(shape, dtype, lambda b, g, L: ref.block_sparse_mask(L, blocks[b, g, : -(-L // block)], block),
+                      nats=nats, seqlens=seqlens, seqstarts=seqstarts, heads=heads)
+    check_sharp(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)

@@ -3,7 +3,9 @@
 Every kernel test follows one recipe (:func:`run_and_check`): random inputs quantised to the
 kernel dtype, a NaN-poisoned ``out``, the kernel, the float64 reference twin and the same-dtype
 twin; then the tolerance rule on every computed row, exact reproduction of ``-inf``
-log-sum-exp, and "still NaN" on padding rows and unselected heads.
+log-sum-exp, the log-sum-exp within float32 accuracy of the float64 one whatever the dtype
+(:func:`~minference.testing.assert_stats_close`), and "still NaN" on padding rows and
+unselected heads.
 
 On CPU the kernels run in the Triton interpreter (fp16/fp32, small shapes); on a GPU the same
 tests draw bf16 too, longer sequences (several 128-row tiles) and every supported head dim.
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from minference import kernels
 from minference._checks import token_mask
-from minference.testing import assert_close_to_reference, assert_not_written, poison
+from minference.testing import assert_close_to_reference, assert_not_written, assert_stats_close, poison
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
 
 CUDA = torch.cuda.is_available()
@@ -90,6 +92,8 @@ def run_and_check(p: dict, kernel, twin, *args, **kwargs) -> None:
     assert_close_to_reference(res, ref64, ref_t, where=region[..., None], name="out")
     assert_not_written(res.cpu(), ~region[..., None], name="out")
     assert_close_to_reference(lse, lse64, lse_t, name="lse")
+    # softmax statistics in float32 whatever the input dtype (the rule above allows fp16's own error)
+    assert_stats_close(lse, lse64, name="lse")
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,3 +300,75 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
         run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
     assert built and all(built), "the descriptor path did not run"
     assert any(scratch) == (which == "vertical_slash"), "the VS column scratch was not read"
+
+
+# --------------------------------------------------------------------------------------------
+# sharp logits: a masked key dominates the kept ones (catches a mask applied after the exponential)
+# --------------------------------------------------------------------------------------------
+
+#: ``(dtype, nats, shape, seqlens, seqstarts, heads)`` of the sharp-mask cases of every kernel. A
+#: mask applied after the exponential (the running max taken over masked scores too) shows in
+#: fp16 once the masked key leads by more than ~17 nats (the kept probabilities underflow the fp16
+#: P tile) and in fp32 beyond ~87-103 nats (they underflow fp32 itself): 30 and 150 nats.
+SHARP_CASES = [
+    pytest.param(torch.float16, 30.0, AttnShape(B=1, Hq=2, Hkv=2, N=49, D=64), None, None, None, id="fp16-30nats"),
+    pytest.param(torch.float32, 150.0, AttnShape(B=2, Hq=2, Hkv=1, N=70, D=64), torch.tensor([70, 41]),
+                 torch.tensor([0, 23]), None, id="fp32-150nats-ragged-gqa"),
+    pytest.param(torch.float16, 150.0, AttnShape(B=2, Hq=4, Hkv=1, N=50, D=64), torch.tensor([38, 50]),
+                 torch.tensor([12, 0]), torch.tensor([3, 0], dtype=torch.int32), id="fp16-150nats-left-pad-heads"),
+]
+
+
+def sharp_problem(shape: AttnShape, dtype, kept, *, nats: float, seqlens=None, seqstarts=None, heads=None,
+                  seed: int = 0) -> dict:
+    """A problem whose every row with a masked key has one masked key leading all kept ones by
+    about ``nats`` (after the softmax scale). ``kept(b, g, L)`` is the ``[L, L]`` logical set of
+    computed head ``g`` (position in ``heads``) of batch row ``b``. Row ``i`` plants key ``j``
+    (the next few keys, causal-masked, on even rows; any masked key otherwise) and takes
+    ``q_i = c (K^T K + n I)^-1 k_j`` over its kept keys ``K``, so the kept logits stay small and
+    ``s_ij = nats``. The measured lead (on the quantised inputs) is returned as ``p["lead"]``."""
+    B, Hq, Hkv, N, D = shape.B, shape.Hq, shape.Hkv, shape.N, shape.D
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, D, generator=gen, dtype=torch.float64) for H in (Hq, Hkv, Hkv))
+    scale = D**-0.5
+    lens = seqlens.tolist() if seqlens is not None else [N] * B
+    starts = seqstarts.tolist() if seqstarts is not None else [0] * B
+    ids = heads.tolist() if heads is not None else list(range(Hq))
+    lead = []
+    for b in range(B):
+        L, s0 = lens[b], starts[b]
+        if L == 0:
+            continue
+        i = torch.arange(L)
+        for g, h in enumerate(ids):
+            keys = k[b, h // (Hq // Hkv), s0 : s0 + L]  # [L, D]
+            m = kept(b, g, L)  # [L, L]
+            near = (i[None, :] > i[:, None]) & (i[None, :] <= i[:, None] + 8) & (i[:, None] % 2 == 0)
+            # a random masked key per row, one of the next few keys where there is one
+            score = torch.rand(L, L, generator=gen, dtype=torch.float64) + 2.0 * near
+            score = score.masked_fill(m, -1.0)
+            j = score.argmax(1)
+            planted = ~m.all(1)
+            mk = m.double()
+            A = torch.einsum("ij,jd,je->ide", mk, keys, keys) + mk.sum(1).clamp(min=1)[:, None, None] * torch.eye(D, dtype=torch.float64)
+            x = torch.linalg.solve(A, keys[j])  # [L, D]
+            x = x * (nats / scale / (x * keys[j]).sum(1, keepdim=True))
+            q[b, h, s0 : s0 + L][planted] = x[planted]
+            # the lead on the inputs the kernel sees (quantised)
+            qt, kt = q[b, h, s0 : s0 + L].to(dtype).double(), keys.to(dtype).double()
+            logits = qt @ kt.T * scale
+            best_kept = logits.masked_fill(~m, -float("inf")).max(1).values
+            lead.append((logits.gather(1, j[:, None])[:, 0] - best_kept)[planted])
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    lead = torch.cat(lead) if lead else torch.zeros(0)
+    return dict(shape=shape, dtype=dtype, seqlens=seqlens, seqstarts=seqstarts, heads=heads,
+                Hg=len(ids), q=q.to(DEVICE), k=k.to(DEVICE), v=v.to(DEVICE), lead=lead)
+
+
+def check_sharp(p: dict, kernel, twin, *args, **kwargs) -> None:
+    """The planted keys lead by more than 20 nats in at least 90% of the planted rows (the
+    construction cannot silently go soft), then the shared recipe."""
+    lead = p["lead"]
+    assert lead.numel() >= 20, "too few rows with a masked key"
+    assert float((lead > 20).double().mean()) >= 0.9, f"planted keys lead by only {lead.quantile(0.1):.1f} nats"
+    run_and_check(p, kernel, twin, *args, **kwargs)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels import convert
-from test_kernel_common import COMBOS, DEVICE, problem, run_and_check
+from test_kernel_common import COMBOS, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 from minference import kernels
 from minference import reference as ref
@@ -267,3 +267,16 @@ def test_physical_index_must_match_the_kernel():
                 kernels.vertical_slash_attention_physical(q, k, k, dataclasses.replace(good, **{f.name: bad}))
             checked += 1
     assert checked == 3 * 11
+
+
+@pytest.mark.parametrize(("dtype", "nats", "shape", "seqlens", "seqstarts", "heads"), SHARP_CASES)
+def test_masked_keys_dominating_the_kept_ones(dtype, nats, shape, seqlens, seqstarts, heads):
+    """Masked keys inside visited tiles (off-diagonal keys of a range tile with holes, keys just
+    after the row) lead the kept ones by 30 or 150 nats: a mask applied after the exponential fails."""
+    Hg = shape.Hq if heads is None else len(heads)
+    gen = torch.Generator().manual_seed(11)
+    vertical = torch.randint(0, shape.N, (shape.B, Hg, 6), generator=gen, dtype=torch.int32)
+    slash = torch.tensor([0, 1, 3, 4, 6, 9, 13, 17, 30], dtype=torch.int32).expand(shape.B, Hg, -1).contiguous()
+    p = sharp_problem(shape, dtype, lambda b, g, L: ref.vertical_slash_mask(L, vertical[b, g], slash[b, g]),
+                      nats=nats, seqlens=seqlens, seqstarts=seqstarts, heads=heads)
+    check_sharp(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vertical, slash)
