@@ -7,8 +7,11 @@ that runs on both), ``interpret`` (runs Triton kernels on CPU tensors under
 (tier 2, real model layers), ``model`` (tier 3, whole model), ``bench`` (pytest-benchmark, GPU
 timings).
 
-Hypothesis profiles: ``ci`` (bounded, CPU) and ``gpu`` (many examples). The profile comes from
-``MINFERENCE_HYPOTHESIS_PROFILE``, else ``gpu`` when CUDA is available, else ``ci``.
+Hypothesis profiles: ``ci`` (bounded, CPU, 25 examples, no shrink phase: a failing example is
+reported as drawn, in the seconds one interpreted example takes, instead of after minutes of
+shrinking), ``ci-shrink`` (``ci`` with shrinking, to minimise a failure locally) and ``gpu`` (400
+examples, shrinking on). The profile comes from ``MINFERENCE_HYPOTHESIS_PROFILE``, else ``gpu``
+when CUDA is available, else ``ci``.
 
 This plugin never imports triton: ``TRITON_INTERPRET`` must be decided (by the caller's
 environment or a ``conftest.py``) before triton's first import.
@@ -29,8 +32,12 @@ MARKERS = {
     "bench": "pytest-benchmark timing on the GPU; skipped when none is present",
 }
 
+#: Every phase but shrinking (``explain`` needs a shrunk example, so it goes too).
+NO_SHRINK = ("explicit", "reuse", "generate", "target")
+
 PROFILES = {
-    "ci": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True),
+    "ci": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True, phases=NO_SHRINK),
+    "ci-shrink": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True),
     "gpu": dict(max_examples=400, deadline=None, print_blob=True),
 }
 
@@ -48,7 +55,11 @@ def pytest_configure(config: pytest.Config) -> None:
         from hypothesis import HealthCheck, settings
     except ImportError:  # the plugin works without the test extra; strategies need it
         return
+    from hypothesis import Phase
+
     for name, kwargs in PROFILES.items():
+        if "phases" in kwargs:
+            kwargs = dict(kwargs, phases=tuple(Phase[p] for p in kwargs["phases"]))
         settings.register_profile(
             name, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], **kwargs
         )
