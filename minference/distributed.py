@@ -10,11 +10,14 @@ slice ``r * Hkv_local ...`` so every local query head keeps its GQA group (``Hkv
   tile ``[0, Hq)`` exactly (a wrong offset, an overlap or a gap raises on every rank).
 * :func:`tp_sparse_prefill` — :func:`minference.dispatch.sparse_prefill` on local heads with the
   offset derived from the rank (optionally checked and gathered).
+* :func:`row_shard` — which rows of a projection weight this rank holds when the weight is a
+  ``DTensor`` sharded on its output rows (transformers' own ``tp_plan`` "colwise" sharding); the
+  integration turns those rows into a head offset.
 
-Sharding a transformers model by heads is model surgery and lives with the rest of the model
-integration: :func:`minference.integration.shard_model_heads`. This module works on tensors
-only and imports nothing of the integration (the layering is dispatch <- distributed <-
-integration).
+The model is sharded by transformers itself (``from_pretrained`` with a ``tp_plan``; see
+:func:`minference.integration.tensor_parallel_kwargs`); :func:`minference.integration.patch`
+reads each rank's heads from the sharded shapes. This module works on tensors only and imports
+nothing of the integration (the layering is dispatch <- distributed <- integration).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "check_head_partition",
     "tp_sparse_prefill",
     "gather_heads",
+    "row_shard",
 ]
 
 
@@ -93,14 +97,34 @@ def _dist():
     return dist
 
 
-def check_head_partition(head_offset: int, local_heads: int, total_heads: int, group=None) -> None:
+def _collective_device(dist, group) -> torch.device:
+    """Where a small collective tensor must live: NCCL takes CUDA tensors only, gloo CPU ones."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_head_partition(head_offset: int, local_heads: int, total_heads: int, group=None, *,
+                         problem: str | None = None) -> None:
     """Collective: every rank passes its ``(head_offset, local_heads)``; raise ``ValueError`` on
-    every rank unless the ranks' head ranges tile ``[0, total_heads)`` exactly, in rank order."""
+    every rank unless the ranks' head ranges tile ``[0, total_heads)`` exactly, in rank order.
+
+    ``problem``: a rank that found something wrong locally (a shard that splits a head, an offset
+    that disagrees with its weights) passes the message here instead of raising on its own, so
+    the other ranks do not wait forever in the all-gather: that rank raises ``problem`` and every
+    other rank raises naming it."""
     dist = _dist()
-    mine = torch.tensor([head_offset, local_heads], dtype=torch.int64)
+    mine = torch.tensor([head_offset, local_heads, problem is not None], dtype=torch.int64,
+                        device=_collective_device(dist, group))
     world = dist.get_world_size(group)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
+    if problem is not None:
+        raise ValueError(problem)
+    refused = [r for r, t in enumerate(every) if int(t[2])]
+    if refused:
+        raise ValueError(f"tensor-parallel rank(s) {refused} refused their head shard (see the error on that rank)")
     ranges = [(int(t[0]), int(t[1])) for t in every]
     expected = 0
     for r, (off, n) in enumerate(ranges):
@@ -113,6 +137,41 @@ def check_head_partition(head_offset: int, local_heads: int, total_heads: int, g
         expected = off + n
     if expected != total_heads:
         raise ValueError(f"tensor-parallel ranks cover {expected} query heads, the config has {total_heads}")
+
+
+def row_shard(weight: torch.Tensor):
+    """``(first_row, rows, group)`` of the output rows this rank holds of a ``DTensor`` weight
+    ``[out, in]`` sharded on dim 0 over a one-dimensional mesh (transformers' "colwise" style);
+    ``(0, out, None)`` for a replicated ``DTensor``; ``None`` for a plain tensor. Raises
+    ``ValueError`` for other layouts (a multi-dimensional mesh, a strided or column shard)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # a torch build without torch.distributed
+        return None
+    if not isinstance(weight, DTensor):
+        return None
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    if mesh.ndim != 1 or len(placements) != 1:
+        raise ValueError(f"a DTensor weight on a {mesh.ndim}-dimensional mesh ({placements}) is not a head shard "
+                         "this integration can read (expected one tensor-parallel mesh dimension)")
+    placement = placements[0]
+    if isinstance(placement, Replicate):
+        return 0, int(weight.shape[0]), None
+    if type(placement) is not Shard or placement.dim not in (0, -weight.dim()):
+        raise ValueError(f"a DTensor weight placed as {placement} is not sharded by output rows "
+                         "(expected Shard(0), transformers' 'colwise')")
+    rows = int(weight.to_local().shape[0])
+    try:  # torch's own layout arithmetic (a private helper, stable from torch 2.4 to 2.13)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+        first = int(offset[0])
+        if int(local_shape[0]) != rows:
+            raise ValueError(f"DTensor local shard has {rows} rows, its layout says {int(local_shape[0])}")
+    except ImportError:  # Shard(0) splits like torch.chunk: ceil(out / world) rows per rank
+        chunk = -(-int(weight.shape[0]) // mesh.size())
+        first = min(mesh.get_local_rank() * chunk, int(weight.shape[0]))
+    return first, rows, mesh.get_group()
 
 
 def gather_heads(out_local: torch.Tensor, group=None) -> torch.Tensor:

@@ -18,10 +18,17 @@ path                 when                                                       
                      extends a cache, a pre-allocated static cache
 ``dense_short``      prompt shorter than ``dense_threshold`` tokens                        dense
 ``dense_mask``       a mask that is not causal + contiguous padding (packed sequences,     dense
-                     sliding windows, custom masks), or a sliding-window layer
+                     sliding windows, custom masks), a sliding-window layer, or a call or
+                     module that says ``is_causal=False``
 ``dense_layer``      the layer is not in ``layers`` (progressive swap-in), its plan is     dense
                      all :class:`~minference.patterns.Dense`, or attention dropout is on
 ==================== ==================================================================== ======
+
+``patch`` refuses attention that is not causal self-attention (``is_causal=False``, as in a
+bidirectional encoder, or cross-attention) in any layer chosen to run sparse, naming the module.
+On a model sharded by transformers' own tensor parallelism (``from_pretrained(...,
+**tensor_parallel_kwargs())``), each rank's head offset is read from its DTensor ``q_proj`` rows
+and checked collectively (:func:`minference.distributed.check_head_partition`).
 
 Dense paths call transformers' own SDPA attention, so they equal an unpatched model bit for bit.
 Every call of a patched layer runs inside the profiler range
@@ -36,7 +43,9 @@ attention output.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,7 +57,7 @@ import torch
 from minference._checks import token_mask
 from minference.config import PatternConfig, load_config, model_signature
 from minference.dispatch import ATTENTION_RANGE, profile_range
-from minference.distributed import HeadShard, _dist, check_head_partition, head_shard
+from minference.distributed import check_head_partition, row_shard
 from minference.patterns import Dense, Pattern
 from minference.reference.masks import check_fill_gaps
 
@@ -65,7 +74,7 @@ __all__ = [
     "padding_rows",
     "observe_attention",
     "attention_modules",
-    "shard_model_heads",
+    "tensor_parallel_kwargs",
 ]
 
 #: Name registered with transformers' AttentionInterface and AttentionMaskInterface.
@@ -93,6 +102,9 @@ class LayerState:
         dense_tail: prompt tokens at the end of a sparse prefill that attend densely.
         observer: optional ``fn(layer, query, key, seqlens, seqstarts)`` called on the sparse path
             with the inputs the dispatcher sees (measurements such as coverage; not timed work).
+        heads: the query heads ``patch`` read this module to hold (its local heads under tensor
+            parallelism); a sparse call that brings another count raises instead of reading the
+            wrong global heads of the plan.
     """
 
     layer: int
@@ -104,6 +116,7 @@ class LayerState:
     fill_gaps: int | None = None
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     observer: Callable | None = None
+    heads: int | None = None
     dense_tail: int = 0
 
 
@@ -186,8 +199,9 @@ def minference_attention(
         path = "dense_layer"
     elif L < _threshold(state):
         path = "dense_short"
-    elif getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None:
-        path = "dense_mask"
+    elif (getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None
+          or kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False):
+        path = "dense_mask"  # not a causal square prefill: SDPA with the module's own masking
     else:
         rows = padding_rows(attention_mask, L)
         path = "dense_mask" if rows is False else "sparse"
@@ -197,6 +211,12 @@ def minference_attention(
             return dense()
     from minference.dispatch import sparse_prefill
 
+    if state.heads is not None and query.shape[1] != state.heads:
+        raise ValueError(
+            f"layer {state.layer}: attention received {query.shape[1]} query heads, but patch() read "
+            f"{state.heads} heads (global {state.head_offset}..{state.head_offset + state.heads - 1}) from the "
+            "model; its projections are not sharded the way patch() saw them"
+        )
     seqlens, seqstarts = rows if rows is not None else (None, None)
     if state.observer is not None:
         state.observer(state.layer, query, key, seqlens, seqstarts)
@@ -237,9 +257,135 @@ def _local_heads(module: torch.nn.Module, cfg: Any) -> int:
             return getattr(module, attr)
     q_proj = getattr(module, "q_proj", None)
     head_dim = getattr(module, "head_dim", None)
-    if q_proj is not None and head_dim:
-        return q_proj.out_features // head_dim
+    weight = getattr(q_proj, "weight", None)
+    if isinstance(weight, torch.Tensor) and head_dim:
+        return int(weight.shape[0]) // head_dim  # rows actually held (a hand-sharded model holds a slice)
     return int(cfg.num_attention_heads)
+
+
+#: Last names of attention modules that read another sequence's keys (cross-attention).
+_CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "enc_dec_attn", "src_attn")
+
+
+def _attention_entries(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every module :func:`attention_modules` would consider, with its qualified name."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
+
+
+def _not_causal_self_attention(name: str, module: torch.nn.Module) -> str | None:
+    """Why ``module`` is not causal self-attention (``None`` when it is, as far as it says)."""
+    parts = [p.lower() for p in name.split(".")]
+    if (getattr(module, "is_cross_attention", False) is True or "cross" in type(module).__name__.lower()
+            or any("cross" in p or p in _CROSS_NAMES for p in parts)):
+        return "cross-attention (its keys and values come from another sequence)"
+    if getattr(module, "is_causal", True) is False:
+        return "not causal (is_causal=False: bidirectional attention, as in an encoder)"
+    return None
+
+
+#: transformers tensor-parallel styles whose output is gathered: every rank's attention sees all heads.
+_GATHERED_STYLES = frozenset({"colwise_gather_output", "colwise_rep", "replicate", "replicated_with_grad_allreduce"})
+#: styles whose output stays sharded by rows: a rank's attention sees its slice of the heads.
+_SHARDED_STYLES = frozenset({"colwise", "local_colwise"})
+
+
+def _tp_style(model: torch.nn.Module, name: str) -> str | None:
+    """The model's ``tp_plan`` style for module ``name`` (``None`` when the plan names none)."""
+    plan = getattr(model, "_tp_plan", None)
+    try:
+        plan = getattr(model, "tp_plan", None) or plan
+    except Exception:  # a property that needs state this model lacks
+        pass
+    if not isinstance(plan, dict):
+        return None
+    generic = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+    return plan.get(generic, plan.get(name))
+
+
+@dataclass
+class _Shard:
+    """The query heads one attention module holds, as read from its (DTensor) projections."""
+
+    offset: int
+    heads: int
+    group: Any = None
+    problem: str | None = None
+    where: str = ""
+
+
+def _tp_shard(model: torch.nn.Module, name: str, module: torch.nn.Module, num_heads: int,
+              num_kv_heads: int) -> _Shard | None:
+    """Heads of a module sharded by transformers' tensor parallelism (DTensor ``q/k/v_proj``
+    weights), or ``None`` when its projections are plain tensors."""
+    projections = {n: getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj")}
+    weights = {n: getattr(p, "weight", None) for n, p in projections.items()}
+    try:
+        rows = {n: row_shard(w) for n, w in weights.items() if isinstance(w, torch.Tensor)}
+    except ValueError as err:
+        return _Shard(0, 0, None, f"{name}: {err}")
+    q = rows.get("q_proj")
+    if q is None or q[2] is None:  # plain or replicated weights: no head shard read here
+        return None
+    style = _tp_style(model, f"{name}.q_proj")
+    if style in _GATHERED_STYLES:
+        return _Shard(0, num_heads, None)  # q_proj's output is gathered: attention sees every head
+    if style is not None and style not in _SHARDED_STYLES:
+        known = sorted(_SHARDED_STYLES | _GATHERED_STYLES)
+        return _Shard(0, 0, q[2], f"{name}.q_proj: tensor-parallel style {style!r} is not one whose heads this "
+                                  f"integration can read (expected one of {known})")
+    D = getattr(module, "head_dim", None)
+    if not isinstance(D, int) or D <= 0:
+        return _Shard(0, 0, q[2], f"{name}: a tensor-parallel attention module without an int head_dim")
+    q0, qn, group = q
+    where = f"{name}.q_proj holds rows {q0}..{q0 + qn - 1}"
+    k = rows.get("k_proj")
+    if k is None or k[2] is None or rows.get("v_proj") != k:
+        return _Shard(0, 0, group, f"{name}: q_proj is sharded by rows but k_proj/v_proj are not sharded alike "
+                                   f"(q {q[:2]}, k {None if k is None else k[:2]}, v "
+                                   f"{None if rows.get('v_proj') is None else rows['v_proj'][:2]})")
+    k0, kn, _ = k
+    if q0 % D or qn % D or k0 % D or kn % D:
+        return _Shard(0, 0, group, f"{name}: the tensor-parallel shard splits a head: q_proj rows {q0}..{q0 + qn - 1}, "
+                                   f"k_proj/v_proj rows {k0}..{k0 + kn - 1}, head_dim {D} (the head counts must divide "
+                                   "by the tensor-parallel size)")
+    h0, hn, kv0, kvn = q0 // D, qn // D, k0 // D, kn // D
+    groups = num_heads // num_kv_heads
+    if hn != kvn * groups or h0 != kv0 * groups:
+        return _Shard(0, 0, group, f"{name}: query heads {h0}..{h0 + hn - 1} and kv heads {kv0}..{kv0 + kvn - 1} on "
+                                   f"this rank do not keep whole GQA groups of {groups} (kv heads must divide by the "
+                                   "tensor-parallel size)")
+    return _Shard(h0, hn, group, None, where)
+
+
+def _is_tensor_parallel(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def tensor_parallel_kwargs(tp_plan: str | dict = "auto") -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments that shard a model with transformers' own tensor
+    parallelism: ``AutoModelForCausalLM.from_pretrained(path, **tensor_parallel_kwargs())`` in
+    every process of an initialised ``torch.distributed`` group (``torchrun``).
+
+    The spelling follows the installed transformers: where
+    ``transformers.distributed.DistributedConfig`` has a ``tp_plan`` field (5.17 and 5.24, the
+    GPU's and the CPU's versions, both checked; they deprecate the bare keyword and announce its
+    removal for 5.18), ``{"distributed_config": DistributedConfig(tp_plan=...)}``; on an older
+    transformers, the bare ``{"tp_plan": ...}`` keyword it takes instead. ``DistributedConfig``
+    reads ``WORLD_SIZE`` from the environment (``torchrun`` sets it)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": tp_plan}
+    fields = ({f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig)
+              else set())
+    if "tp_plan" not in fields:
+        return {"tp_plan": tp_plan}
+    return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
 
 
 def patch(
@@ -249,7 +395,7 @@ def patch(
     layers: list[int] | range | None = None,
     dense_threshold: int | None = None,
     backend: str = "auto",
-    head_offset: int = 0,
+    head_offset: int | None = None,
     allow_mismatch: bool = False,
     check_fingerprint: bool = True,
     check_partition: bool | None = None,
@@ -260,7 +406,10 @@ def patch(
 
     Args:
         model: a transformers causal LM (Llama, Qwen2, Phi-3, GLM-4, ... any model whose
-            attention calls ``AttentionInterface``).
+            attention calls ``AttentionInterface``), whole or sharded by transformers' tensor
+            parallelism (``from_pretrained(..., **tensor_parallel_kwargs())``). Attention that is
+            not causal self-attention (``is_causal=False``, as in a bidirectional encoder, or
+            cross-attention) is refused, naming the module, in every layer chosen to run sparse.
         config: the PatternConfig (or a path to one, native or MInference format); it is
             checked against the model and a mismatch (layers,
             heads, kv heads, head dim, rope, weights fingerprint) raises
@@ -273,52 +422,115 @@ def patch(
             :data:`minference.dispatch.FILL_GAPS`; 0 runs the estimator's exact sets).
         dense_tail: the last ``dense_tail`` prompt tokens of a sparse prefill attend densely
             (:func:`minference.dispatch.sparse_prefill`; 0, the default: none).
-        head_offset: global id of local query head 0 (a tensor-parallel shard of the model).
-        check_fingerprint: hash the weights to compare with the config's fingerprint (a
-            tensor-parallel shard hashes differently from the full model: pass False there).
-        check_partition: verify with one all-gather that the ranks' head offsets tile the
-            config's heads (:func:`minference.distributed.check_head_partition`); default: when
-            the model holds fewer heads than the config (a shard) and ``torch.distributed`` is
-            initialised with more than one rank (a collective: every rank must call ``patch``).
+        head_offset: global id of local query head 0. ``None`` (default): read from the model:
+            the rows of the DTensor ``q_proj`` shard this rank holds under transformers' tensor
+            parallelism, else 0. Given on a DTensor model, it must equal what the weights say.
+        check_fingerprint: hash the weights to compare with the config's fingerprint. A model
+            sharded by hand hashes differently from the full model, and a DTensor model cannot be
+            hashed here yet: pass False for both (the other signature fields are still checked).
+        check_partition: verify with one all-gather (over the tensor-parallel group) that the
+            ranks' head offsets tile the config's heads
+            (:func:`minference.distributed.check_head_partition`) and that no rank found its shard
+            unreadable; default: when the model holds fewer heads than the config (a shard) and
+            ``torch.distributed`` is initialised with more than one rank (a collective: every
+            rank must call ``patch``). False trusts ``head_offset`` as given.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(config, (str, os.PathLike)):
-        config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
-    if not isinstance(config, PatternConfig):
-        raise TypeError(f"config must be a PatternConfig or a path to one, got {type(config).__name__}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if dense_threshold is not None and (isinstance(dense_threshold, bool) or not isinstance(dense_threshold, int)
                                         or dense_threshold < 0):
         raise ValueError(f"dense_threshold must be a non-negative int or None, got {dense_threshold!r}")
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
+    if head_offset is not None and (isinstance(head_offset, bool) or not isinstance(head_offset, int)
+                                    or head_offset < 0):
+        raise ValueError(f"head_offset must be a non-negative int or None, got {head_offset!r}")
     if fill_gaps is not None:
         check_fill_gaps(fill_gaps)
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
-    if is_patched(model):
-        unpatch(model)
-    modules = attention_modules(model)
-    if not modules:
+    tensor_parallel = _is_tensor_parallel(model)
+    if tensor_parallel and check_fingerprint and (
+            isinstance(config, (str, os.PathLike))
+            or (isinstance(config, PatternConfig) and config.model.weights_fingerprint is not None)):
+        raise ValueError("the model is sharded by tensor parallelism (DTensor weights), whose weights fingerprint "
+                         "cannot be computed yet: pass check_fingerprint=False (architecture, layers, heads, kv heads, "
+                         "head dim and rope are still checked)")
+    if isinstance(config, (str, os.PathLike)):
+        config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
+    if not isinstance(config, PatternConfig):
+        raise TypeError(f"config must be a PatternConfig or a path to one, got {type(config).__name__}")
+    entries = _attention_entries(model)
+    if not entries:
         raise ValueError("model has no attention modules with a layer_idx (not a transformers decoder?)")
-    signature = model_signature(model, fingerprint=check_fingerprint and config.model.weights_fingerprint is not None)
-    config.check(signature, allow_mismatch=allow_mismatch)
+    layer_ids = {m.layer_idx for _, m in entries}
     if layers is None:
-        chosen = set(modules)
+        chosen = set(layer_ids)
     else:
         chosen = set()
         for l in layers:
-            if isinstance(l, bool) or not isinstance(l, int) or l not in modules:
-                raise ValueError(f"layers entries must be layer indices in [0, {len(modules)}), got {l!r}")
+            if isinstance(l, bool) or not isinstance(l, int) or l not in layer_ids:
+                raise ValueError(f"layers entries must be layer indices in [0, {len(layer_ids)}), got {l!r}")
             chosen.add(l)
+    for name, module in entries:
+        why = _not_causal_self_attention(name, module)
+        if why is not None and module.layer_idx in chosen:
+            raise ValueError(
+                f"{name} ({type(module).__name__}, layer {module.layer_idx}) is {why}; minference's sparse prefill "
+                "is causal self-attention only (leave the layer out of layers= to keep it dense)"
+            )
+    if is_patched(model):
+        unpatch(model)
+    modules = attention_modules(model)
+    signature = model_signature(model, fingerprint=check_fingerprint and config.model.weights_fingerprint is not None)
+    config.check(signature, allow_mismatch=allow_mismatch)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    total = len(config.plan(min(modules)))
+
+    # this rank's heads: read from DTensor projections (transformers' tensor parallelism) or counted
+    problem, shard = None, None
+    if tensor_parallel:
+        num_heads = int(cfg.num_attention_heads)
+        num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        names = {id(m): n for n, m in entries}
+        shards = [_tp_shard(model, names[id(m)], m, num_heads, num_kv) for m in modules.values()]
+        failed = [s for s in shards if s is not None and s.problem]
+        shard = failed[0] if failed else next((s for s in shards if s is not None), None)
+        read = {None if s is None else (s.offset, s.heads) for s in shards}
+        if failed:
+            problem = failed[0].problem
+        elif len(read) > 1:
+            problem = f"the layers' attention modules hold different head shards on this rank: {sorted(read, key=str)}"
+    if shard is not None:  # heads read from the tensor-parallel shard (or found unreadable)
+        group = shard.group
+        local = shard.heads if problem is None else 0
+        if head_offset is None:
+            head_offset = shard.offset
+        elif problem is None and head_offset != shard.offset and check_partition is not False:
+            problem = (f"head_offset {head_offset} was given, but this rank's tensor-parallel shard ({shard.where}) "
+                       f"holds global heads {shard.offset}..{shard.offset + shard.heads - 1}")
+    else:
+        local, group = _local_heads(modules[min(modules)], cfg), None
+        if head_offset is None:
+            head_offset = 0
+    if problem is None and head_offset + local > total:
+        problem = f"head_offset {head_offset} + {local} local heads exceeds the config's {total} heads"
+
+    if check_partition is None:
+        import torch.distributed as dist
+
+        # a head shard (not a data-parallel replica of the whole model), or a shard some rank cannot read
+        sharded = local < total or problem is not None
+        check_partition = sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if check_partition:
+        check_head_partition(head_offset, local, total, group, problem=problem)  # raises on every rank
+    elif problem is not None:
+        raise ValueError(problem)
+
     for idx, module in modules.items():
         if idx >= len(config.layers):
             raise ValueError(f"config has {len(config.layers)} layers, the model has layer {idx}")
         plan = config.plan(idx)
-        local = _local_heads(module, cfg)
         if head_offset + local > len(plan):
             raise ValueError(
                 f"layer {idx}: head_offset {head_offset} + {local} local heads exceeds the config's {len(plan)} heads"
@@ -326,22 +538,7 @@ def patch(
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
         setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps,
-                                               dense_tail=dense_tail))
-    first = min(modules)
-    local, total = _local_heads(modules[first], cfg), len(config.plan(first))
-    if check_partition is None:
-        import torch.distributed as dist
-
-        sharded = local < total  # a head shard (not a data-parallel replica of the whole model)
-        check_partition = sharded and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if check_partition:
-        try:
-            check_head_partition(head_offset, local, total)
-        except ValueError:
-            for module in modules.values():
-                if hasattr(module, STATE_ATTR):
-                    delattr(module, STATE_ATTR)
-            raise
+                                               heads=local, dense_tail=dense_tail))
     register()
     previous = getattr(model.config, "_attn_implementation", None)
     setattr(model, MODEL_ATTR, {"previous": previous})
@@ -427,45 +624,3 @@ def observe_attention(model: torch.nn.Module, observer: Callable) -> Iterator[to
         for module in modules.values():
             delattr(module, OBSERVER_ATTR)
         model.set_attn_implementation(previous or "sdpa")
-
-
-def _rows(linear: torch.nn.Linear, start: int, stop: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
-    linear.out_features = stop - start
-
-
-def shard_model_heads(model: torch.nn.Module, rank: int, world: int, group=None) -> HeadShard:
-    """Shard a Llama-family model's attention by heads in place (``q_proj``/``k_proj``/``v_proj``
-    rows, ``o_proj`` input columns, ``o_proj`` bias on rank 0 only, an all-reduce of ``o_proj``'s
-    output through a forward hook). Everything else stays replicated. Returns the shard."""
-    from minference.integration import attention_modules
-
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    shard = head_shard(int(cfg.num_attention_heads), int(cfg.num_key_value_heads or cfg.num_attention_heads),
-                       rank, world)
-    dist = _dist() if world > 1 else None
-
-    def reduce(_module, _inputs, output):
-        dist.all_reduce(output, group=group)
-        return output
-
-    for module in attention_modules(model).values():
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in names):
-            raise ValueError(f"{type(module).__name__} lacks separate q/k/v/o projections; only Llama-style "
-                             "attention can be head-sharded here")
-        D = module.head_dim
-        _rows(module.q_proj, shard.q.start * D, shard.q.stop * D)
-        _rows(module.k_proj, shard.kv.start * D, shard.kv.stop * D)
-        _rows(module.v_proj, shard.kv.start * D, shard.kv.stop * D)
-        o = module.o_proj
-        o.weight = torch.nn.Parameter(o.weight.data[:, shard.q.start * D : shard.q.stop * D].clone(),
-                                      requires_grad=False)
-        o.in_features = shard.local_heads * D
-        if o.bias is not None and rank != 0:
-            o.bias = torch.nn.Parameter(torch.zeros_like(o.bias), requires_grad=False)
-        if dist is not None:
-            o.register_forward_hook(reduce)
-    return shard

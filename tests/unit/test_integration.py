@@ -345,6 +345,83 @@ def test_bad_types():
         I.unpatch(model)
 
 
+def _tiny_bert(**kw):
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                       intermediate_size=64, **kw)
+    return (T.BertLMHeadModel if kw.get("is_decoder") else T.BertModel)(cfg).eval()
+
+
+def _bert_config(model):
+    return PatternConfig(model_signature(model), [[AShape(sink=1, window=4)] * HEADS] * LAYERS)
+
+
+def test_patch_refuses_a_bidirectional_encoder():
+    """A BERT encoder's attention says is_causal=False: patch refuses it (it used to run it causal)."""
+    model = _tiny_bert()
+    with pytest.raises(ValueError, match=r"encoder\.layer\.0\.attention\.self \(BertSelfAttention, layer 0\) "
+                                         r"is not causal \(is_causal=False"):
+        I.patch(model, _bert_config(model), dense_threshold=0)
+    assert not I.is_patched(model) and not any(hasattr(m, I.STATE_ATTR) for m in model.modules())
+
+
+def test_patch_refuses_cross_attention():
+    """A decoder's causal self-attention is servable, its cross-attention is not: refused, named."""
+    model = _tiny_bert(is_decoder=True, add_cross_attention=True)
+    with pytest.raises(ValueError, match=r"bert\.encoder\.layer\.0\.crossattention\.self \(BertCrossAttention, "
+                                         r"layer 0\) is cross-attention"):
+        I.patch(model, _bert_config(model), dense_threshold=0)
+    assert not I.is_patched(model)
+
+
+def test_a_non_causal_layer_is_refused_unless_left_dense():
+    """One layer of a Llama made bidirectional: refused when chosen to run sparse; left out of
+    ``layers`` it runs transformers' own (non-causal) SDPA, bit for bit."""
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.is_causal = False
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(10))
+    cfg = ashape_config(model)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn \(LlamaAttention, layer 1\) is not causal"):
+        I.patch(model, cfg, dense_threshold=0)
+    assert not I.is_patched(model)
+    want = reference_logits(model, cfg, ids, layers=[0])
+    I.patch(model, cfg, layers=[0], dense_threshold=0)
+    got = logits(model, ids)
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["sparse"] == 1 and counts["dense_layer"] == 1
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_a_call_that_says_not_causal_runs_dense():
+    """A module turned non-causal after patching (or a call passing is_causal=False) takes the
+    dense SDPA path with the module's own masking, never the causal sparse kernels."""
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(11))
+    I.patch(model, ashape_config(model), dense_threshold=0)
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    got = logits(model, ids)
+    counts = I.call_counts(model)
+    I.unpatch(model)
+    assert counts["dense_mask"] == LAYERS and counts["sparse"] == 0
+    assert torch.equal(got, logits(model, ids))  # the unpatched model, still non-causal
+
+
+def test_a_head_count_other_than_patched_is_refused():
+    """The sparse path checks the heads it receives against the heads patch() read, so a model
+    sharded some way patch() did not see fails loudly instead of reading other heads' plans."""
+    model = tiny_model("llama")
+    I.patch(model, ashape_config(model), dense_threshold=0)
+    for state in I.layer_states(model).values():
+        state.heads = HEADS // 2
+    with pytest.raises(ValueError, match="attention received 4 query heads, but patch\\(\\) read 2"):
+        logits(model, torch.randint(2, VOCAB, (1, N)))
+    I.unpatch(model)
+
+
 def _sdpa_mask(lens, starts, n):
     pos = torch.arange(n)
     lo, hi = torch.tensor(starts), torch.tensor(starts) + torch.tensor(lens)
