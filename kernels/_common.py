@@ -291,7 +291,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     heads = check_heads(heads, Hq, q.device, values=validate)
     if validate and not capturing():
         check_finite_rows({"q": q if heads is None else q.index_select(1, heads.long()), "k": k, "v": v},
-                          lens, starts)
+                          lens, starts, heads=None if heads is None else {"q": heads})
     Hg = Hq if heads is None else heads.shape[0]
     if out is None:
         alloc = torch.zeros if partial else torch.empty

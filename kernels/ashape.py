@@ -30,7 +30,7 @@ from minference.kernels._common import (
     qkv_strides,
 )
 
-from minference._checks import capturing, check_head_offset, check_tensor, int32_constant, same_device
+from minference._checks import check_budget, check_head_offset, clamp_budget, int32_constant, same_device
 
 __all__ = ["ashape_attention"]
 
@@ -143,22 +143,17 @@ def _tiles(q: torch.Tensor) -> Tiles | None:
 
 
 def _budget(name: str, value, H_needed: int, device, minimum: int, validate: bool) -> torch.Tensor:
-    """Per-global-head budget as an int32 tensor on ``device`` (an int becomes a constant)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
-    if isinstance(value, int):
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
-        return int32_constant(H_needed, value, device)
-    check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
-    if not same_device(value.device, device):
+    """Per-global-head budget as an int32 tensor on ``device`` (an int becomes a constant; ints
+    and int64 entries beyond int32 are clamped to :data:`minference._checks.BUDGET_MAX`, i.e. "the whole row").
+    int32 tensors are used as given (no op per call: the dispatcher's own are made in range)."""
+    if isinstance(value, torch.Tensor) and not same_device(value.device, device):
         raise ValueError(f"{name} must be on {device}, got {value.device}")
-    if value.shape[0] < H_needed:
-        raise ValueError(f"{name} has {value.shape[0]} entries, fewer than the {H_needed} global heads needed")
-    if validate and value.numel() > 0 and not capturing():
-        if int(value.min()) < minimum:
-            raise ValueError(f"{name} entries must be >= {minimum}, got min {int(value.min())}")
-    return value.to(torch.int32).contiguous()
+    value = check_budget(name, value, total=H_needed, minimum=minimum, values=validate)
+    if isinstance(value, int):
+        return int32_constant(H_needed, value, device)
+    if value.dtype != torch.int32:
+        value = clamp_budget(value, minimum, device).to(torch.int32)
+    return value.contiguous()
 
 
 def ashape_attention(

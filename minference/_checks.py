@@ -7,12 +7,17 @@ CUDA graph is being captured.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64)
+#: Largest budget a kernel or builder computes with (positions are int32): any count at least
+#: the prompt length means "all of them", so larger ints and int64 entries are clamped to this
+#: (never wrapped, never an overflow error).
+BUDGET_MAX = 2**31 - 1
 
 
 def capturing() -> bool:
@@ -56,6 +61,8 @@ def check_qkv(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     B, Hq, N, D = q.shape
+    if D < 1:
+        raise ValueError(f"q, k, v must have a head dim D >= 1, got shape {tuple(q.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     Bk, Hkv, Nk, Dk = k.shape
@@ -146,26 +153,69 @@ def token_mask(seqlens, seqstarts, B: int, N: int, device, *, values: bool = Tru
     return (pos >= starts[:, None]) & (pos < (starts + lens)[:, None])
 
 
-def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor) -> None:
-    """Raise if a ``[B, H, N, D]`` tensor holds NaN or inf on a token inside its row.
+def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor, *, heads: dict | None = None,
+                      rows: torch.Tensor | None = None) -> None:
+    """Raise if a ``[B, H, N, D]`` tensor holds NaN or inf on a token inside its row, naming the
+    tensor, the batch row, the head and the token (its position on the N axis).
 
     Padding tokens (outside ``starts[b] .. starts[b] + lens[b] - 1``) may hold anything: they are
-    never read. One reduction over D per tensor (in float32, or float64 for float32/64 inputs, so
-    a finite row never overflows), then one host read.
+    never read. ``rows``: an optional ``[B, N]`` bool mask of the positions to check instead (the
+    query rows an estimator samples); ``heads``: by tensor name, the head ids its axis 1 holds
+    (when only some heads were passed), for the message. One reduction over D per tensor (in
+    float32, or float64 for float32/64 inputs, so a finite row never overflows), then one host
+    read.
     """
     for name, x in tensors.items():
         B, _, N, _ = x.shape
-        valid = token_mask(lens, starts, B, N, x.device, values=False)  # [B, N]
+        check = token_mask(lens, starts, B, N, x.device, values=False) if rows is None else rows  # [B, N]
         acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-        bad = ~torch.isfinite(x.sum(dim=-1, dtype=acc)).all(dim=1)  # [B, N]
-        hit = bad & valid
+        hit = ~torch.isfinite(x.sum(dim=-1, dtype=acc)) & check[:, None]  # [B, H, N]
         if bool(hit.any()):
-            b, t = (int(i) for i in hit.nonzero()[0])
-            raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (inside the row's length)")
+            b, h, t = (int(i) for i in hit.nonzero()[0])
+            if heads is not None and name in heads:
+                h = int(heads[name][h])
+            raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (head {h}; token "
+                             f"{t - int(starts[b])} of the row, inside its length)")
+
+
+def check_budget(name: str, value: object, *, total: int, minimum: int, values: bool) -> object:
+    """Check a budget given as an int or a 1-D int tensor indexed by global head id; return the
+    int clamped to :data:`BUDGET_MAX`, or the tensor as given (:func:`clamp_budget` bounds it).
+
+    Ints must be ``>= minimum``. A tensor must hold at least ``total`` entries (the global heads
+    ``head_offset + Hq`` a call reads; checked from its shape, no sync); with ``values`` its first
+    ``total`` entries must be ``>= minimum`` too (a host read, skipped under CUDA-graph capture).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
+    if isinstance(value, int):
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return min(value, BUDGET_MAX)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
+    check_tensor(name, value, rank=1, dtypes=_INT_DTYPES)
+    if value.shape[0] < total:
+        raise ValueError(f"{name} has {value.shape[0]} entries, fewer than the {total} global heads needed "
+                         f"(one entry per global head id head_offset + h)")
+    if values and total > 0 and not capturing():
+        lo = int(value[:total].min())
+        if lo < minimum:
+            raise ValueError(f"{name} entries must be >= {minimum}, got {lo}")
+    return value
+
+
+def clamp_budget(value: torch.Tensor, minimum: int, device) -> torch.Tensor:
+    """A checked budget tensor as int64 on ``device`` with its entries clamped to ``[minimum,
+    BUDGET_MAX]`` (on the device, no sync: with validation off, entries below the minimum act as
+    the minimum and int64 entries beyond int32 as "all", never wrapped)."""
+    return value.to(device=device, dtype=torch.int64).clamp(min=minimum, max=BUDGET_MAX)
 
 
 def check_row_sampling(last_q: object, extra_rows: object, aggregation: object) -> None:
-    """The vertical-slash estimators' sampling arguments (the builders and their naive twin)."""
+    """The vertical-slash estimators' sampling arguments (the builders and their naive twin).
+    Any size is accepted; the builders sample at most the prompt's rows (work and memory follow
+    the prompt length, not these counts)."""
     if isinstance(last_q, bool) or not isinstance(last_q, int) or last_q < 1:
         raise ValueError(f"last_q must be a positive int, got {last_q!r}")
     if isinstance(extra_rows, bool) or not isinstance(extra_rows, int) or extra_rows < 0:
@@ -175,8 +225,12 @@ def check_row_sampling(last_q: object, extra_rows: object, aggregation: object) 
 
 
 def default_scale(D: int, scale: float | None) -> float:
+    """The softmax scale: ``D ** -0.5`` by default, else ``scale``, which must be a finite
+    positive number (an int or a float; bools refused)."""
+    if isinstance(D, bool) or not isinstance(D, int) or D < 1:
+        raise ValueError(f"head dim D must be an int >= 1, got {D!r}")
     if scale is None:
         return D ** -0.5
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive number, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or not scale > 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
     return float(scale)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from minference._checks import capturing, check_qkv, check_ragged, default_scale
+from minference._checks import capturing, check_finite_rows, check_qkv, check_ragged, default_scale
 from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
 from minference.reference.masks import check_fill_gaps
@@ -119,16 +119,19 @@ def dense_prefill(
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Causal dense attention ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` -> ``[B,Hq,N,D]``.
 
     Full rows go to PyTorch SDPA (``enable_gqa``: no repeated kv copies; cuDNN / flash on CUDA).
     Ragged rows go to the backend's masked dense path; padding rows come out as zeros.
+    ``validate``: as :func:`sparse_prefill`.
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    scale = default_scale(D, scale)
+    _check_values(q, k, v, seqlens, seqstarts, validate)
     if seqlens is None and seqstarts is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=default_scale(D, scale),
-                                              enable_gqa=Hq != Hkv)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
     ops = _ops(resolve_backend(backend, q.device))
     return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
                         out=torch.zeros_like(q))
@@ -149,6 +152,7 @@ def sparse_prefill(
     fill_gaps: int = FILL_GAPS,
     dense_over: float | None = None,
     dense_tail: int = 0,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Prefill attention of one layer with each head's sparse pattern.
 
@@ -173,6 +177,12 @@ def sparse_prefill(
             whatever their heads' patterns (:func:`dense_tail_attention`): the rows that make
             the first generated token, a small share of the work (``dense_tail / N`` of the
             rows). 0 (default): every row follows its pattern.
+        validate: check the values once, before any launch (skipped under CUDA-graph capture):
+            ``seqlens``/``seqstarts`` ranges, and NaN or inf in q, k or v on a token inside its
+            row (a ``ValueError`` naming the tensor, batch row, head and token). Costs one pass
+            over q, k, v and a host sync; ``False`` skips it (the path is then sync-free), and
+            non-finite inputs give non-finite outputs only on rows whose candidate set reaches
+            them (the index builders keep their forced entries: ``docs/contract.md``).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype.
@@ -185,8 +195,8 @@ def sparse_prefill(
     if isinstance(dense_threshold, bool) or not isinstance(dense_threshold, int) or dense_threshold < 0:
         raise ValueError(f"dense_threshold must be a non-negative int, got {dense_threshold!r}")
     scale = default_scale(D, scale)
-    if not capturing():  # value checks once here; everything below runs with validate=False
-        check_ragged(seqlens, seqstarts, B, N, q.device)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     check_fill_gaps(fill_gaps)
     if name == "triton":
         _check_triton_plan(groups, q)
@@ -195,7 +205,9 @@ def sparse_prefill(
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
     if N < dense_threshold or all(g.group.kind == "dense" for g in groups):
-        return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name)
+        return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name,
+                             validate=validate)
+    _check_values(q, k, v, seqlens, seqstarts, validate)  # once here; everything below runs with validate=False
     ops = _ops(name)
     ragged = seqlens is not None or seqstarts is not None
     out = torch.zeros_like(q) if ragged else torch.empty_like(q)
@@ -264,6 +276,17 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     keep = (lens > 0)[:, None, None, None]
     out.scatter_(2, idx, torch.where(keep, o.to(out.dtype), torch.gather(out, 2, idx)))
     return out
+
+
+def _check_values(q, k, v, seqlens, seqstarts, validate: bool) -> None:
+    """The value checks of :func:`sparse_prefill` / :func:`dense_prefill` (host reads): row
+    ranges, then finite q, k, v inside the rows. Nothing with ``validate=False`` or while a CUDA
+    graph is captured."""
+    if not validate or capturing():
+        return
+    B, _, N, _ = q.shape
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    check_finite_rows({"q": q, "k": k, "v": v}, lens, starts)
 
 
 def _check_triton_plan(groups, q: torch.Tensor) -> None:

@@ -41,7 +41,19 @@ from types import ModuleType
 
 import torch
 
-from minference._checks import check_int, check_qkv, check_ragged, check_row_sampling, check_tensor, default_scale
+from minference._checks import (
+    BUDGET_MAX,
+    capturing,
+    check_budget,
+    check_finite_rows,
+    check_int,
+    check_qkv,
+    check_ragged,
+    check_row_sampling,
+    check_tensor,
+    clamp_budget,
+    default_scale,
+)
 from minference.patterns import (
     BLOCK_ESTIMATES,
     RULES,
@@ -86,6 +98,7 @@ ROUTING_CHUNK_ELEMENTS = 1 << 27
 _INT = (torch.int32, torch.int64)
 #: Budget rule -> its code in :attr:`SelectionRule.code` (and in rule tensors given to builders).
 RULE_CODES = {rule: code for code, rule in enumerate(RULES)}
+_NAN = float("nan")
 
 
 @dataclass(frozen=True)
@@ -215,11 +228,11 @@ def _prepare(local: tuple[Pattern, ...], head_offset: int, device: str) -> tuple
         for arg, name in _BUDGET_FIELDS[group.kind].items():
             values = [0] * (head_offset + Hq)
             for h, pattern in zip(group.heads, group.patterns):
-                values[head_offset + h] = getattr(pattern, name)
+                values[head_offset + h] = min(getattr(pattern, name), BUDGET_MAX)  # beyond int32: "all"
             # A-shape budgets in the kernel's int32 (no cast per call); the builders' in int64
             dtype = torch.int32 if group.kind == "a_shape" else torch.int64
             budgets[arg] = torch.tensor(values, dtype=dtype, device=device)
-        widths = {arg: max(getattr(p, _BUDGET_FIELDS[group.kind][b]) for p in group.patterns)
+        widths = {arg: min(max(getattr(p, _BUDGET_FIELDS[group.kind][b]) for p in group.patterns), BUDGET_MAX)
                   for arg, b in _WIDTHS.get(group.kind, {}).items()}
         resolved, rules = (), None
         if group.kind in ("vertical_slash", "block_sparse"):
@@ -295,21 +308,21 @@ def heads_tensor(heads: torch.Tensor | None, Hq: int, device) -> torch.Tensor:
 
 
 def budget_tensor(name: str, value: int | torch.Tensor, heads: torch.Tensor, head_offset: int,
-                  minimum: int) -> torch.Tensor:
+                  minimum: int, *, total: int | None = None, validate: bool = False) -> torch.Tensor:
     """Per computed head budget ``[Hg]`` int64 on the heads' device, from an int or a 1-D int
-    tensor indexed by global head id ``head_offset + h`` (no host sync for device tensors)."""
+    tensor indexed by global head id ``head_offset + h`` (no host sync for device tensors unless
+    ``validate``).
+
+    ``total``: the global heads the call covers (``head_offset + Hq``); a tensor with fewer
+    entries is refused from its shape (``None``: not checked). ``validate``: tensor entries
+    below ``minimum`` raise (a host read); otherwise they act as ``minimum``. Values beyond
+    int32 act as :data:`~minference._checks.BUDGET_MAX` ("all": no row is that long)."""
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
+    value = check_budget(name, value, total=0 if total is None else total, minimum=minimum, values=validate)
     if isinstance(value, int):
-        if value < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {value}")
         return torch.full(heads.shape, value, dtype=torch.int64, device=heads.device)
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
-    check_tensor(name, value, rank=1, dtypes=_INT)
-    return value.to(device=heads.device, dtype=torch.int64)[heads.long() + head_offset]
+    return clamp_budget(value, minimum, heads.device)[heads.long() + head_offset]
 
 
 def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: int | None, cap: int) -> int:
@@ -323,24 +336,43 @@ def _width(name: str, value: int | torch.Tensor, per_head: torch.Tensor, given: 
     return min(top, cap)
 
 
-def _rule_tensor(rule: str | torch.Tensor, heads: torch.Tensor, head_offset: int) -> torch.Tensor:
+def _per_global_head(name: str, x: torch.Tensor, total: int | None) -> None:
+    if total is not None and x.shape[0] < total:
+        raise ValueError(f"{name} has {x.shape[0]} entries, fewer than the {total} global heads needed "
+                         f"(one entry per global head id head_offset + h)")
+
+
+def _rule_tensor(rule: str | torch.Tensor, heads: torch.Tensor, head_offset: int, total: int | None = None,
+                 validate: bool = False) -> torch.Tensor:
     """Per computed head rule codes ``[Hg]`` int64 from a rule name or a 1-D int tensor of
-    :data:`RULE_CODES` indexed by global head (codes not read: no sync)."""
+    :data:`RULE_CODES` indexed by global head (codes read only with ``validate``)."""
     if isinstance(rule, torch.Tensor):
         check_tensor("rule", rule, rank=1, dtypes=_INT)
+        _per_global_head("rule", rule, total)
+        if validate and total and not capturing():
+            lo, hi = int(rule[:total].min()), int(rule[:total].max())
+            if lo < 0 or hi >= len(RULES):
+                raise ValueError(f"rule codes must lie in [0, {len(RULES)}) ({list(RULES)}), got [{lo}, {hi}]")
         return rule.to(device=heads.device, dtype=torch.int64)[heads.long() + head_offset]
     return torch.full(heads.shape, RULE_CODES[rule], dtype=torch.int64, device=heads.device)
 
 
-def _threshold_tensor(threshold: float | torch.Tensor, heads: torch.Tensor, head_offset: int) -> torch.Tensor:
+def _threshold_tensor(threshold: float | torch.Tensor, heads: torch.Tensor, head_offset: int,
+                      total: int | None = None, validate: bool = False) -> torch.Tensor:
     if isinstance(threshold, torch.Tensor):
         check_tensor("threshold", threshold, rank=1, dtypes=(torch.float32, torch.float64))
+        _per_global_head("threshold", threshold, total)
+        if validate and total and not capturing():
+            t = threshold[:total]
+            if not bool(((t > 0) & (t <= 1)).all()):
+                raise ValueError(f"threshold entries must be finite and in (0, 1], got {t.tolist()}")
         return threshold.to(device=heads.device, dtype=torch.float64)[heads.long() + head_offset]
     return torch.full(heads.shape, threshold, dtype=torch.float64, device=heads.device)
 
 
 def _selection_rules(rule, threshold, minima: dict, heads: torch.Tensor, head_offset: int,
-                     rules: frozenset[str] | None) -> tuple[SelectionRule, ...] | None:
+                     rules: frozenset[str] | None, total: int | None = None,
+                     validate: bool = False) -> tuple[SelectionRule, ...] | None:
     """One :class:`SelectionRule` per entry of ``minima`` (name -> minimum), sharing the rule and
     threshold; ``None`` when ``rule`` is ``"top_k"``."""
     for name, value in minima.items():
@@ -361,14 +393,16 @@ def _selection_rules(rule, threshold, minima: dict, heads: torch.Tensor, head_of
         if rule == "top_k":
             return None
         used = frozenset((rule,))
-    code = _rule_tensor(rule, heads, head_offset)
-    thr = _threshold_tensor(threshold, heads, head_offset)
-    return tuple(SelectionRule(code, thr, budget_tensor(name, value, heads, head_offset, 0), used)
+    code = _rule_tensor(rule, heads, head_offset, total, validate)
+    thr = _threshold_tensor(threshold, heads, head_offset, total, validate)
+    return tuple(SelectionRule(code, thr, budget_tensor(name, value, heads, head_offset, 0, total=total,
+                                                        validate=validate), used)
                  for name, value in minima.items())
 
 
 def vertical_slash_rules(rule, threshold, min_vertical, min_slash, heads: torch.Tensor, head_offset: int, *,
-                         rules: frozenset[str] | None = None) -> tuple[SelectionRule, SelectionRule] | None:
+                         rules: frozenset[str] | None = None, total: int | None = None,
+                         validate: bool = False) -> tuple[SelectionRule, SelectionRule] | None:
     """The per computed head budget rules of a vertical-slash build: ``(columns, diagonals)``,
     one rule and threshold for both, or ``None`` when ``rule`` is ``"top_k"``.
 
@@ -376,16 +410,18 @@ def vertical_slash_rules(rule, threshold, min_vertical, min_slash, heads: torch.
     :data:`RULE_CODES` per global head ``head_offset + h`` (then ``rules`` names the codes it may
     hold, default all: the host decides the work from it); ``threshold``: a float (required by
     the adaptive rules), or a 1-D float tensor per global head (with a rule tensor);
-    ``min_vertical``, ``min_slash``: ints or 1-D int tensors per global head."""
+    ``min_vertical``, ``min_slash``: ints or 1-D int tensors per global head. ``total``,
+    ``validate``: as :func:`budget_tensor` (tensor lengths; codes, thresholds and minima read)."""
     return _selection_rules(rule, threshold, {"min_vertical": min_vertical, "min_slash": min_slash}, heads,
-                            head_offset, rules)
+                            head_offset, rules, total, validate)
 
 
 def block_sparse_rules(rule, threshold, min_blocks, heads: torch.Tensor, head_offset: int, *,
-                       rules: frozenset[str] | None = None) -> tuple[SelectionRule] | None:
+                       rules: frozenset[str] | None = None, total: int | None = None,
+                       validate: bool = False) -> tuple[SelectionRule] | None:
     """The per computed head budget rule of a block-sparse build, ``(blocks,)``, or ``None`` when
     ``rule`` is ``"top_k"``; arguments as :func:`vertical_slash_rules`."""
-    return _selection_rules(rule, threshold, {"min_blocks": min_blocks}, heads, head_offset, rules)
+    return _selection_rules(rule, threshold, {"min_blocks": min_blocks}, heads, head_offset, rules, total, validate)
 
 
 def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int,
@@ -394,7 +430,9 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     :func:`minference.reference.estimators.select_row`).
 
     Args:
-        scores: ``[B, Hg, ..., M]`` candidate scores, ``-inf`` = not a candidate.
+        scores: ``[B, Hg, ..., M]`` candidate scores, ``-inf`` = not a candidate. Any other
+            non-finite score (NaN, ``+inf``: non-finite inputs) is a candidate with no score: kept
+            when forced, never chosen otherwise, weight 0 (so one NaN never empties a selection).
         forced: ``[Hg]`` int count (positions ``< forced`` are forced) or a bool mask that
             broadcasts to ``scores``; forced candidates come first.
         budget: ``[Hg]`` int64: the count of ``"top_k"``, the maximum of the adaptive rules.
@@ -422,19 +460,20 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     if width == 0:
         return torch.empty(*lead, 0, dtype=torch.int32, device=scores.device)
     view = (1, -1) + (1,) * (scores.dim() - 2)  # [Hg] -> broadcast over [B, Hg, ..., M]
-    valid = scores > float("-inf")
+    candidate = scores != float("-inf")  # NaN and +inf too: candidates without a score
+    ranked = scores.nan_to_num(nan=float("-inf"), posinf=float("-inf"), neginf=float("-inf"))  # finite ones rank
     if forced.dtype == torch.bool:
-        forced = forced & valid
+        forced = forced & candidate
     else:
-        forced = (torch.arange(M, device=scores.device) < forced.reshape(view)) & valid
-    x = torch.where(forced, float("inf"), scores)
+        forced = (torch.arange(M, device=scores.device) < forced.reshape(view)) & candidate
+    x = torch.where(forced, float("inf"), ranked)
     budget = budget.reshape(view)
     if rule is None or rule.rules == {"top_k"}:
         values, idx = torch.topk(x, width, dim=-1, sorted=True)
         keep = (torch.arange(width, device=scores.device) < budget) & (values > float("-inf"))
         return torch.where(keep, idx, -1).to(torch.int32)
-    # NaN is no candidate; -0.0 -> +0.0 (one zero, ties by position)
-    x = x.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).add_(0.0)
+    valid = ranked > float("-inf")  # the candidates with a (finite) score
+    x = x.add_(0.0)  # -0.0 -> +0.0 (one zero, ties by position)
     values, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [B, Hg, ..., M]
     w = torch.where(valid, scores.double(), float("-inf") if logits else 0.0)  # [B, Hg, ..., M] float64
     if logits:  # no candidate: exp(-inf) = 0
@@ -491,23 +530,30 @@ def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Ten
 
 
 def vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, heads: torch.Tensor,
-                           head_offset: int) -> tuple[torch.Tensor, ...]:
+                           head_offset: int, *, total: int | None = None,
+                           validate: bool = False) -> tuple[torch.Tensor, ...]:
     """The per computed head ``[Hg]`` int64 budgets of a vertical-slash build: ``(nv, ns, sinks,
     locs)``, the forced counts capped by their budgets and at least one local diagonal (``δ =
-    0``). Each argument is an int or a 1-D tensor indexed by global head ``head_offset + h``."""
-    nv = budget_tensor("vertical", vertical, heads, head_offset, 0)
-    ns = budget_tensor("slash", slash, heads, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, heads, head_offset, 0), nv)
-    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, heads, head_offset, 0).clamp(min=1), ns)
+    0``). Each argument is an int or a 1-D tensor indexed by global head ``head_offset + h``;
+    ``total``, ``validate``: as :func:`budget_tensor`."""
+    kw = dict(total=total, validate=validate)
+    nv = budget_tensor("vertical", vertical, heads, head_offset, 0, **kw)
+    ns = budget_tensor("slash", slash, heads, head_offset, 1, **kw)
+    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, heads, head_offset, 0, **kw), nv)
+    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, heads, head_offset, 0, **kw).clamp(min=1),
+                         ns)
     return nv, ns, sinks, locs
 
 
 def block_sparse_budgets(top_k, sink_blocks, force_diagonal: bool, heads: torch.Tensor,
-                         head_offset: int) -> tuple[torch.Tensor, ...]:
+                         head_offset: int, *, total: int | None = None,
+                         validate: bool = False) -> tuple[torch.Tensor, ...]:
     """The per computed head ``[Hg]`` int64 budgets of a block-sparse build: ``(tops, sinks)``,
-    the sink blocks capped so that the forced diagonal still fits."""
-    tops = budget_tensor("top_k", top_k, heads, head_offset, 1)
-    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, heads, head_offset, 0),
+    the sink blocks capped so that the forced diagonal still fits; ``total``, ``validate``: as
+    :func:`budget_tensor`."""
+    tops = budget_tensor("top_k", top_k, heads, head_offset, 1, total=total, validate=validate)
+    sinks = torch.minimum(budget_tensor("sink_blocks", sink_blocks, heads, head_offset, 0, total=total,
+                                        validate=validate),
                           tops - int(force_diagonal))
     return tops, sinks
 
@@ -530,21 +576,52 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
+    last_q = max(1, min(last_q, N))  # a row samples at most its own rows: work follows the prompt
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
     hs = heads_tensor(heads, Hq, q.device)
+    total = head_offset + Hq if isinstance(head_offset, int) and not isinstance(head_offset, bool) else None
     if resolved is None:
-        resolved = vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, hs, head_offset)
+        resolved = vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, hs, head_offset,
+                                          total=total, validate=validate)
     nv, ns, sinks, locs = _check_resolved(resolved, 4, hs)
     if resolved_rules is None:
-        resolved_rules = vertical_slash_rules(rule, threshold, min_vertical, min_slash, hs, head_offset)
+        resolved_rules = vertical_slash_rules(rule, threshold, min_vertical, min_slash, hs, head_offset,
+                                              total=total, validate=validate)
     rules = _check_rules(resolved_rules, 2, hs)
     width_v = _width("vertical", vertical, nv, vertical_width, N)
     width_s = _width("slash", slash, ns, slash_width, N)
     rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
+    if validate and not capturing():
+        _check_finite_inputs(q, k, hs, lens, starts, _sampled_mask(lens, starts, N, last_q, rows))
     col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation)
     v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
+
+
+def _sampled_mask(lens: torch.Tensor, starts: torch.Tensor, N: int, last_q: int,
+                  rows: torch.Tensor | None) -> torch.Tensor:
+    """``[B, N]`` bool: the positions of the N axis whose query rows a vertical-slash estimate
+    samples (the last ``min(last_q, n)`` of each row and its extra rows ``rows [B, E]``)."""
+    pos = torch.arange(N, device=lens.device)[None, :] - starts.long()[:, None]  # [B, N] logical
+    n = lens.long()[:, None]
+    mask = (pos >= n - n.clamp(max=last_q)) & (pos < n)
+    if rows is not None and rows.shape[1] > 0:  # extra rows; -1 (none) lands in a dropped column N
+        at = torch.where(rows >= 0, starts.long()[:, None] + rows, N)
+        extra = torch.zeros(mask.shape[0], N + 1, dtype=torch.bool, device=mask.device)
+        mask |= extra.scatter_(1, at, True)[:, :N]
+    return mask
+
+
+def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, hs: torch.Tensor, lens: torch.Tensor,
+                         starts: torch.Tensor, q_rows: torch.Tensor | None) -> None:
+    """Refuse NaN or inf in what a builder reads: the query rows ``q_rows [B, N]`` (``None``:
+    every token of the row) of the computed heads ``hs``, and every key of the row of their kv
+    heads (a host read; the caller skips it under capture)."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    kv = hs.long() // (Hq // Hkv)
+    check_finite_rows({"q": q.index_select(1, hs.long())}, lens, starts, heads={"q": hs}, rows=q_rows)
+    check_finite_rows({"k": k.index_select(1, kv)}, lens, starts, heads={"k": kv})
 
 
 def _check_resolved(resolved, count: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -593,17 +670,22 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
     hs = heads_tensor(heads, Hq, q.device)
     Hg = hs.shape[0]
+    total = head_offset + Hq if isinstance(head_offset, int) and not isinstance(head_offset, bool) else None
     if resolved is None:
-        resolved = block_sparse_budgets(top_k, sink_blocks, force_diagonal, hs, head_offset)
+        resolved = block_sparse_budgets(top_k, sink_blocks, force_diagonal, hs, head_offset, total=total,
+                                        validate=validate)
     tops, sinks = _check_resolved(resolved, 2, hs)
     if resolved_rules is None:
-        resolved_rules = block_sparse_rules(rule, threshold, min_blocks, hs, head_offset)
+        resolved_rules = block_sparse_rules(rule, threshold, min_blocks, hs, head_offset, total=total,
+                                            validate=validate)
     (rule_b,) = _check_rules(resolved_rules, 1, hs) or (None,)
     nqb = math.ceil(N / block)
     width = _width("top_k", top_k, tops, top_k_width, nqb)
     if estimate not in BLOCK_ESTIMATES:
         raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
     query = estimate == "query"
+    if validate and not capturing():
+        _check_finite_inputs(q, k, hs, lens, starts, None)
     if query:  # [B, Hg, NQB, NQB] weights, -inf where not a candidate
         weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs)
     else:
@@ -627,7 +709,9 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
         else:
             s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
         ok = (J[None, :] <= I[:, None])[None] & (I[None, :, None] < nb[:, None, None])  # [B, C, NQB]
-        s = torch.where(ok[:, None], s, float("-inf"))
+        # -inf marks "no candidate"; a candidate's non-finite score (non-finite inputs) is NaN:
+        # kept when forced, never ranked (select_top)
+        s = torch.where(ok[:, None], s.nan_to_num(nan=_NAN, posinf=_NAN, neginf=_NAN), float("-inf"))
         if all_scores is not None:
             all_scores[:, :, lo:hi] = s
         forced = (J[None, None, :] < sinks[:, None, None]) | (force_diagonal & (J[None, :] == I[:, None]))[None]

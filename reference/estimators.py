@@ -43,7 +43,10 @@ Block-sparse, for a row of length ``n``, ``nb = ceil(n / block)`` valid blocks a
 
 Budget rules (:func:`select_row`; one selection is the columns, or the diagonals, of one row and
 head, or the blocks of one query block). The candidates are the valid positions (inside the row;
-block-causal); invalid ones have no weight and are never chosen. ``w`` are the weights above,
+block-causal); invalid ones have no weight and are never chosen. A valid candidate whose score
+is not finite (NaN or ``+inf``, from non-finite inputs) has no score: it is kept when forced
+(weight 0), never chosen otherwise, so one NaN cannot empty a selection or take a scored
+candidate's place. ``w`` are the weights above,
 ``F`` the forced candidates (``|F| <= max`` by the capping above), ``[min, max]`` the bounds:
 
 * order: the forced candidates first, in position order, then the others by score descending
@@ -102,7 +105,8 @@ def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
 def _sampled_rows(n: int, last_q: int, extra_rows: int) -> list[int]:
     """Sampled query positions of a row of length ``n`` (see the module docstring), ascending."""
     m = n - min(last_q, n)
-    extra = {(k + 1) * m // (extra_rows + 1) for k in range(extra_rows)}
+    e = min(extra_rows, m)  # any count >= m samples every earlier row: the same set, O(n) work
+    extra = {(k + 1) * m // (e + 1) for k in range(e)}
     return sorted(i for i in extra if i < m) + list(range(m, n))
 
 
@@ -111,7 +115,8 @@ def select_row(scores, forced, budget: int, *, rule: str = "top_k", threshold: f
     """One selection by its budget rule (see the module docstring), in selection order.
 
     Args:
-        scores: ``[M]`` scores (a sequence or 1-D tensor), ``-inf`` = not a candidate.
+        scores: ``[M]`` scores (a sequence or 1-D tensor), ``-inf`` = not a candidate; NaN or
+            ``+inf``: a candidate without a score (kept only when forced).
         forced: the forced positions (an iterable; invalid ones are ignored).
         budget: ``top_k``'s count, the adaptive rules' maximum.
         rule, threshold, minimum: the budget rule, its γ / α and the adaptive rules' minimum.
@@ -119,13 +124,15 @@ def select_row(scores, forced, budget: int, *, rule: str = "top_k", threshold: f
     """
     check_budget_rule("", rule, threshold)
     score = [float(x) for x in scores]
-    valid = [j for j, x in enumerate(score) if x > float("-inf")]
-    forced = set(forced) & set(valid)
+    candidates = {j for j, x in enumerate(score) if x != float("-inf")}  # NaN != -inf
+    valid = [j for j in sorted(candidates) if math.isfinite(score[j])]  # the scored candidates
+    forced = set(forced) & candidates
     order = sorted(forced) + sorted((j for j in valid if j not in forced), key=lambda j: (-score[j], j))
     if not order:
         return []
-    top = max(score[j] for j in valid)
-    weight = {j: (math.exp(score[j] - top) if logits else score[j]) for j in valid}
+    top = max((score[j] for j in valid), default=0.0)
+    weight = {j: (math.exp(score[j] - top) if logits else score[j]) if math.isfinite(score[j]) else 0.0
+              for j in order}
     if rule == "top_k":
         count = budget
     elif rule == "mass":

@@ -1,0 +1,358 @@
+"""The input contract of the public entry points (docs/contract.md, issue 19): every bad input a
+clear error, or a correct result.
+
+Three classes: non-finite q, k, v (validation on: an error naming tensor, batch row, head and
+token; validation off: the index builders keep their forced entries and a NaN score never
+empties a selection); budgets in every form (negative, zero under a minimum, per-head tensors
+too short, beyond int32, ``last_q`` / ``extra_rows`` far beyond the prompt: work and memory
+follow the prompt); ``scale`` and head dim 0. Tiny shapes: the Triton builders run in the
+interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from minference.kernels import estimate
+from minference.reference import attention as ref
+from minference.reference import estimators as naive
+
+import minference.torch_backend as tb
+from minference import kernels
+from minference.dispatch import dense_prefill, sparse_prefill
+from minference.index import select_top
+from minference.patterns import AShape, BlockSparse, VerticalSlash
+
+pytestmark = pytest.mark.interpret
+
+B, H, N, D = 1, 2, 64, 16
+NAN, INF = float("nan"), float("inf")
+
+
+def _qkv(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, N, D, generator=g) for _ in range(3))
+
+
+VS_BUILDERS = {"triton": estimate.vertical_slash_index, "torch": tb.vertical_slash_index}
+BS_BUILDERS = {"triton": estimate.block_sparse_index, "torch": tb.block_sparse_index}
+VS_ARGS = dict(vertical=6, slash=6, last_q=16, sink_columns=2, local_diagonals=2)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. non-finite inputs
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(VS_BUILDERS))
+def test_vs_builder_refuses_non_finite_rows_it_reads(name):
+    """Validation on: a NaN in a sampled query row (a last row, an extra row) or in a key is an
+    error naming tensor, batch row, head and token; a NaN in a query row it never samples is
+    not its business (the attention kernels check those)."""
+    build = VS_BUILDERS[name]
+    q, k, _ = _qkv()
+    for tensor, head, token, kw in (("q", 1, N - 1, {}), ("q", 0, 32, dict(extra_rows=2)), ("k", 1, 5, {})):
+        bad = {"q": q.clone(), "k": k.clone()}
+        bad[tensor][0, head, token, 3] = NAN
+        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token {token} "
+                                             f"\\(head {head};"):
+            build(bad["q"], bad["k"], **VS_ARGS, **kw)
+    q_mid = q.clone()
+    q_mid[0, 0, 10] = NAN  # not sampled: last 16 rows, no extra rows
+    build(q_mid, k, **VS_ARGS)
+    # heads=: only the computed heads (and their kv heads) are read, and named by their real id
+    q_h = q.clone()
+    q_h[0, 1, N - 1] = INF
+    build(q_h, k, **VS_ARGS, heads=torch.tensor([0]))
+    with pytest.raises(ValueError, match="head 1;"):
+        build(q_h, k, **VS_ARGS, heads=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("name", sorted(BS_BUILDERS))
+def test_bs_builder_refuses_non_finite_inputs(name):
+    q, k, _ = _qkv()
+    for tensor in ("q", "k"):
+        bad = {"q": q.clone(), "k": k.clone()}
+        bad[tensor][0, 1, 33, 0] = -INF
+        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token 33 \\(head 1;"):
+            BS_BUILDERS[name](bad["q"], bad["k"], 2, block=16)
+
+
+def _vs_forced_ok(v_idx, s_idx, sinks: int, locs: int, head: int):
+    cols = set(v_idx[0, head].tolist()) - {-1}
+    offs = set(s_idx[0, head].tolist()) - {-1}
+    assert set(range(sinks)) <= cols, cols
+    assert set(range(locs)) <= offs, offs
+
+
+def test_vs_definition_keeps_forced_entries_on_nan_scores():
+    """The naive twin (the definition): a NaN in a sampled query row makes every score of that
+    head NaN; the forced columns and diagonals stay, nothing unscored is chosen."""
+    q, k, _ = _qkv()
+    q[0, 0, N - 1, 3] = NAN
+    v_idx, s_idx = naive.vertical_slash_index(q, k, **VS_ARGS)
+    _vs_forced_ok(v_idx, s_idx, 2, 2, head=0)
+    assert (v_idx[0, 0] >= 0).sum() == 2 and (s_idx[0, 0] >= 0).sum() == 2
+    clean = naive.vertical_slash_index(_qkv()[0], k, **VS_ARGS)
+    assert torch.equal(v_idx[0, 1], clean[0][0, 1]) and torch.equal(s_idx[0, 1], clean[1][0, 1])
+
+
+@pytest.mark.parametrize("rule", ["top_k", "mass"])
+@pytest.mark.parametrize("name", [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.xfail(
+        strict=True, reason="the one-launch top-k selection kernel (kernels/estimate.py _select_scores) still "
+                            "drops forced entries whose score is NaN: change owned by the kernel owner")),
+])
+def test_vs_builder_keeps_forced_entries_with_validation_off(name, rule):
+    """Validation off: one NaN in a sampled query row of head 0 no longer empties its index
+    (before: no column, no diagonal, not even δ = 0). Head 1 is untouched. The adaptive rules
+    go through the shared torch selection on both builders."""
+    if name == "triton" and rule != "top_k":
+        pytest.skip("the adaptive rules use select_top on the Triton builder too (the torch case covers it)")
+    q, k, _ = _qkv()
+    q[0, 0, N - 1, 3] = NAN
+    kw = {} if rule == "top_k" else dict(rule="mass", threshold=0.9)
+    v_idx, s_idx = VS_BUILDERS[name](q, k, **VS_ARGS, **kw, validate=False)
+    _vs_forced_ok(v_idx, s_idx, 2, 2, head=0)
+    assert (v_idx[0, 0] >= 0).sum() == 2 and (s_idx[0, 0] >= 0).sum() == 2  # NaN scores: nothing else
+    _vs_forced_ok(v_idx, s_idx, 2, 2, head=1)
+
+
+def test_vs_builder_adaptive_triton_keeps_forced_entries():
+    q, k, _ = _qkv()
+    q[0, 0, N - 1, 3] = NAN
+    v_idx, s_idx = estimate.vertical_slash_index(q, k, **VS_ARGS, rule="relative", threshold=0.5, validate=False)
+    _vs_forced_ok(v_idx, s_idx, 2, 2, head=0)
+
+
+@pytest.mark.parametrize("name,estimate_by", [
+    ("torch", "pooled"), ("torch", "query"), ("triton", "pooled"),
+    pytest.param("triton", "query", marks=pytest.mark.xfail(
+        strict=True, reason="select_query_blocks (kernels/estimate.py _block_candidates) drops a forced block "
+                            "whose score is NaN: change owned by the kernel owner")),
+])
+def test_bs_builder_keeps_forced_blocks_with_validation_off(name, estimate_by):
+    """A NaN query in block 3 (pooled: the block's mean query is NaN; query-aware: that
+    query's row): the forced sink and diagonal blocks stay; other query blocks are as on clean
+    inputs; a NaN key's block is chosen only where forced."""
+    q, k, _ = _qkv()
+    clean = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
+    q[0, 0, N - 1, 3] = NAN
+    got = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
+    assert set(got[0, 0, 3].tolist()) == {0, 3}
+    for I in range(3):
+        assert set(got[0, 0, I].tolist()) == set(clean[0, 0, I].tolist())
+    k[0, 1, 20, 0] = NAN  # key block 1 of head 1 (kv head 1)
+    got = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
+    assert set(got[0, 1, 1].tolist()) == {0, 1}  # its own diagonal
+    if estimate_by == "pooled":
+        assert all(1 not in got[0, 1, I].tolist() for I in (2, 3))
+
+
+def test_select_top_nan_is_a_candidate_without_score():
+    """The shared selection: NaN / +inf scores are kept only when forced and never take a
+    scored candidate's place (before: a forced NaN was dropped, and topk let NaN use up budget
+    slots)."""
+    s = torch.tensor([[[NAN, 0.1, NAN, 0.3, INF, 0.2, -INF]]])
+    got = select_top(s, torch.tensor([1]), torch.tensor([3]), 3)
+    assert set(got[0, 0].tolist()) == {0, 3, 5}
+    want = naive.select_row(s[0, 0], {0}, 3)
+    assert set(want) == {0, 3, 5}
+    forced = torch.zeros(7, dtype=torch.bool)
+    forced[6] = True  # a forced non-candidate (-inf) stays out
+    assert set(select_top(s, forced[None, None], torch.tensor([2]), 2)[0, 0].tolist()) == {3, 5}
+
+
+def test_dispatcher_refuses_non_finite_and_validate_off_keeps_forced_entries():
+    """sparse_prefill checks q, k, v once (validation on); with validate=False a NaN in the last
+    query of head 0 gives a NaN output row there only, and every other row of head 0 attends to
+    the forced sinks and local diagonals (before: an empty index, rows of zeros)."""
+    q, k, v = _qkv()
+    plan = [VerticalSlash(vertical=4, slash=4, last_q=16, sink_columns=2, local_diagonals=2)] * H
+    for name in ("q", "k", "v"):
+        bad = dict(q=q.clone(), k=k.clone(), v=v.clone())
+        bad[name][0, 1, 40, 2] = NAN
+        with pytest.raises(ValueError, match=f"{name} holds NaN or inf at batch row 0, token 40 \\(head 1;"):
+            sparse_prefill(bad["q"], bad["k"], bad["v"], plan, dense_threshold=0, backend="torch")
+        with pytest.raises(ValueError, match=f"{name} holds NaN or inf"):
+            dense_prefill(bad["q"], bad["k"], bad["v"])
+    qn = q.clone()
+    qn[0, 0, N - 1, 3] = NAN
+    out = sparse_prefill(qn, k, v, plan, dense_threshold=0, backend="torch", validate=False)
+    assert torch.isnan(out[0, 0, N - 1]).all()
+    assert torch.isfinite(out[0, 0, : N - 1]).all() and torch.isfinite(out[0, 1]).all()
+    forced = torch.tensor([[[0, 1]]], dtype=torch.int32)
+    want = ref.vertical_slash_attention(q[:, :1], k[:, :1], v[:, :1], forced, forced)
+    torch.testing.assert_close(out[0, 0, : N - 1].double(), want[0, 0, : N - 1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason="kernel bodies: a NaN value row inside a loaded key tile reaches rows "
+                                       "that mask it out (p = 0 times NaN in the p @ v product); owned by the "
+                                       "kernel owner (docs/contract.md)")
+def test_kernels_keep_a_non_finite_value_to_the_rows_that_read_it():
+    """Validation off, v[token 0] = NaN: only the rows whose candidate set holds token 0 may be
+    non-finite (A-shape window 4: rows 0..3; vertical-slash δ = 0 only: row 0)."""
+    q, k, v = (x[:, :1] for x in _qkv())
+    v[0, 0, 0, 0] = NAN
+    a = kernels.ashape_attention(q, k, v, 0, 4, validate=False)
+    self_only = torch.tensor([[[0]]], dtype=torch.int32)
+    vs = kernels.vertical_slash_attention(q, k, v, -self_only - 1, self_only, validate=False)
+    for out, rows in ((a, [0, 1, 2, 3]), (vs, [0])):
+        assert (~torch.isfinite(out[0, 0])).any(-1).nonzero().flatten().tolist() == rows
+
+
+# --------------------------------------------------------------------------------------------
+# 2. budgets
+# --------------------------------------------------------------------------------------------
+
+
+def _calls(q, k, v, budget):
+    """Every builder and kernel entry that takes a per-global-head budget, with ``budget`` in one
+    slot."""
+    return {
+        "vs triton": lambda: estimate.vertical_slash_index(q, k, budget, 6),
+        "vs torch": lambda: tb.vertical_slash_index(q, k, 6, budget),
+        "vs sinks": lambda: estimate.vertical_slash_index(q, k, 6, 6, sink_columns=budget),
+        "vs min": lambda: tb.vertical_slash_index(q, k, 6, 6, rule="mass", threshold=0.5, min_vertical=budget),
+        "bs triton": lambda: estimate.block_sparse_index(q, k, budget, block=16),
+        "bs torch": lambda: tb.block_sparse_index(q, k, 2, block=16, sink_blocks=budget),
+        "ashape sink": lambda: kernels.ashape_attention(q, k, v, budget, 8),
+        "ashape window": lambda: kernels.ashape_attention(q, k, v, 2, budget),
+        "naive vs": lambda: naive.vertical_slash_index(q, k, budget, 6),
+    }
+
+
+def test_per_head_budget_tensor_too_short_is_a_clear_error():
+    q, k, v = _qkv()
+    for call in _calls(q, k, v, torch.tensor([3])).values():  # 1 entry, 2 heads
+        with pytest.raises(ValueError, match="entries|is needed"):
+            call()
+    # with head_offset the tensor must reach head_offset + Hq
+    with pytest.raises(ValueError, match="fewer than the 3 global heads"):
+        estimate.block_sparse_index(q, k, torch.tensor([2, 2]), block=16, head_offset=1)
+
+
+def test_negative_and_zero_budgets_are_clear_errors():
+    q, k, v = _qkv()
+    for call in _calls(q, k, v, torch.tensor([-1, 3])).values():
+        with pytest.raises(ValueError, match=">= 0|>= 1"):
+            call()
+    for call in _calls(q, k, v, -1).values():
+        with pytest.raises(ValueError, match=">= 0|>= 1"):
+            call()
+    for call in (lambda: estimate.vertical_slash_index(q, k, 6, torch.tensor([1, 0])),  # slash >= 1
+                 lambda: tb.block_sparse_index(q, k, torch.tensor([0, 1]), block=16),  # top_k >= 1
+                 lambda: kernels.ashape_attention(q, k, v, 2, torch.tensor([0, 4]))):  # window >= 1
+        with pytest.raises(ValueError, match=">= 1"):
+            call()
+    # validation off: tensor entries under the minimum act as the minimum (no sync, no crash)
+    got = estimate.vertical_slash_index(q, k, torch.tensor([-5, -5]), 6, validate=False)[0]
+    assert (got == -1).all()
+
+
+def test_budgets_beyond_int32_mean_all():
+    """Ints and int64 entries past int32 are "the whole row": the result of a budget of N
+    (before: OverflowError / RuntimeError from torch, or an int64 -> int32 wrap)."""
+    q, k, v = (x[:, :, :32] for x in _qkv())
+    n = q.shape[2]
+    want_vs = estimate.vertical_slash_index(q, k, n, n, sink_columns=n, local_diagonals=n)
+    want_bs = estimate.block_sparse_index(q, k, 2, block=16, sink_blocks=2)
+    want_a = kernels.ashape_attention(q, k, v, n, n)
+    for budget in (2**70, torch.tensor([2**32 + 1] * H)):  # an int past int64, int64 entries past int32
+        got = estimate.vertical_slash_index(q, k, budget, budget, sink_columns=budget, local_diagonals=budget)
+        assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(got, want_vs))
+        got = tb.block_sparse_index(q, k, budget, block=16, sink_blocks=budget)
+        assert torch.equal(got.sort(-1).values, want_bs.sort(-1).values)
+        torch.testing.assert_close(kernels.ashape_attention(q, k, v, budget, budget), want_a)
+    # through patterns and the dispatcher (per-plan tensors: before, AShape's int32 overflowed)
+    dense = ref.dense_attention(q, k, v)
+    out = sparse_prefill(q, k, v, [AShape(sink=2**40, window=2**40)] * H, dense_threshold=0, backend="triton")
+    torch.testing.assert_close(out.double(), dense, rtol=1e-4, atol=1e-5)
+    plan = [VerticalSlash(vertical=2**40, slash=2**70, sink_columns=2**40), BlockSparse(top_k=2**40, block=16)]
+    out = sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch")
+    torch.testing.assert_close(out.double(), dense, rtol=1e-4, atol=1e-5)
+
+
+class _Record(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("name", sorted(VS_BUILDERS))
+def test_last_q_and_extra_rows_far_beyond_the_prompt_follow_the_prompt(name, monkeypatch):
+    """``last_q`` / ``extra_rows`` of 10**9 on a 64-token prompt: the same index as ``N``, and no
+    tensor or Triton grid larger than a few times the prompt's (before: buffers and grids of
+    ``last_q`` rows)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    q, k, _ = (x[:, :, :32] for x in _qkv())
+    n = q.shape[2]
+    build = VS_BUILDERS[name]
+    want = build(q, k, 6, 6, last_q=n, extra_rows=n)
+    grids = []
+    run = InterpretedFunction.__getitem__
+
+    def record(self, grid):
+        grids.append(grid)
+        size = 1
+        for g in grid:
+            size *= g
+        assert size <= 64 * B * H * n, (self.fn.__name__, grid)  # never launched: it would not finish
+        return run(self, grid)
+
+    monkeypatch.setattr(InterpretedFunction, "__getitem__", record)
+    with _Record() as rec:
+        got = build(q, k, 6, 6, last_q=10**9, extra_rows=10**9)
+    assert rec.largest <= 16 * B * H * n * D, rec.largest
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(got, want))
+    got = naive.vertical_slash_index(q, k, 6, 6, last_q=10**6, extra_rows=10**6)  # O(n), not O(extra_rows)
+    assert all(torch.equal(a.sort(-1).values, b.sort(-1).values)
+               for a, b in zip(got, naive.vertical_slash_index(q, k, 6, 6, last_q=n, extra_rows=n)))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. scale and head dim
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [INF, -INF, NAN, 0.0, -0.5, True])
+def test_scale_must_be_finite_and_positive(scale):
+    q, k, v = _qkv()
+    blocks = torch.zeros(B, H, 4, 1, dtype=torch.int32)
+    idx = torch.zeros(B, H, 1, dtype=torch.int32)
+    for call in (lambda: sparse_prefill(q, k, v, [VerticalSlash()] * H, scale=scale),
+                 lambda: dense_prefill(q, k, v, scale=scale),
+                 lambda: estimate.vertical_slash_index(q, k, 4, 4, scale=scale),
+                 lambda: tb.block_sparse_index(q, k, 2, block=16, scale=scale),
+                 lambda: estimate.query_block_scores(q, k, block=16, scale=scale),
+                 lambda: kernels.ashape_attention(q, k, v, 1, 4, scale=scale),
+                 lambda: kernels.vertical_slash_attention(q, k, v, idx, idx, scale=scale),
+                 lambda: kernels.block_sparse_attention(q, k, v, blocks, block=16, scale=scale),
+                 lambda: naive.block_sparse_index(q, k, 2, block=16, scale=scale),
+                 lambda: ref.dense_attention(q, k, v, scale=scale)):
+        with pytest.raises(ValueError, match="scale must be a finite positive number"):
+            call()
+
+
+def test_head_dim_zero_is_a_clear_error():
+    z = torch.zeros(B, H, 8, 0)
+    for call in (lambda: sparse_prefill(z, z, z, [VerticalSlash()] * H),
+                 lambda: dense_prefill(z, z, z),
+                 lambda: estimate.vertical_slash_index(z, z, 2, 2),
+                 lambda: tb.block_sparse_index(z, z, 1, block=4),
+                 lambda: kernels.ashape_attention(z, z, z, 1, 4),
+                 lambda: naive.vertical_slash_index(z, z, 2, 2),
+                 lambda: ref.dense_attention(z, z, z)):
+        with pytest.raises(ValueError, match="head dim D >= 1"):
+            call()
