@@ -22,15 +22,17 @@ Layouts (``H`` = haystack tokens, ``n_tokens`` minus everything else; ``depth`` 
                        same question for one of the 4 keys
     multi_value        INTRO  hay with 4 needles for one KEY, needle j at depth (j + u) / 4,
                        u ~ U[0.1, 0.9] (one per quarter)
-                       "\\n\\nWhat are all the special magic numbers for KEY? The special magic numbers
-                       for KEY are:"
-    variable_tracking  INTRO  hay with 10 statements "\\n\\nVAR ABCDE = 12345." / "\\n\\nVAR FGHIJ = VAR ABCDE.",
-                       two chains of 4 hops (5 names each, values differ), randomly interleaved with each
-                       chain's order kept, statement k at depth (k + u) / 10
+                       "\\n\\nWhat are all the four special magic numbers for KEY? The four special magic
+                       numbers for KEY are:"
+    variable_tracking  INTRO  hay with VT_CHAINS * 5 statements "\\n\\nVAR ABCDE = 12345." /
+                       "\\n\\nVAR FGHIJ = VAR ABCDE.": VT_CHAINS (1, as RULER's default) chains of 4 hops
+                       (5 names each, values differ; the first chain is asked), randomly interleaved with
+                       each chain's order kept, statement k of m at depth (k + u) / m
                        "\\n\\nFind all variables that are assigned the value 12345 in the text above. Answer:
                        According to the chain(s) of variable assignment in the text above, 5 variables are
-                       assigned the value 12345, they are:"
-    frequent_words     INTRO  hay with groups " w1 w2." of 1 to 3 coded words at random sentence boundaries
+                       assigned the value 12345, they are: VAR"  (ends with "VAR": the answer starts at a name)
+    frequent_words     INTRO  hay with sentences " Coded words: w1 w2." of 1 to 3 coded words at random
+                       sentence boundaries
                        "\\n\\nWhat are the three most frequently appearing coded words in the text above?
                        Answer: The three most frequently appearing coded words are:"
 
@@ -50,7 +52,8 @@ Scoring (:func:`score`): correct when every string of :attr:`Sample.answers` occ
 text as a whole word: not preceded or followed by a letter or digit, case-insensitive (so
 ``1234567`` does not match inside ``12345678`` and ``ABCDE`` not inside ``ABCDEF``). ``single_needle``
 and ``multi_key``: the asked number; ``multi_value``: all 4 numbers; ``variable_tracking``: all 5
-names of the asked chain; ``frequent_words``: the 3 most frequent coded words.
+names of the asked chain; ``frequent_words``: the 3 most frequent coded words. Partial credit
+(:func:`score_fraction`): the fraction of those strings found, as RULER reports its multi-answer tasks.
 
 Perplexity (:data:`PERPLEXITY_TASK`): :func:`perplexity_ids` gives ``n_tokens`` haystack ids only
 (first paragraph without the leading blank line); :func:`position_buckets` averages the per-token
@@ -76,6 +79,7 @@ __all__ = [
     "NEEDLE_DIGITS",
     "MULTI_NEEDLES",
     "VT_HOPS",
+    "VT_CHAINS",
     "VT_NAME_LETTERS",
     "VT_VALUE_DIGITS",
     "CODED_WORDS",
@@ -89,6 +93,7 @@ __all__ = [
     "Sample",
     "make_sample",
     "score",
+    "score_fraction",
     "perplexity_ids",
     "position_buckets",
 ]
@@ -100,8 +105,10 @@ PERPLEXITY_TASK = "perplexity"
 NEEDLE_DIGITS = 7
 #: Needles of ``multi_key`` (keys) and of ``multi_value`` (numbers of the one key).
 MULTI_NEEDLES = 4
-#: Hops of a ``variable_tracking`` chain (``VT_HOPS + 1`` names); there are two chains, one asked.
+#: Hops of a ``variable_tracking`` chain (``VT_HOPS + 1`` names).
 VT_HOPS = 4
+#: Chains of ``variable_tracking``; the first is asked, the others are distractors with their own value.
+VT_CHAINS = 1
 #: Letters of a ``variable_tracking`` name.
 VT_NAME_LETTERS = 5
 #: Digits of a ``variable_tracking`` value.
@@ -130,6 +137,10 @@ _PARAGRAPH_SENTENCES = (3, 7)
 #: Spread of a stratified depth inside its stratum (multi_value, variable_tracking).
 _STRATUM_JITTER = (0.1, 0.9)
 _MAX_CODED_GROUP = 3
+#: One group of coded words, a sentence of its own.
+_CODED_GROUP = " Coded words: {words}."
+#: Counts the questions spell out.
+_COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 _TOKENS_PER_SENTENCE_GUESS = 18
 _FILL_POOL = 48
 _FILL_POPS = 3
@@ -149,13 +160,15 @@ _INTRO_FW = (
 )
 _NEEDLE = "\n\nThe special magic number for {key} is: {number}."
 _QUESTION_ONE = "\n\nWhat is the special magic number for {key}? The special magic number for {key} is:"
-_QUESTION_ALL = "\n\nWhat are all the special magic numbers for {key}? The special magic numbers for {key} are:"
+_QUESTION_ALL = (
+    "\n\nWhat are all the {count} special magic numbers for {key}? The {count} special magic numbers for {key} are:"
+)
 _VT_FIRST = "\n\nVAR {name} = {value}."
 _VT_HOP = "\n\nVAR {name} = VAR {prev}."
 _QUESTION_VT = (
     "\n\nFind all variables that are assigned the value {value} in the text above. Answer: According to the "
     "chain(s) of variable assignment in the text above, {count} variables are assigned the value {value}, "
-    "they are:"
+    "they are: VAR"
 )
 _QUESTION_FW = (
     "\n\nWhat are the three most frequently appearing coded words in the text above? Answer: The three most "
@@ -406,7 +419,7 @@ def _vocabulary() -> frozenset[str]:
 def _fixed_words() -> frozenset[str]:
     """Every lowercase word of the intros, needles and questions."""
     text = " ".join((_INTRO_ONE, _INTRO_MANY, _INTRO_VT, _INTRO_FW, _NEEDLE, _QUESTION_ONE, _QUESTION_ALL,
-                     _VT_FIRST, _VT_HOP, _QUESTION_VT, _QUESTION_FW))
+                     _VT_FIRST, _VT_HOP, _QUESTION_VT, _QUESTION_FW, _CODED_GROUP))
     return frozenset(re.findall(r"[a-z]+", re.sub(r"\{[a-z]+\}", " ", text).lower()))
 
 
@@ -545,7 +558,7 @@ class Sample:
 
     ``ids [n_tokens]`` int64 prompt ids (exactly ``n_tokens``, no special tokens); ``answers``: every
     string must occur in the generated text (:func:`score`); ``max_new_tokens``: the tokenised answer
-    text (``" A, B, C."``; ``variable_tracking`` with ``"VAR "`` before each name) plus
+    text (``" A, B, C."``; ``variable_tracking``: ``" A, VAR B, ..."``, the prompt ending in ``"VAR"``) plus
     :data:`ANSWER_SLACK_TOKENS`; ``depth``: the ``single_needle`` depth, else None.
     """
 
@@ -626,26 +639,27 @@ def _spec(task: str, rng: random.Random, n_tokens: int, index: int, samples: int
         key = _key(rng)
         numbers = _distinct(lambda: _digits(rng, NEEDLE_DIGITS), MULTI_NEEDLES)
         needles = [(d, _NEEDLE.format(key=key, number=v)) for d, v in zip(_stratified(rng, MULTI_NEEDLES), numbers)]
-        return _Spec(_INTRO_MANY, needles, [], _QUESTION_ALL.format(key=key), tuple(numbers),
-                     " " + ", ".join(numbers) + ".")
+        question = _QUESTION_ALL.format(key=key, count=_COUNT_WORDS[MULTI_NEEDLES])
+        return _Spec(_INTRO_MANY, needles, [], question, tuple(numbers), " " + ", ".join(numbers) + ".")
     if task == "variable_tracking":
         size = VT_HOPS + 1
         letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-        names = _distinct(lambda: "".join(rng.choice(letters) for _ in range(VT_NAME_LETTERS)), 2 * size)
-        values = _distinct(lambda: _digits(rng, VT_VALUE_DIGITS), 2)
+        names = _distinct(lambda: "".join(rng.choice(letters) for _ in range(VT_NAME_LETTERS)), VT_CHAINS * size)
+        values = _distinct(lambda: _digits(rng, VT_VALUE_DIGITS), VT_CHAINS)
         chains = []
-        for c in range(2):
+        for c in range(VT_CHAINS):
             chain = names[c * size : (c + 1) * size]
             lines = [_VT_FIRST.format(name=chain[0], value=values[c])]
             lines += [_VT_HOP.format(name=chain[h], prev=chain[h - 1]) for h in range(1, size)]
             chains.append(lines)
-        order = [0] * size + [1] * size
+        order = [c for c in range(VT_CHAINS) for _ in range(size)]
         rng.shuffle(order)
         lines = [chains[c].pop(0) for c in order]  # each chain keeps its order
         needles = list(zip(_stratified(rng, len(lines)), lines))
         asked = tuple(names[:size])
+        # The question ends with "VAR", so the answer text starts at the first name.
         return _Spec(_INTRO_VT, needles, [], _QUESTION_VT.format(value=values[0], count=size), asked,
-                     " " + ", ".join(f"VAR {x}" for x in asked) + ".")
+                     " " + ", VAR ".join(asked) + ".")
     # frequent_words
     words = _distinct(lambda: _coded_word(rng), CODED_WORDS)  # by rank
     occurrences = [w for w, c in zip(words, _coded_counts(n_tokens)) for _ in range(c)]
@@ -654,7 +668,7 @@ def _spec(task: str, rng: random.Random, n_tokens: int, index: int, samples: int
     i = 0
     while i < len(occurrences):
         g = rng.randint(1, _MAX_CODED_GROUP)
-        groups.append(" " + " ".join(occurrences[i : i + g]) + ".")
+        groups.append(_CODED_GROUP.format(words=" ".join(occurrences[i : i + g])))
         i += g
     top = tuple(words[:TOP_CODED_WORDS])
     return _Spec(_INTRO_FW, [], groups, _QUESTION_FW, top, " " + ", ".join(top) + ".")
@@ -754,6 +768,18 @@ def score(sample: Sample, text: str) -> bool:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return all(_whole_word(a).search(text) is not None for a in sample.answers)
+
+
+def score_fraction(sample: Sample, text: str) -> float:
+    """Partial credit: the fraction of the answers of ``sample`` that occur in ``text`` as whole
+    words (same matching as :func:`score`; ``1.0`` exactly when :func:`score` is True). RULER
+    reports this for its multi-answer tasks."""
+    if not isinstance(sample, Sample):
+        raise TypeError(f"sample must be a Sample, got {type(sample).__name__}")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    found = sum(_whole_word(a).search(text) is not None for a in sample.answers)
+    return found / len(sample.answers)
 
 
 def perplexity_ids(tokenizer, n_tokens: int, index: int, *, seed: int = 0) -> torch.Tensor:

@@ -17,12 +17,14 @@ from minference.app.evals import (
     RESERVED_WORDS,
     TASKS,
     TOKENS_PER_CODED_WORD,
+    VT_CHAINS,
     VT_HOPS,
     Sample,
     make_sample,
     perplexity_ids,
     position_buckets,
     score,
+    score_fraction,
 )
 
 if not models.smollm2_available():
@@ -31,7 +33,7 @@ if not models.smollm2_available():
 LENGTHS = (1024, 2048, 4096)
 NEEDLE = re.compile(r"The special magic number for (\S+) is: (\d+)\.")
 ASKED_ONE = re.compile(r"What is the special magic number for (\S+)\?")
-ASKED_ALL = re.compile(r"What are all the special magic numbers for (\S+)\?")
+ASKED_ALL = re.compile(r"What are all the four special magic numbers for (\S+)\? The four special magic")
 STATEMENT = re.compile(r"VAR ([A-Z]+) = (?:VAR ([A-Z]+)|(\d+))\.")
 
 
@@ -104,21 +106,27 @@ def test_needles_are_in_the_prompt(tok, n: int) -> None:
     assert [v for _, v in found] == list(s.answers) and len(set(s.answers)) == MULTI_NEEDLES
 
 
+@pytest.mark.parametrize("chains", (VT_CHAINS, 2))
 @pytest.mark.parametrize("n", (1024, 4096))
-def test_variable_tracking_chains(tok, n: int) -> None:
+def test_variable_tracking_chains(tok, n: int, chains: int, monkeypatch) -> None:
+    monkeypatch.setattr(evals, "VT_CHAINS", chains)  # 2: the asked chain and one distractor chain
     s = make_sample("variable_tracking", tok, n, 5)
     text = _text(tok, s.ids)
     value = re.search(r"assigned the value (\d+) in the text above", text).group(1)
     statements = STATEMENT.findall(text)
-    assert len(statements) == 2 * (VT_HOPS + 1)
+    assert len(statements) == chains * (VT_HOPS + 1)
     known: dict[str, str] = {}
     for name, prev, literal in statements:  # in text order: every reference is already defined
         assert name not in known
         known[name] = literal or known[prev]
     assert sorted(n for n, v in known.items() if v == value) == sorted(s.answers)
-    assert len(set(known.values())) == 2
+    assert len(set(known.values())) == chains
     assert all(re.fullmatch(r"[A-Z]{5}", a) for a in s.answers)
+    # The answer prefix ends with "VAR": the model's answer starts at the first name.
+    assert text.endswith(", they are: VAR")
+    assert score(s, " " + ", VAR ".join(s.answers) + ".")
     assert not score(s, ", ".join(s.answers[:-1]))
+    assert score_fraction(s, ", ".join(s.answers[:-1])) == pytest.approx(VT_HOPS / (VT_HOPS + 1))
 
 
 def test_single_needle_depth_is_honoured(tok) -> None:
@@ -168,6 +176,17 @@ def test_score() -> None:
     assert score(names, "VAR ABCDE, Kemavu")  # case-insensitive
     assert not score(names, "ABCDEF kemavu") and not score(names, "XABCDE kemavu")
     assert not score(names, "ABCDE kemavus")
+    assert score_fraction(many, "2222222 and 1111111") == 1.0
+    assert score_fraction(many, "1111111 and 2222223") == 0.5
+    assert score_fraction(many, "") == 0.0
+    four = _sample(("1111111", "2222222", "3333333", "4444444"))
+    assert score_fraction(four, "3333333, 1111111, 33333334, 4444444") == 0.75
+    assert score_fraction(names, "VAR ABCDE, Kemavu") == 1.0 and score_fraction(names, "ABCDEF kemavu") == 0.5
+    for fn in (score, score_fraction):
+        with pytest.raises(TypeError, match="text"):
+            fn(one, None)
+        with pytest.raises(TypeError, match="sample"):
+            fn("1234567", "1234567")
     with pytest.raises(TypeError, match="text"):
         score(one, None)
     with pytest.raises(TypeError, match="sample"):
@@ -210,6 +229,9 @@ def test_frequent_words_counts(tok, n: int) -> None:
     total = sum(counts.values())
     assert abs(total - n / TOKENS_PER_CODED_WORD) <= 0.25 * n / TOKENS_PER_CODED_WORD + 4
     assert not score(s, " ".join(s.answers[:2]))
+    framed = re.findall(r" Coded words: ([a-z]+(?: [a-z]+)*)\.", text[start:end])
+    assert Counter(w for g in framed for w in g.split()) == counts  # every occurrence, and only inside a frame
+    assert 1 <= max(len(g.split()) for g in framed) <= 3
 
 
 def test_frequent_words_density_is_constant() -> None:
