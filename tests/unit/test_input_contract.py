@@ -136,15 +136,16 @@ def test_bs_builder_keeps_forced_blocks_with_validation_off(name, estimate_by):
     """A NaN query in block 3 (pooled: the block's mean query is NaN; query-aware: that
     query's row): the forced sink and diagonal blocks stay; other query blocks are as on clean
     inputs; a NaN key's block is chosen only where forced."""
-    q, k, _ = _qkv()
-    clean = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
-    q[0, 0, N - 1, 3] = NAN
-    got = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
+    q, k, _ = (x[:, :, :32] for x in _qkv())
+    kw = dict(block=8, sink_blocks=1, estimate=estimate_by, validate=False)
+    clean = BS_BUILDERS[name](q, k, 2, **kw)
+    q[0, 0, 31, 3] = NAN
+    got = BS_BUILDERS[name](q, k, 2, **kw)
     assert set(got[0, 0, 3].tolist()) == {0, 3}
     for I in range(3):
         assert set(got[0, 0, I].tolist()) == set(clean[0, 0, I].tolist())
-    k[0, 1, 20, 0] = NAN  # key block 1 of head 1 (kv head 1)
-    got = BS_BUILDERS[name](q, k, 2, block=16, sink_blocks=1, estimate=estimate_by, validate=False)
+    k[0, 1, 10, 0] = NAN  # key block 1 of head 1 (kv head 1)
+    got = BS_BUILDERS[name](q, k, 2, **kw)
     assert set(got[0, 1, 1].tolist()) == {0, 1}  # its own diagonal
     if estimate_by == "pooled":
         assert all(1 not in got[0, 1, I].tolist() for I in (2, 3))
@@ -254,22 +255,22 @@ def test_negative_and_zero_budgets_are_clear_errors():
 def test_budgets_beyond_int32_mean_all():
     """Ints and int64 entries past int32 are "the whole row": the result of a budget of N
     (before: OverflowError / RuntimeError from torch, or an int64 -> int32 wrap)."""
-    q, k, v = (x[:, :, :32] for x in _qkv())
+    q, k, v = (x[:, :, :16] for x in _qkv())
     n = q.shape[2]
     want_vs = estimate.vertical_slash_index(q, k, n, n, sink_columns=n, local_diagonals=n)
-    want_bs = estimate.block_sparse_index(q, k, 2, block=16, sink_blocks=2)
+    want_bs = estimate.block_sparse_index(q, k, 2, block=8, sink_blocks=2)
     want_a = kernels.ashape_attention(q, k, v, n, n)
     for budget in (2**70, torch.tensor([2**32 + 1] * H)):  # an int past int64, int64 entries past int32
         got = estimate.vertical_slash_index(q, k, budget, budget, sink_columns=budget, local_diagonals=budget)
         assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(got, want_vs))
-        got = tb.block_sparse_index(q, k, budget, block=16, sink_blocks=budget)
+        got = tb.block_sparse_index(q, k, budget, block=8, sink_blocks=budget)
         assert torch.equal(got.sort(-1).values, want_bs.sort(-1).values)
         torch.testing.assert_close(kernels.ashape_attention(q, k, v, budget, budget), want_a)
     # through patterns and the dispatcher (per-plan tensors: before, AShape's int32 overflowed)
     dense = ref.dense_attention(q, k, v)
     out = sparse_prefill(q, k, v, [AShape(sink=2**40, window=2**40)] * H, dense_threshold=0, backend="triton")
     torch.testing.assert_close(out.double(), dense, rtol=1e-4, atol=1e-5)
-    plan = [VerticalSlash(vertical=2**40, slash=2**70, sink_columns=2**40), BlockSparse(top_k=2**40, block=16)]
+    plan = [VerticalSlash(vertical=2**40, slash=2**70, sink_columns=2**40), BlockSparse(top_k=2**40, block=8)]
     out = sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch")
     torch.testing.assert_close(out.double(), dense, rtol=1e-4, atol=1e-5)
 
@@ -291,12 +292,12 @@ class _Record(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("name", sorted(VS_BUILDERS))
 def test_last_q_and_extra_rows_far_beyond_the_prompt_follow_the_prompt(name, monkeypatch):
-    """``last_q`` / ``extra_rows`` of 10**9 on a 64-token prompt: the same index as ``N``, and no
+    """``last_q`` / ``extra_rows`` of 10**9 on a 16-token prompt: the same index as ``N``, and no
     tensor or Triton grid larger than a few times the prompt's (before: buffers and grids of
     ``last_q`` rows)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    q, k, _ = (x[:, :, :32] for x in _qkv())
+    q, k, _ = (x[:, :, :16] for x in _qkv())
     n = q.shape[2]
     build = VS_BUILDERS[name]
     want = build(q, k, 6, 6, last_q=n, extra_rows=n)
