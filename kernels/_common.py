@@ -290,8 +290,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not capturing())
     heads = check_heads(heads, Hq, q.device, values=validate)
     if validate and not capturing():
-        check_finite_rows({"q": q if heads is None else q.index_select(1, heads.long()), "k": k, "v": v},
-                          lens, starts, heads=None if heads is None else {"q": heads})
+        check_finite_rows({"q": q, "k": k, "v": v}, lens, starts, heads=None if heads is None else {"q": heads})
     Hg = Hq if heads is None else heads.shape[0]
     if out is None:
         alloc = torch.zeros if partial else torch.empty

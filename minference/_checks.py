@@ -160,20 +160,24 @@ def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor, *
 
     Padding tokens (outside ``starts[b] .. starts[b] + lens[b] - 1``) may hold anything: they are
     never read. ``rows``: an optional ``[B, N]`` bool mask of the positions to check instead (the
-    query rows an estimator samples); ``heads``: by tensor name, the head ids its axis 1 holds
-    (when only some heads were passed), for the message. One reduction over D per tensor (in
-    float32, or float64 for float32/64 inputs, so a finite row never overflows), then one host
-    read.
+    query rows an estimator samples); ``heads``: by tensor name, a 1-D int tensor of the heads
+    to check (the computed ones; default all). One reduction over D per tensor (in float32, or
+    float64 for float32/64 inputs, so a finite row never overflows; no copy of the tensor), then
+    one host read.
     """
     for name, x in tensors.items():
         B, _, N, _ = x.shape
         check = token_mask(lens, starts, B, N, x.device, values=False) if rows is None else rows  # [B, N]
         acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-        hit = ~torch.isfinite(x.sum(dim=-1, dtype=acc)) & check[:, None]  # [B, H, N]
+        total = x.sum(dim=-1, dtype=acc)  # [B, H, N]
+        ids = None if heads is None else heads.get(name)
+        if ids is not None:
+            total = total.index_select(1, ids.long())
+        hit = ~torch.isfinite(total) & check[:, None]  # [B, H or len(ids), N]
         if bool(hit.any()):
             b, h, t = (int(i) for i in hit.nonzero()[0])
-            if heads is not None and name in heads:
-                h = int(heads[name][h])
+            if ids is not None:
+                h = int(ids[h])
             raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (head {h}; token "
                              f"{t - int(starts[b])} of the row, inside its length)")
 

@@ -620,8 +620,8 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, hs: torch.Tensor, len
     heads (a host read; the caller skips it under capture)."""
     Hq, Hkv = q.shape[1], k.shape[1]
     kv = hs.long() // (Hq // Hkv)
-    check_finite_rows({"q": q.index_select(1, hs.long())}, lens, starts, heads={"q": hs}, rows=q_rows)
-    check_finite_rows({"k": k.index_select(1, kv)}, lens, starts, heads={"k": kv})
+    check_finite_rows({"q": q}, lens, starts, heads={"q": hs}, rows=q_rows)
+    check_finite_rows({"k": k}, lens, starts, heads={"k": kv})
 
 
 def _check_resolved(resolved, count: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:
