@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side; every log lands in $OUT.
 # Stages run in the order STAGES lists them, each under its own wall-clock bound:
-#   install    editable install against the machine's CUDA torch/triton (no network)
+#   install    editable install against the machine's CUDA torch/triton (no network), plus the
+#              carried wheels in .whl (jsonschema and its dependencies; see README)
 #   tests:P    the GPU test tier under hypothesis profile P (ci or gpu): every gpu- or
 #              interpret-marked test in $TEST_FILES (default tests/unit), on CUDA (T_TESTS
 #              seconds, XDIST workers)
@@ -23,6 +24,11 @@ log() { echo "=== $* [$(date +%T)]" | tee -a "$OUT/summary.txt"; }
 
 install() {
     python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3
+    # wheels the machine lacks (carry .whl: jsonschema and its three dependencies, for configs)
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
     python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
         | tee -a "$OUT/summary.txt"
 }

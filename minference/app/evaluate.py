@@ -5,12 +5,15 @@ For one model (:func:`minference.app.models.load_model`), several configs, lengt
 (:mod:`minference.app.evals`) and samples, :func:`run_eval` measures
 
 * **accuracy** per (config, task, length): the greedy answer (``max_new_tokens`` of the sample,
-  stopping at EOS) scored by exact match with :func:`minference.app.evals.score`; for the
+  stopping at EOS) scored by exact match with :func:`minference.app.evals.score`. The generation
+  tasks' prompts of one sample all have the same length, so they are decoded as one batch (one
+  prefill, one decode loop; no padding, so each row decodes as it would alone); for the
   perplexity task the mean next-token NLL per position bucket and overall, from ONE prefill of the
   decoder (the LM head runs in chunks of :data:`NLL_CHUNK` rows, never ``[n, vocab]`` at once);
-* **TTFT**: prefill of the whole model (``model(ids[None], use_cache=True, logits_to_keep=1)``
-  and the greedy first token), synchronised on CUDA, after one untimed warm-up prefill per
-  (config, length); median and every value per (config, length);
+* **TTFT**: prefill of the whole model for ONE prompt (``model(ids[None], use_cache=True,
+  logits_to_keep=1)`` and the greedy first token; the first generation task's prompt of each
+  sample), synchronised on CUDA, after one untimed warm-up prefill per (config, length); median
+  and every value per (config, length);
 * **the eq. 13 split** of a prefill into attention, index building (+ conversion) and everything
   else. It is the DEVICE time (sum of CUDA kernel durations) of one extra prefill per (config,
   length) run under ``torch.profiler``, not a split of the unprofiled TTFT: kernels launched under
@@ -77,6 +80,9 @@ __all__ = [
 
 #: Config spec of the baseline: the unpatched model (transformers SDPA).
 DENSE = "dense"
+#: Kernels per part that :class:`TimeSplit` names, and how much of each name it keeps.
+TOP_KERNELS = 8
+KERNEL_NAME_CHARS = 96
 #: Query rows scored per layer by the coverage measurement (``row_stride = n // COVERAGE_ROWS``).
 COVERAGE_ROWS = 512
 #: Rows of hidden states per LM-head chunk in the perplexity task (``[NLL_CHUNK, vocab]`` fp32).
@@ -239,6 +245,9 @@ class TimeSplit:
         other_ms: every other kernel of the prefill (projections, MLP, norms, LM head, copies).
         total_ms: all kernels of the profiled prefill.
         unlinked_ms: kernel time whose launch call was not in the trace (counted in ``other``).
+        top: per part (``"attention"``, ``"index"``, ``"other"``) its :data:`TOP_KERNELS`
+            costliest kernels by name (first :data:`KERNEL_NAME_CHARS` characters) -> ms: where
+            the time goes (device split only).
     """
 
     attention_ms: float
@@ -246,6 +255,7 @@ class TimeSplit:
     other_ms: float
     total_ms: float
     unlinked_ms: float = 0.0
+    top: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -253,7 +263,10 @@ class SampleRecord:
     """One (config, task, length, sample) run.
 
     Attributes:
-        correct: exact match of the greedy answer (``None`` for the perplexity task).
+        correct: exact match of the greedy answer (``None`` for the perplexity task): every
+            answer found (:func:`minference.app.evals.score`).
+        found: the fraction of the answers found (:func:`minference.app.evals.score_fraction`,
+            RULER's partial credit for multi-answer tasks; ``None`` for perplexity).
         text: the generated text (``None`` for perplexity).
         ttft_s: the timed prefill (``None`` where none was timed).
         nll: mean next-token NLL (perplexity task), ``nll_buckets`` its mean per position bucket.
@@ -272,6 +285,7 @@ class SampleRecord:
     new_tokens: int = 0
     nll: float | None = None
     nll_buckets: list[float] | None = None
+    found: float | None = None
 
 
 @dataclass
@@ -328,16 +342,22 @@ class EvalReport:
         return next((r for r in self.runs if r.config == config and r.n_tokens == n_tokens), None)
 
     def accuracy(self) -> list[dict]:
-        """``{config, task, n_tokens, correct, total}`` per (config, task, length) of the
-        generation tasks, in run order."""
+        """``{config, task, n_tokens, correct, total, found}`` per (config, task, length) of the
+        generation tasks, in run order; ``found``: the mean fraction of answers found (``None``
+        when a record lacks it)."""
         out: dict[tuple, dict] = {}
+        fractions: dict[tuple, list] = {}
         for r in self.records:
             if r.correct is None:
                 continue
-            row = out.setdefault((r.config, r.task, r.n_tokens), dict(config=r.config, task=r.task,
-                                                                      n_tokens=r.n_tokens, correct=0, total=0))
+            key = (r.config, r.task, r.n_tokens)
+            row = out.setdefault(key, dict(config=r.config, task=r.task, n_tokens=r.n_tokens, correct=0, total=0))
             row["correct"] += int(r.correct)
             row["total"] += 1
+            fractions.setdefault(key, []).append(r.found)
+        for key, row in out.items():
+            f = fractions[key]
+            row["found"] = None if any(x is None for x in f) else statistics.fmean(f)
         return list(out.values())
 
     def perplexity(self) -> list[dict]:
@@ -410,19 +430,42 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _generate(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[float, list[int]]:
-    """Timed prefill, then greedy decode up to ``max_new_tokens`` tokens (stops at EOS)."""
-    ttft, cache, first = _prefill(model, ids)
-    tokens = [int(first)]
+def _generate(model, ids: torch.Tensor, max_new_tokens: Sequence[int], eos: set[int],
+              settled: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+    """Greedy decode of a batch of equal-length prompts ``ids [B, n]`` (no padding, so each row
+    decodes exactly as it would alone): row ``b`` up to ``max_new_tokens[b]`` tokens, stopping at
+    EOS (not returned), or as soon as ``settled(b, tokens)`` says more tokens cannot change the
+    row's score. One prefill and one decode loop for the batch."""
+    B = ids.shape[0]
     with torch.no_grad():
-        while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-            nxt = decode_step(model, tokens[-1], cache, ids.device)
-            cache = output_cache(nxt)
-            tokens.append(int(nxt.logits[0, -1].argmax()))
-    del cache
-    if tokens and tokens[-1] in eos:
-        tokens.pop()
-    return ttft, tokens
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache = output_cache(out)
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        seqs: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        while True:
+            for b, t in enumerate(nxt.tolist()):
+                if not done[b]:
+                    seqs[b].append(t)
+                    done[b] = (t in eos or len(seqs[b]) >= max_new_tokens[b]
+                               or (settled is not None and settled(b, seqs[b])))
+            if all(done):
+                break
+            out = decode_step(model, nxt, cache, ids.device)
+            cache = output_cache(out)
+            nxt = out.logits[:, -1].argmax(-1)
+    del cache, out
+    return [s[:-1] if s and s[-1] in eos else s for s in seqs]
+
+
+def _settled(sample, tokens: list[int], tokenizer) -> bool:
+    """True when every answer already occurs as a whole word and the text ends in a character
+    that is no letter or digit: later tokens can then neither add nor break a match
+    (:func:`minference.app.evals.score`), so decoding may stop (same score, fewer steps)."""
+    from minference.app import evals
+
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return bool(text) and not text[-1].isalnum() and evals.score(sample, text)
 
 
 def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_CHUNK) -> torch.Tensor:
@@ -486,21 +529,29 @@ def split_events(events, *, device: bool = True) -> TimeSplit:
         windows = lambda group: [(e.time_range.start, e.time_range.end) for e in group]
         att_w, idx_w = windows(attention), windows(index)
         total = att = idx = unlinked = 0.0
+        by_part: dict[str, dict[str, float]] = {"attention": {}, "index": {}, "other": {}}
         for k in kernels:
             t = k.time_range.elapsed_us()
             total += t
             call = launches.get(k.id)
+            part = "other"
             if call is None:
                 unlinked += t
-                continue
-            at = call.time_range.start
-            if any(a <= at <= b for a, b in att_w):
-                att += t
-                if any(a <= at <= b for a, b in idx_w):
-                    idx += t
+            else:
+                at = call.time_range.start
+                if any(a <= at <= b for a, b in att_w):
+                    att += t
+                    part = "attention"
+                    if any(a <= at <= b for a, b in idx_w):
+                        idx += t
+                        part = "index"
+            name = k.name[:KERNEL_NAME_CHARS]
+            by_part[part][name] = by_part[part].get(name, 0.0) + t
+        top = {part: {n: round(t * 1e-3, 3) for n, t in sorted(d.items(), key=lambda x: -x[1])[:TOP_KERNELS]}
+               for part, d in by_part.items()}
     ms = 1e-3
     return TimeSplit(attention_ms=(att - idx) * ms, index_ms=idx * ms, other_ms=(total - att) * ms,
-                     total_ms=total * ms, unlinked_ms=unlinked * ms)
+                     total_ms=total * ms, unlinked_ms=unlinked * ms, top=top if device else {})
 
 
 def _profiled_split(model, ids: torch.Tensor) -> TimeSplit:
@@ -804,15 +855,22 @@ def run_eval(
                         report.runs.append(stats)
                         _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
                                          coverage=coverage, profile=profile, physical=physical)
-                    for task in gen_tasks:
-                        sample = prompts[task]
-                        ids = sample.ids.to(dev)
-                        ttft, tokens = _generate(model, ids, sample.max_new_tokens, eos)
-                        text = tokenizer.decode(tokens, skip_special_tokens=True)
+                    if gen_tasks:
+                        # TTFT: one timed single-prompt prefill (the first task's); the answers:
+                        # every task's prompt (all n tokens) in one batch, one greedy decode loop
+                        ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev))[0]
                         stats.ttft_s.append(ttft)
-                        report.records.append(SampleRecord(
-                            cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
-                            bool(evals.score(sample, text)), text, ttft, len(tokens)))
+                        batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
+                        answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
+                                            settled=lambda b, tokens: _settled(prompts[gen_tasks[b]], tokens,
+                                                                               tokenizer))
+                        for task, tokens in zip(gen_tasks, answers):
+                            sample = prompts[task]
+                            text = tokenizer.decode(tokens, skip_special_tokens=True)
+                            report.records.append(SampleRecord(
+                                cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
+                                bool(evals.score(sample, text)), text, ttft if task == gen_tasks[0] else None,
+                                len(tokens), found=float(evals.score_fraction(sample, text))))
                     if with_ppl:
                         ids = prompts[evals.PERPLEXITY_TASK].to(dev)
                         ttft = None
@@ -919,7 +977,12 @@ def format_report(report: EvalReport) -> str:
             row = [str(n), c.name]
             for t in gen_tasks:
                 a = acc.get((c.name, t, n))
-                row.append("-" if a is None else f"{a['correct']}/{a['total']}")
+                if a is None:
+                    row.append("-")
+                else:  # all answers found / samples, and for multi-answer tasks the mean share found
+                    part = a.get("found")
+                    multi = part is not None and a["correct"] < a["total"] and part > a["correct"] / a["total"]
+                    row.append(f"{a['correct']}/{a['total']}" + (f" ({part:.2f})" if multi else ""))
             if ppl:
                 p = ppl.get((c.name, n))
                 row.append("-" if p is None else f"{p['nll']:.3f}")
@@ -934,7 +997,9 @@ def format_report(report: EvalReport) -> str:
             row.append(_fmt(s.coverage))
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up). "
+    lines += ["", "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "
+              "share of answers found (RULER's partial credit for multi-answer tasks).",
+              "", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up). "
               "attn / index / other: device (CUDA kernel) time of one separate profiled prefill, not a split of the "
               "TTFT (n/a on the CPU: no device timer). density: fraction of causal pairs computed, logical on "
               f"~{COVERAGE_ROWS} sampled rows / physical tile area (n/a: torch backend or A-shape heads). coverage: "
@@ -949,6 +1014,15 @@ def format_report(report: EvalReport) -> str:
                                            + [f"{p['nll']:.3f}"]) + " |")
     configs = [f"- {c.name}: {c.spec} ({c.kind}; {c.counts() or 'SDPA'})" for c in report.configs]
     lines += ["", "Configs:"] + configs
+    longest = max(report.lengths) if report.lengths else None
+    tops = [r for r in report.runs if r.n_tokens == longest and r.split is not None and r.split.top]
+    if tops:
+        lines += ["", f"Costliest kernels at {longest} tokens (device ms in the profiled prefill, top 3 per part)", ""]
+        for r in tops:
+            for part in ("attention", "index", "other"):
+                items = list(r.split.top.get(part, {}).items())[:3]
+                if items:
+                    lines.append(f"- {r.config} / {part}: " + "; ".join(f"`{n}` {t:.1f}" for n, t in items))
     return "\n".join(lines)
 
 

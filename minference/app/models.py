@@ -310,11 +310,13 @@ def output_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
-def decode_step(model, token: int, cache, device: torch.device):
-    """One greedy decode step's forward for ``token`` after ``cache``, passing the cache under
-    the keyword this transformers version's forward takes (``cache`` or ``past_key_values``)."""
+def decode_step(model, token: int | torch.Tensor, cache, device: torch.device):
+    """One greedy decode step's forward for ``token`` (an id, or ``[B]`` ids of a batch) after
+    ``cache``, passing the cache under the keyword this transformers version's forward takes
+    (``cache`` or ``past_key_values``)."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(torch.tensor([[token]], device=device), use_cache=True, **{name: cache})
+    ids = token.reshape(-1, 1).to(device) if isinstance(token, torch.Tensor) else torch.tensor([[token]], device=device)
+    return model(ids, use_cache=True, **{name: cache})
 
 
 def _rope_source(model):
