@@ -1,14 +1,29 @@
 """Portable PyTorch attention over the package's index formats (no Triton, any device).
 
 The path for real-model runs on the CPU: same signatures and semantics as the Triton kernels
-in :mod:`minference.kernels` (and their float64 twins in :mod:`minference.reference`), computed
-in the input dtype with ``torch.nn.functional.scaled_dot_product_attention`` over query chunks
-so memory stays bounded (``[Hg, chunk, n]`` masks and scores at a time).
+in :mod:`minference.kernels` (and their float64 twins in :mod:`minference.reference`), exact on
+the chosen set, and doing only the chosen work:
 
-The candidate sets are the formulas of :mod:`minference.reference.masks`, evaluated for a range
-of query rows instead of the whole square (``*_rows_mask`` below; the tests prove them equal to
-the reference masks row for row). Every entry point reads the row lengths on the host, so this
-backend synchronises on CUDA tensors: it is for portability, not for speed or graph capture.
+* **fused path** (finite keys and values on the CPU): per query head, the set is cut into pieces
+  that the CPU flash-attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``,
+  what ``scaled_dot_product_attention`` runs; it also returns the log-sum-exp) takes without
+  copying keys: vertical-slash and A-shape are their columns (gathered once, a stride-0 view
+  over the query tiles) plus clusters of diagonal offsets (a cluster ``[a, b]`` gives the tile of
+  rows ``lo..lo+R-1`` the consecutive keys ``lo-b .. lo+R-1-a``: an overlapping strided view,
+  with one ``[R, b-a+R]`` mask for all tiles); block-sparse is the causal diagonal block (a view)
+  plus the gathered blocks below it; dense is the causal kernel. Pieces merge exactly by
+  log-sum-exp; every pair is in one piece. Work per row: the chosen keys plus up to ``R - 1`` per
+  cluster, memory: the chosen set (never ``n^2``).
+* **gathered path** (any other input: a non-finite key or value, another device): per chunk of
+  query tiles, the union of the tile's candidate keys gathered and one exact softmax
+  (:func:`_manual`) masked before the running max, so a non-finite key or value reaches only the
+  rows whose set holds it (the definition); the fused kernel would add the mask to a NaN logit
+  and multiply every value it loads.
+
+The candidate sets are those of :mod:`minference.reference.masks` (``*_rows_mask`` below
+evaluates them for a range of rows; the tests prove them equal to the reference masks). Every
+entry point reads the row lengths on the host, so this backend synchronises on CUDA tensors: it
+is for portability, not for graph capture.
 
 The index builders :func:`vertical_slash_index` and :func:`block_sparse_index` share validation,
 budgets, budget rules and the selection with the Triton builders (:mod:`minference.kernels.estimate`); only
@@ -20,8 +35,6 @@ Rows outside a sequence and rows with an empty candidate set come out as zeros (
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,13 +106,302 @@ def block_sparse_rows_mask(i0: int, i1: int, n: int, blocks: torch.Tensor, block
     return chosen[..., qb, kb] & (j <= i) & (j // block < nqb)
 
 
-#: ``(b, i0, i1) -> [Hg, i1 - i0, i1]``: candidates of rows ``i0..i1-1`` of batch row ``b`` over
-#: keys ``0..i1-1`` (later keys are never causal for these rows).
-RowsMask = Callable[[int, int, int], torch.Tensor]
+#: Query rows per tile on the vertical-slash, A-shape and dense paths (block-sparse tiles are its
+#: blocks). Each tile gathers the union of its rows' candidate keys, so a tile of ``R`` rows reads
+#: each slash run's keys plus ``R - 1`` (measured on 2 cores at 4K: 32, 64 and 128 rows within 10%).
+TILE_ROWS = 64
+
+_INF = float("-inf")
+#: The CPU flash-attention operator behind ``scaled_dot_product_attention``: it takes an additive
+#: mask and also returns the log-sum-exp (the public function does not).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _attend(q, k, v, ids, rows_mask: RowsMask, *, scale, seqlens, seqstarts, out, return_lse):
-    """Chunked masked attention on heads ``ids`` with candidates from ``rows_mask``."""
+class _Tiles:
+    """One batch row's candidate sets for one pattern, cut into query tiles.
+
+    ``rows`` query rows per tile; ``count`` tiles (the last one may be short); ``live [Hg, n]``
+    whether a row's set is non-empty; ``keys(c0, c1)`` gives tiles ``c0..c1-1``'s gathered key
+    positions ``pos [Hg, C, L]`` (ascending, padded with 0), their row selector ``sel [Hg, C, L]``
+    (0: member where ``i - j`` is a chosen offset, 1: member where ``j <= i``, 2: padding) and
+    ``cnt [Hg, C]``. ``windows [Hg or 1, 3, n + rows + 1, rows]`` (a strided view of a 3-row
+    table over offsets ``x = i - j``, shifted by ``rows``) turns a key's selector and base offset
+    ``lo - j`` into its additive mask over the tile's rows: one gather of ``rows`` contiguous
+    entries per gathered key, never an elementwise ``[rows, L]`` formula.
+    """
+
+    def __init__(self, rows: int, n: int, live: torch.Tensor, keys, diags: torch.Tensor | None, dtype):
+        self.rows, self.n, self.live, self.keys = rows, n, live, keys
+        self.count = -(-n // rows)
+        H = 1 if diags is None else diags.shape[0]
+        table = torch.full((H, 3, n + 2 * rows), _INF, dtype=dtype, device=live.device)
+        if diags is not None:
+            table[:, 0, rows : rows + n].masked_fill_(diags, 0)
+        table[:, 1, rows:] = 0
+        self.windows = table.unfold(-1, rows, 1)
+
+    def mask(self, c0: int, pos: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """Additive mask ``[Hg, C, rows, L]`` (0 for a candidate pair, -inf otherwise)."""
+        Hg, C, L = pos.shape
+        lo = torch.arange(c0, c0 + C, device=pos.device)[None, :, None] * self.rows
+        h = torch.arange(Hg, device=pos.device)[:, None, None] if self.windows.shape[0] > 1 else 0
+        return self.windows[h, sel, lo - pos + self.rows].transpose(-1, -2)
+
+
+def _compact(need: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``need [Hg, C, K]`` bool -> positions of its set bits ``[Hg, C, L]`` (ascending, padded with
+    0) and ``cnt [Hg, C]``, ``L = max cnt``."""
+    cnt = need.sum(-1)
+    width = int(cnt.max()) if cnt.numel() else 0
+    slot = (need.cumsum(-1) - 1).masked_fill_(~need, width)
+    pos = torch.zeros(*need.shape[:-1], width + 1, dtype=torch.long, device=need.device)
+    pos.scatter_(-1, slot, torch.arange(need.shape[-1], device=need.device).expand_as(slot))
+    return pos[..., :width], cnt
+
+
+def _band_tiles(cols: torch.Tensor, diags: torch.Tensor, n: int, dtype, rows: int | None = None) -> _Tiles:
+    """Tiles of the set ``{j in cols: j <= i} ∪ {i - δ: δ in diags}`` (``cols, diags [Hg, n]``
+    bool): vertical-slash, and A-shape as columns ``j < sink`` with offsets ``δ < window``."""
+    rows = TILE_ROWS if rows is None else rows
+    dev = cols.device
+    # reach[x + rows - 1]: some chosen offset lies in x .. x + rows - 1 (x = lo - j of a key)
+    cum = F.pad(diags.to(torch.int32).cumsum(-1), (1, 0))
+    x = torch.arange(-(rows - 1), n, device=dev)
+    reach = (cum[:, (x + rows).clamp(0, n)] - cum[:, x.clamp(0, n)]) > 0  # [Hg, n + rows - 1]
+    either = cols | diags  # row i is non-empty iff a column or an offset is <= i
+    first = torch.where(either.any(-1), either.int().argmax(-1), n)
+    live = torch.arange(n, device=dev)[None, :] >= first[:, None]
+
+    def keys(c0: int, c1: int):
+        lo = torch.arange(c0, c1, device=dev)[:, None] * rows  # [C, 1]
+        kmax = min(n, c1 * rows)  # later keys are causal for no row of these tiles
+        j = torch.arange(kmax, device=dev)[None, :]
+        off = lo - j + rows - 1  # index of x = lo - j in reach; < 0: the key is after every row
+        need = cols[:, None, :kmax] & (j < lo + rows)[None]
+        need |= reach[:, off.clamp(min=0)] & (off >= 0)[None]
+        pos, cnt = _compact(need)
+        sel = torch.where(cols.gather(-1, pos.flatten(1)).view_as(pos), 1, 0)
+        return pos, sel, cnt
+
+    return _Tiles(rows, n, live, keys, diags, dtype)
+
+
+def _chosen_blocks(blocks: torch.Tensor, n: int, block: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``blocks [Hg, NQB, K]`` of one batch row -> ``(blk [Hg, nb, K], big, nvalid [Hg, nb])``: per
+    query block of the row its chosen key blocks on or below the diagonal, each once, ascending,
+    then ``big`` (none)."""
+    nb = -(-n // block)
+    big = nb + 1
+    blk = blocks[:, :nb].long()
+    ok = (blk >= 0) & (blk <= torch.arange(nb, device=blk.device)[:, None])  # above the diagonal: nothing
+    blk = torch.where(ok, blk, big).sort(-1).values
+    blk[..., 1:].masked_fill_(blk[..., 1:] == blk[..., :-1], big)  # duplicates count once
+    blk = blk.sort(-1).values
+    return blk, big, (blk < big).sum(-1)
+
+
+def _block_tiles(blocks: torch.Tensor, n: int, block: int, dtype) -> _Tiles:
+    """Tiles of block-sparse: one tile per query block, its chosen key blocks on or below the
+    diagonal, each once (``blocks [Hg, NQB, K]`` of one batch row)."""
+    blk, big, nvalid = _chosen_blocks(blocks, n, block)
+    live = (nvalid > 0).repeat_interleave(block, -1)[:, :n]
+    offs = torch.arange(block, device=blk.device)
+
+    def keys(c0: int, c1: int):
+        width = int(nvalid[:, c0:c1].max()) if nvalid.numel() else 0
+        b = blk[:, c0:c1, :width]
+        pos = (b[..., None] * block + offs).flatten(-2)  # [Hg, C, width * block]
+        real = (b < big).repeat_interleave(block, -1) & (pos < n)
+        return pos.masked_fill_(~real, 0), torch.where(real, 1, 2), real.sum(-1)
+
+    return _Tiles(block, n, live, keys, None, dtype)
+
+
+def _manual(qt, kt, vt, mask, scale):
+    """Exact softmax of one chunk of tiles whatever the values: a key or value outside a row's set
+    never reaches it (masked before the running max; values outside the set contribute an exact
+    zero instead of ``0 * nan``). Returns ``out [Hg, C, R, D]`` (unnormalised rows of empty sets
+    aside) and ``lse [Hg, C, R]`` in float32 (float64 for float64 inputs)."""
+    dt = torch.promote_types(qt.dtype, torch.float32)
+    member = mask == 0
+    s = torch.matmul(qt.to(dt), kt.to(dt).transpose(-1, -2)).mul_(scale).masked_fill_(~member, _INF)
+    m = s.amax(-1, keepdim=True)
+    m = m.masked_fill(m == _INF, 0)  # empty rows: exp(-inf) = 0 below, not nan
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    vf = vt.to(dt)
+    bad = ~torch.isfinite(vf)
+    if bool(bad.any()):  # only these values need care: 0 * inf = nan would leak to every row
+        h, c, l = bad.any(-1).nonzero(as_tuple=True)
+        o = torch.matmul(p, vf.masked_fill(bad, 0))
+        keep = member[h, c, :, l][..., None]  # [nbad, R, 1]
+        o.index_put_((h, c), torch.where(keep, p[h, c, :, l][..., None] * vf[h, c, l][:, None, :], 0),
+                     accumulate=True)
+    else:
+        o = torch.matmul(p, vf)
+    return o / den, (m + den.log()).squeeze(-1)
+
+
+# --- The fused path: finite inputs on the CPU ---------------------------------------------------
+#
+# Per query head, a set is split into pieces that the CPU flash kernel runs without copying keys:
+# a vertical-slash (or A-shape) set is its columns (gathered once, shared by every tile through a
+# stride-0 view) plus clusters of its diagonal offsets (offsets closer than a tile merge); a
+# cluster [a, b] gives tile ``c`` the consecutive keys ``c*R - b .. c*R + R - 1 - a``, an
+# overlapping strided view of the keys, with one ``[R, W]`` mask shared by all tiles. Block-sparse
+# is the diagonal block (causal, a view) plus the gathered blocks below it. Each piece returns its
+# rows' output and log-sum-exp; pieces merge exactly by log-sum-exp. A pair is in exactly one
+# piece (columns exclude the pairs on chosen offsets).
+
+
+def _merge(acc_o, acc_l, r0, o, l, empty) -> None:
+    """Add one piece (``o [rows, D]``, ``l [rows]``; ``empty`` rows contribute nothing) to rows
+    ``r0..`` of the accumulators."""
+    r1 = r0 + l.shape[0]
+    l = l.to(acc_l.dtype).masked_fill(empty, _INF)
+    o = o.to(acc_o.dtype).masked_fill(empty[:, None], 0)
+    old = acc_l[r0:r1]
+    if bool((old == _INF).all()):  # the rows' first piece
+        acc_o[r0:r1], acc_l[r0:r1] = o, l
+        return
+    new = torch.logaddexp(old, l)
+    safe = new.masked_fill(new == _INF, 0)
+    acc_o[r0:r1].mul_(torch.exp(old - safe)[:, None]).add_(o * torch.exp(l - safe)[:, None])
+    acc_l[r0:r1] = new
+
+
+def _tile_chunks(first: int, last: int, per_tile: int):
+    """Tile ranges ``[c0, c1)`` covering ``first..last-1`` with ``per_tile * (c1 - c0)`` elements
+    at most :data:`CHUNK_ELEMENTS` (at least one tile)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, per_tile))
+    return [(c, min(last, c + step)) for c in range(first, last, step)]
+
+
+def _clusters(diags: torch.Tensor, gap: int) -> list[tuple[int, int]]:
+    """Offsets of ``diags [n]`` as ``(a, b)`` clusters: runs closer than ``gap`` missing offsets merge."""
+    d = diags.nonzero().flatten()
+    if d.numel() == 0:
+        return []
+    cut = ((d[1:] - d[:-1]) > gap).nonzero().flatten()
+    lo = torch.cat([d[:1], d[cut + 1]]).tolist()
+    hi = torch.cat([d[cut], d[-1:]]).tolist()
+    return list(zip(lo, hi))
+
+
+def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R) -> None:
+    """One head's vertical-slash set ``{j in cols: j <= i} ∪ {i - δ: δ in diags}`` into the
+    accumulators. ``qh [count*R, D]``, ``kpad, vpad [pad + count*R, D]`` hold key ``j`` at row
+    ``pad + j`` (zeros around it), ``cols`` 1-D key positions, ``diags [n]`` bool."""
+    count, D = qh.shape[0] // R, qh.shape[1]
+    dt, dev = qh.dtype, qh.device
+    q4 = qh.view(1, count, R, D)
+    if cols.numel():
+        # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
+        table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
+        table[R : R + n].masked_fill_(~diags, 0)
+        table[R + n :] = 0
+        windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
+        kc = kpad[pad + cols]
+        vc = vpad[pad + cols]
+        for c0, c1 in _tile_chunks(0, count, R * cols.numel()):
+            lo = torch.arange(c0, c1, device=dev)[:, None] * R
+            mask = windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
+            nt = c1 - c0
+            o, l = _FLASH_CPU(q4[:, c0:c1], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
+                              attn_mask=mask[None], scale=scale)
+            _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
+    for a, b in _clusters(diags, R):
+        W = b - a + R
+        r = torch.arange(R, device=dev)[:, None]
+        x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
+        inside = (x >= a) & (x <= b)
+        band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
+        first, body = a // R, min(count, max(a // R, -(-b // R)))  # tiles before `body` reach keys < 0
+
+        def window(c0, c1, t, skip=0, W=W, b=b):  # tiles c0..c1-1, window keys skip..W-1
+            return t.as_strided((1, c1 - c0, W - skip, D), (0, R * D, D, 1),
+                                t.storage_offset() + (pad + c0 * R - b + skip) * D)
+
+        c0 = first
+        while c0 < body:
+            # Tile c's keys before l = b - c*R are < 0 (masked). Chunks grow with the useful width
+            # c*R + R - a, so the keys skipped by the last tile only, and masked for the others,
+            # stay under a quarter of it.
+            c1 = min(body, c0 + max(1, (c0 * R + R - a) // (4 * R)), c0 + max(1, CHUNK_ELEMENTS // (R * W)))
+            skip = max(0, b - (c1 - 1) * R)
+            jpos = torch.arange(c0, c1, device=dev)[:, None] * R - b + torch.arange(skip, W, device=dev)[None, :]
+            mask = band[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
+            o, l = _FLASH_CPU(q4[:, c0:c1], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
+                              attn_mask=mask[None], scale=scale)
+            _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
+            c0 = c1
+        if body < count:  # every row of these tiles has its keys r .. r + b - a of the window
+            o, l = _FLASH_CPU(q4[:, body:], window(body, count, kpad), window(body, count, vpad),
+                              attn_mask=band[None, None], scale=scale)
+            rows = (count - body) * R
+            _merge(acc_o, acc_l, body * R, o.reshape(-1, D), l.reshape(-1),
+                   torch.zeros(rows, dtype=torch.bool, device=dev))
+
+
+def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R) -> None:
+    """One head's block-sparse set: ``blk [count, K]`` its chosen key blocks per query block
+    (each once, on or below the diagonal, ``big`` = none), tile = block = ``R`` rows."""
+    count, D = qh.shape[0] // R, qh.shape[1]
+    dev = qh.device
+    q4 = qh.view(1, count, R, D)
+    tiles = torch.arange(count, device=dev)
+    kblocks = kpad[pad : pad + count * R].view(count, R, D)
+    vblocks = vpad[pad : pad + count * R].view(count, R, D)
+    diag = (blk == tiles[:, None]).any(-1)
+    if bool(diag.any()):  # the diagonal block: causal inside, a view of the keys
+        o, l = _FLASH_CPU(q4, kblocks[None], vblocks[None], is_causal=True, scale=scale)
+        _merge(acc_o, acc_l, 0, o.reshape(-1, D), l.reshape(-1), (~diag).repeat_interleave(R))
+    below = torch.where(blk < tiles[:, None], blk, big).sort(-1).values
+    nbelow = (below < big).sum(-1)
+    width = int(nbelow.max()) if nbelow.numel() else 0
+    if width == 0:
+        return
+    below = below[:, :width]
+    for c0, c1 in _tile_chunks(0, count, width * R * D):
+        ids = below[c0:c1].clamp(max=count - 1)
+        nt = c1 - c0
+        kg = kblocks[ids].view(1, nt, width * R, D)
+        vg = vblocks[ids].view(1, nt, width * R, D)
+        real = (below[c0:c1] < big).repeat_interleave(R, -1)  # [C, width * R]
+        mask = torch.zeros(nt, width * R, dtype=qh.dtype, device=dev).masked_fill_(~real, _INF)
+        o, l = _FLASH_CPU(q4[:, c0:c1], kg, vg, attn_mask=mask[None, :, None, :], scale=scale)
+        _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (nbelow[c0:c1] == 0).repeat_interleave(R))
+
+
+def _band_fused(cols: torch.Tensor, diags: torch.Tensor):
+    """``fused_of`` of a band set (``cols, diags [Hg, n]`` bool)."""
+
+    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R):
+        _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, cols.shape[-1], cols[g].nonzero().flatten(), diags[g],
+                    scale, R)
+
+    return TILE_ROWS, run
+
+
+def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
+    """``fused_of`` of block-sparse (``blocks [Hg, NQB, K]`` of one batch row)."""
+    blk, big, _ = _chosen_blocks(blocks, n, block)
+
+    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R):
+        _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk[g], big, scale, R)
+
+    return block, run
+
+
+def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, dense=False):
+    """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
+
+    Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run)``, where
+    ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R)`` adds local head ``g``'s pieces
+    (:func:`_fused_band`, :func:`_fused_blocks`); ``dense`` runs the causal kernel instead. Any
+    other input takes the exact gathered path: ``tiles_of(b, n, dtype) -> _Tiles``, per chunk of
+    query tiles the union of the tile's candidate keys gathered and one small softmax
+    (:func:`_manual`)."""
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
@@ -109,28 +411,82 @@ def _attend(q, k, v, ids, rows_mask: RowsMask, *, scale, seqlens, seqstarts, out
         check_tensor("out", out, rank=4, dtypes=(q.dtype,))
         if out.shape != q.shape or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
-    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = torch.full((B, Hq, N), _INF, dtype=torch.float32, device=q.device) if return_lse else None
     if not ids:
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     hk = hq // (Hq // Hkv)
+    Hg = len(ids)
+    heads = torch.arange(Hg, device=q.device)[:, None, None]
     for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         if n == 0:
             continue
+        used = hk.unique()
+        # The fused CPU kernel adds the mask to the logits and multiplies every value it loads, so
+        # a non-finite key or value would reach rows outside its set: such rows take _manual.
+        fused = _FLASH_CPU is not None and q.device.type == "cpu" and bool(
+            torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
+        qb = q[b, :, s : s + n].index_select(0, hq)
+        if dense and fused:
+            kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
+            vb = v[b, :, s : s + n].index_select(0, hk)
+            o, l = _FLASH_CPU(qb[None], kb[None], vb[None], is_causal=True, scale=scale)
+            out[b, hq, s : s + n] = o[0]
+            if lse is not None:
+                lse[b, hq, s : s + n] = l[0].float()
+            continue
+        if fused and fused_of is not None:
+            R, run = fused_of(b, n)
+            count = -(-n // R)
+            dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
+            acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+            kpad = torch.zeros(Hkv, n + count * R, D, dtype=dt, device=q.device)
+            vpad = torch.zeros_like(kpad)
+            kpad[:, n : 2 * n] = k[b, :, s : s + n]
+            vpad[:, n : 2 * n] = v[b, :, s : s + n]
+            qpad = torch.zeros(Hg, count * R, D, dtype=dt, device=q.device)
+            qpad[:, :n] = qb
+            for g, (h, hv) in enumerate(zip(ids, hk.tolist())):
+                acc_o = torch.zeros(count * R, D, dtype=acc_dt, device=q.device)
+                acc_l = torch.full((count * R,), _INF, dtype=acc_dt, device=q.device)
+                run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R)
+                out[b, h, s : s + n] = acc_o[:n].to(q.dtype)
+                if lse is not None:
+                    lse[b, h, s : s + n] = acc_l[:n].float()
+            continue
         kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
         vb = v[b, :, s : s + n].index_select(0, hk)
-        chunk = max(1, CHUNK_ELEMENTS // (len(ids) * n))
-        for i0 in range(0, n, chunk):
-            i1 = min(n, i0 + chunk)
-            mask = rows_mask(b, i0, i1)  # [Hg, C, i1]
-            qc = q[b, :, s + i0 : s + i1].index_select(0, hq)  # [Hg, C, D]
-            # 4-D operands reach the fused CPU kernel; 3-D ones fall back to the unfused math path.
-            o = F.scaled_dot_product_attention(qc[None], kb[None, :, :i1], vb[None, :, :i1], attn_mask=mask[None],
-                                               scale=scale)[0]
-            out[b, hq, s + i0 : s + i1] = o.masked_fill_(~mask.any(-1, keepdim=True), 0)
-            if lse is not None:
-                logits = torch.matmul(qc.float(), kb[:, :i1].float().transpose(-1, -2)) * scale
-                lse[b, hq, s + i0 : s + i1] = torch.logsumexp(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        t = tiles_of(b, n, q.dtype)
+        R = t.rows
+        qt = F.pad(qb, (0, 0, 0, t.count * R - n)).view(Hg, t.count, R, D)
+        step = max(1, CHUNK_ELEMENTS // (Hg * n))  # tiles whose [Hg, C, keys] selection fits
+        for c0 in range(0, t.count, step):
+            c1 = min(t.count, c0 + step)
+            pos, sel, cnt = t.keys(c0, c1)
+            if pos.shape[-1] == 0:  # no tile has a key (their rows are empty): one padding key, no 0-length call
+                pos, sel = F.pad(pos, (0, 1)), F.pad(sel, (0, 1), value=2)
+            sel = sel.masked_fill_(torch.arange(pos.shape[-1], device=q.device) >= cnt[..., None], 2)
+            widest = cnt.amax(0).tolist()  # per tile
+            a = 0
+            while a < c1 - c0:  # sub-chunks whose [Hg, C, R, L] scores fit
+                e, width = a + 1, max(1, widest[a])
+                while e < c1 - c0 and Hg * (e + 1 - a) * R * max(width, widest[e]) <= CHUNK_ELEMENTS:
+                    width = max(width, widest[e])
+                    e += 1
+                p, sl = pos[:, a:e, :width], sel[:, a:e, :width]
+                mask = t.mask(c0 + a, p, sl)
+                kt, vt = kb[heads, p], vb[heads, p]
+                if fused:
+                    o, l = _FLASH_CPU(qt[:, c0 + a : c0 + e], kt, vt, attn_mask=mask, scale=scale)
+                else:
+                    o, l = _manual(qt[:, c0 + a : c0 + e], kt, vt, mask, scale)
+                r0, r1 = (c0 + a) * R, min(n, (c0 + e) * R)
+                live = t.live[:, r0:r1]
+                o = o.reshape(Hg, -1, D)[:, : r1 - r0].masked_fill(~live[..., None], 0)
+                out[b, hq, s + r0 : s + r1] = o.to(q.dtype)
+                if lse is not None:
+                    lse[b, hq, s + r0 : s + r1] = l.reshape(Hg, -1)[:, : r1 - r0].float().masked_fill(~live, _INF)
+                a = e
     return (out, lse) if return_lse else out
 
 
@@ -150,8 +506,13 @@ def dense_attention(
     ``out [B,Hq,N,D]`` (and ``lse [B,Hq,N]`` fp32)."""
     check_qkv(q, k, v)
     ids = _ids(heads, q.shape[1])
-    return _attend(q, k, v, ids, lambda b, i0, i1: causal_rows_mask(i0, i1, i1, q.device).expand(len(ids), -1, -1),
-                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+    def tiles(b, n, dtype):  # only for inputs the fused causal kernel cannot take
+        every = torch.ones(len(ids), n, dtype=torch.bool, device=q.device)
+        return _band_tiles(~every, every, n, dtype)
+
+    return _attend(q, k, v, ids, tiles, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
+                   return_lse=return_lse, dense=True)
 
 
 def ashape_attention(
@@ -166,8 +527,14 @@ def ashape_attention(
     ids = _ids(heads, q.shape[1])
     sinks = torch.tensor(per_head_budget("sink", sink, ids, head_offset, 0), device=q.device)
     windows = torch.tensor(per_head_budget("window", window, ids, head_offset, 1), device=q.device)
-    return _attend(q, k, v, ids, lambda b, i0, i1: ashape_rows_mask(i0, i1, i1, sinks, windows),
-                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+
+    def sets(n):  # columns j < sink, offsets i - j < window
+        pos = torch.arange(n, device=q.device)
+        return pos < sinks[:, None], pos < windows[:, None]
+
+    return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(*sets(n), n, dtype),
+                   lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                   out=out, return_lse=return_lse)
 
 
 def vertical_slash_attention(
@@ -184,9 +551,11 @@ def vertical_slash_attention(
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
     check_fill_gaps(fill_gaps)
-    return _attend(q, k, v, ids,
-                   lambda b, i0, i1: vertical_slash_rows_mask(i0, i1, i1, vertical[b], slash[b], fill_gaps),
-                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+    cols = _scatter_set(N, vertical)  # [B, Hg, N]: the same sets as the reference, over the whole N
+    diags = slash_set(N, slash, fill_gaps)
+    return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
+                   lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,
+                   seqstarts=seqstarts, out=out, return_lse=return_lse)
 
 
 def block_sparse_attention(
@@ -204,7 +573,8 @@ def block_sparse_attention(
     nqb = -(-N // block)
     check_index("blocks", blocks, rank=4, lead=(B, len(ids), nqb), device=q.device, upper=max(nqb, 1),
                 values=validate)
-    return _attend(q, k, v, ids, lambda b, i0, i1: block_sparse_rows_mask(i0, i1, i1, blocks[b], block),
+    return _attend(q, k, v, ids, lambda b, n, dtype: _block_tiles(blocks[b], n, block, dtype),
+                   lambda b, n: _blocks_fused(blocks[b], n, block),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
 
 

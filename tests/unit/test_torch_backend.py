@@ -100,7 +100,8 @@ def test_vertical_slash_matches_reference(data) -> None:
     dtype, shape, q, k, v, seqlens, seqstarts, heads = _case(data)
     Hg = shape.Hq if heads is None else len(heads)
     vertical, slash = data.draw(vertical_slash_indices(shape.B, Hg, shape.N))
-    kw = dict(seqlens=seqlens, seqstarts=seqstarts, heads=heads)
+    # gap filling is defined over the whole N axis, also for a ragged row's offsets beyond its end
+    kw = dict(seqlens=seqlens, seqstarts=seqstarts, heads=heads, fill_gaps=data.draw(st.sampled_from((0, 2, 383))))
     _check(data, lambda **o: tb.vertical_slash_attention(q, k, v, vertical, slash, **kw, **o),
            lambda compute_dtype: ref.vertical_slash_attention(q, k, v, vertical, slash, **kw, return_lse=True,
                                                               compute_dtype=compute_dtype),
@@ -170,3 +171,83 @@ def test_argument_errors() -> None:
         tb.dense_attention(q, k, v, heads=torch.tensor([0, 0]))
     with pytest.raises(TypeError, match="q"):
         tb.dense_attention(q.numpy(), k, v)
+
+
+def _patterns(N: int, H: int):
+    """One call per pattern on heads ``0..H-1`` of ``q [1, H, N, D]`` and its definition's mask
+    ``[H, N, N]``: (name, run(q, k, v) -> out, mask)."""
+    g = torch.Generator().manual_seed(3)
+    vertical = torch.randint(0, N, (1, H, 4), generator=g, dtype=torch.int32)
+    slash = torch.cat([torch.zeros(1, H, 1, dtype=torch.int32),
+                       torch.randint(1, N, (1, H, 5), generator=g, dtype=torch.int32)], -1)
+    block = 16
+    nqb = -(-N // block)
+    blocks = torch.randint(-1, nqb, (1, H, nqb, 3), generator=g, dtype=torch.int32)
+    return [
+        ("vertical_slash", lambda q, k, v: tb.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=3),
+         masks.vertical_slash_mask(N, vertical[0], slash[0], 3)),
+        ("block_sparse", lambda q, k, v: tb.block_sparse_attention(q, k, v, blocks, block=block),
+         masks.block_sparse_mask(N, blocks[0], block)),
+        ("a_shape", lambda q, k, v: tb.ashape_attention(q, k, v, 3, 20),
+         masks.ashape_mask(N, 3, 20).expand(H, N, N)),
+        ("dense", lambda q, k, v: tb.dense_attention(q, k, v), masks.causal_mask(N).expand(H, N, N)),
+    ]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "gathered"])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_non_finite_key_reaches_only_the_rows_that_read_it(monkeypatch, fused: bool, where: str) -> None:
+    """Issue 19: one NaN key (or value) at position ``j`` makes NaN exactly the rows whose
+    candidate set holds ``j`` (the definition), every other row stays equal to the clean run, on
+    both paths (``gathered``: the exact path non-CPU devices take)."""
+    if not fused:
+        monkeypatch.setattr(tb, "_FLASH_CPU", None)
+    N, H = 150, 2
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, H, N, 16), torch.randn(1, 1, N, 16), torch.randn(1, 1, N, 16)
+    j = 70
+    bad_k, bad_v = k.clone(), v.clone()
+    (bad_k if where == "k" else bad_v)[0, 0, j, 5] = float("nan")
+    for name, run, mask in _patterns(N, H):
+        clean, out = run(q, k, v), run(q, bad_k, bad_v)
+        reads = mask[:, :, j]  # [H, N]: row i's set holds key j
+        assert bool(reads.any()) and bool((~reads).any()), name
+        nan = torch.isnan(out[0]).any(-1)
+        assert torch.equal(nan, reads), (name, (nan != reads).nonzero()[:5].tolist())
+        torch.testing.assert_close(out[0][~reads], clean[0][~reads], rtol=0, atol=1e-6, msg=name)
+
+
+@given(st.data())
+def test_gathered_path_matches_reference(data) -> None:
+    """The exact gathered path (non-finite inputs, non-CPU devices) under the tolerance rule."""
+    import minference.torch_backend as backend
+
+    saved = backend._FLASH_CPU
+    backend._FLASH_CPU = None
+    try:
+        test_vertical_slash_matches_reference.hypothesis.inner_test(data)
+        test_block_sparse_matches_reference.hypothesis.inner_test(data)
+        test_ashape_and_dense_match_reference.hypothesis.inner_test(data)
+    finally:
+        backend._FLASH_CPU = saved
+
+
+def test_work_follows_the_chosen_set(monkeypatch) -> None:
+    """No call of the fused kernel sees more keys per query tile than the tile's candidates need
+    (plus the tile's own span): a narrow band at 4096 tokens never reads the whole row."""
+    calls = []
+    real = tb._FLASH_CPU
+
+    def spy(q, k, v, *a, **kw):
+        calls.append(k.shape[-2])
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(tb, "_FLASH_CPU", spy)
+    N = 4096
+    q, k, v = torch.randn(1, 2, N, 16), torch.randn(1, 1, N, 16), torch.randn(1, 1, N, 16)
+    tb.ashape_attention(q, k, v, 8, 100)
+    slash = torch.arange(50, dtype=torch.int32).expand(1, 2, 50)
+    tb.vertical_slash_attention(q, k, v, torch.tensor([[[0, 9, 700]]] * 2, dtype=torch.int32).view(1, 2, 3), slash)
+    blocks = torch.stack([torch.tensor([0, i]) for i in range(N // 64)]).expand(1, 2, -1, -1).int()
+    tb.block_sparse_attention(q, k, v, blocks, block=64)
+    assert calls and max(calls) <= 2 * 64 + 100, calls
