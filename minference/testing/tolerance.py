@@ -121,7 +121,8 @@ def assert_stats_close(
         raise AssertionError(f"{name}: {int(torch.isnan(o).sum())} NaN value(s) in the compared region")
     finite = torch.isfinite(r)
     if ((~finite) & (o != r)).any():
-        raise AssertionError(f"{name}: {int(((~finite) & (o != r)).sum())} non-finite reference value(s) not reproduced")
+        bad = int(((~finite) & (o != r)).sum())
+        raise AssertionError(f"{name}: {bad} non-finite reference value(s) not reproduced")
     o, r = o[finite], r[finite]
     if (~torch.isfinite(o)).any():
         raise AssertionError(f"{name}: non-finite value(s) where the reference is finite")

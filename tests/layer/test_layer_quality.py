@@ -130,3 +130,52 @@ def test_mass_and_output_quality(rows, name) -> None:
         for r in sel:
             if r.online >= HIGH_MASS:
                 assert r.rel_err <= MAX_ERR_AT_HIGH_MASS, f"{name} layer {layer} head {r.head}: {r}"
+
+
+#: The Triton path on a real layer (CPU: the interpreter). Tiers 2 and 3 run the portable torch
+#: backend on the CPU, so this is the CPU tier's one real-layer check of the kernels, their index
+#: builders and the dispatcher's conversion. Layer 2's first TRITON_TOKENS tokens: causal, so they
+#: are exactly the layer of a TRITON_TOKENS-token prompt. One head of each kind per kv group.
+TRITON_TOKENS = 192
+TRITON_PLAN = [
+    VerticalSlash(vertical=24, slash=40, last_q=32, sink_columns=1, local_diagonals=2),
+    BlockSparse(top_k=3, block=32, sink_blocks=1),
+    AShape(sink=8, window=40),
+]
+
+
+@pytest.mark.interpret
+def test_triton_path_on_a_real_layer(captured) -> None:
+    """``sparse_prefill(backend="triton")`` (Triton builders, conversion, kernels) on real SmolLM2
+    activations in fp16 (the 16-bit path; the interpreter computes bf16 wrongly) against the
+    float64 reference of each pattern on the index the same builders pick for its heads, under
+    the tolerance rule."""
+    from minference.kernels import estimate
+    from minference.reference import attention as ref
+
+    from minference.dispatch import FILL_GAPS, sparse_prefill
+    from minference.testing import assert_close_to_reference
+
+    q, k, v = (x[:, :, :TRITON_TOKENS].to(torch.float16).contiguous() for x in captured[LAYERS[0]][:3])
+    scale = captured[LAYERS[0]][3]
+    Hq = q.shape[1]
+    plan = [TRITON_PLAN[h % len(TRITON_PLAN)] for h in range(Hq)]
+    out = sparse_prefill(q, k, v, plan, scale=scale, dense_threshold=0, backend="triton")
+    want = {"64": torch.zeros(q.shape, dtype=torch.float64), "same": torch.zeros(q.shape, dtype=torch.float64)}
+    for i, p in enumerate(TRITON_PLAN):
+        heads = torch.arange(i, Hq, len(TRITON_PLAN), dtype=torch.int32)
+        if isinstance(p, VerticalSlash):
+            vi, si = estimate.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q, scale=scale,
+                                                   sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
+                                                   heads=heads)
+            call, args, extra = ref.vertical_slash_attention, (vi, si), {"fill_gaps": FILL_GAPS}
+        elif isinstance(p, BlockSparse):
+            bi = estimate.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, scale=scale,
+                                             heads=heads)
+            call, args, extra = ref.block_sparse_attention, (bi,), {"block": p.block}
+        else:
+            call, args, extra = ref.ashape_attention, (p.sink, p.window), {}
+        for key, kw in (("64", {}), ("same", {"compute_dtype": torch.float16})):
+            o = call(q, k, v, *args, **extra, heads=heads, scale=scale, **kw)
+            want[key][:, heads.long()] = o[:, heads.long()]
+    assert_close_to_reference(out, want["64"], want["same"], name=f"layer {LAYERS[0]}, {TRITON_TOKENS} tokens")

@@ -350,7 +350,8 @@ def sharp_problem(shape: AttnShape, dtype, kept, *, nats: float, seqlens=None, s
             j = score.argmax(1)
             planted = ~m.all(1)
             mk = m.double()
-            A = torch.einsum("ij,jd,je->ide", mk, keys, keys) + mk.sum(1).clamp(min=1)[:, None, None] * torch.eye(D, dtype=torch.float64)
+            ridge = mk.sum(1).clamp(min=1)[:, None, None] * torch.eye(D, dtype=torch.float64)
+            A = torch.einsum("ij,jd,je->ide", mk, keys, keys) + ridge
             x = torch.linalg.solve(A, keys[j])  # [L, D]
             x = x * (nats / scale / (x * keys[j]).sum(1, keepdim=True))
             q[b, h, s0 : s0 + L][planted] = x[planted]
