@@ -142,13 +142,14 @@ def _tiles(q: torch.Tensor) -> Tiles | None:
     return None  # the shared defaults (fp32 on the GPU, the interpreter)
 
 
-def _budget(name: str, value, H_needed: int, device, minimum: int, validate: bool) -> torch.Tensor:
+def _budget(name: str, value, H_needed: int, device, minimum: int, validate: bool,
+            read: torch.Tensor | None = None) -> torch.Tensor:
     """Per-global-head budget as an int32 tensor on ``device`` (an int becomes a constant; ints
     and int64 entries beyond int32 are clamped to :data:`minference._checks.BUDGET_MAX`, i.e. "the whole row").
     int32 tensors are used as given (no op per call: the dispatcher's own are made in range)."""
     if isinstance(value, torch.Tensor) and not same_device(value.device, device):
         raise ValueError(f"{name} must be on {device}, got {value.device}")
-    value = check_budget(name, value, total=H_needed, minimum=minimum, values=validate)
+    value = check_budget(name, value, total=H_needed, minimum=minimum, values=validate, read=read)
     if isinstance(value, int):
         return int32_constant(H_needed, value, device)
     if value.dtype != torch.int32:
@@ -194,8 +195,9 @@ def ashape_attention(
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate, tiles=_tiles(q))
     check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
-    sinks = _budget("sink", sink, head_offset + prep.Hq, q.device, 0, validate)
-    windows = _budget("window", window, head_offset + prep.Hq, q.device, 1, validate)
+    read = prep.head_ids().long() + head_offset if validate else None  # the entries the kernel reads
+    sinks = _budget("sink", sink, head_offset + prep.Hq, q.device, 0, validate, read)
+    windows = _budget("window", window, head_offset + prep.Hq, q.device, 1, validate, read)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.Hg > 0 and prep.N > 0:

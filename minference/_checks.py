@@ -182,13 +182,16 @@ def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor, *
                              f"{t - int(starts[b])} of the row, inside its length)")
 
 
-def check_budget(name: str, value: object, *, total: int, minimum: int, values: bool) -> object:
+def check_budget(name: str, value: object, *, total: int, minimum: int, values: bool,
+                 read: torch.Tensor | None = None) -> object:
     """Check a budget given as an int or a 1-D int tensor indexed by global head id; return the
     int clamped to :data:`BUDGET_MAX`, or the tensor as given (:func:`clamp_budget` bounds it).
 
     Ints must be ``>= minimum``. A tensor must hold at least ``total`` entries (the global heads
-    ``head_offset + Hq`` a call reads; checked from its shape, no sync); with ``values`` its first
-    ``total`` entries must be ``>= minimum`` too (a host read, skipped under CUDA-graph capture).
+    ``head_offset + Hq`` a call covers; checked from its shape, no sync); with ``values`` the
+    entries the call reads (the global ids ``read`` of its computed heads, default the first
+    ``total``) must be ``>= minimum`` too (a host read, skipped under CUDA-graph capture): other
+    ranks' and other groups' heads may hold anything.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
@@ -202,8 +205,9 @@ def check_budget(name: str, value: object, *, total: int, minimum: int, values: 
     if value.shape[0] < total:
         raise ValueError(f"{name} has {value.shape[0]} entries, fewer than the {total} global heads needed "
                          f"(one entry per global head id head_offset + h)")
-    if values and total > 0 and not capturing():
-        lo = int(value[:total].min())
+    if values and not capturing():
+        picked = value[:total] if read is None else value[read.to(device=value.device, dtype=torch.long)]
+        lo = int(picked.min()) if picked.numel() else minimum
         if lo < minimum:
             raise ValueError(f"{name} entries must be >= {minimum}, got {lo}")
     return value

@@ -319,7 +319,8 @@ def budget_tensor(name: str, value: int | torch.Tensor, heads: torch.Tensor, hea
     int32 act as :data:`~minference._checks.BUDGET_MAX` ("all": no row is that long)."""
     if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
         raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    value = check_budget(name, value, total=0 if total is None else total, minimum=minimum, values=validate)
+    value = check_budget(name, value, total=0 if total is None else total, minimum=minimum, values=validate,
+                         read=heads.long() + head_offset if validate else None)
     if isinstance(value, int):
         return torch.full(heads.shape, value, dtype=torch.int64, device=heads.device)
     return clamp_budget(value, minimum, heads.device)[heads.long() + head_offset]
