@@ -293,9 +293,12 @@ def _order_bits(x):
 
 @triton.jit
 def _select_scores(scores, forced, pos, n):
-    """A chunk of one row's scores: -inf past the row's length, +inf where forced (and valid)."""
+    """A chunk of one row's scores: -inf past the row's length and for unforced non-finite
+    scores (a candidate without a score), +inf where forced (NaN included)."""
     x = tl.load(scores + pos, mask=pos < n, other=float("-inf"))
-    return tl.where((pos < forced) & (x > float("-inf")), float("inf"), x)
+    keep = (pos < forced) & (x != float("-inf"))  # NaN too: a forced position is kept whatever its score
+    x = tl.where(tl.abs(x) < float("inf"), x, float("-inf"))  # only finite scores rank
+    return tl.where(keep, float("inf"), x)
 
 
 @triton.jit
@@ -586,19 +589,24 @@ def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr,
     last = tl.where(I * block < n, I + 1, 0)  # key blocks scored; 0 for a query block past the row
     m = tl.full([BM], float("-inf"), tl.float32)
     acc = tl.zeros([BM], tl.float32)
+    nan_row = tl.zeros([BM], tl.int32)
     for j0 in range(0, last, KT):
         # every tile holds j0 <= I, so m is finite from the first tile on (zero rows give 0)
         s = _qbs_logits(qt, keys, lo_off, j0 + c, I, D, qk_scale, KT, BLOCK_D, SPLIT, F32)  # [BM, KT]
+        # a NaN logit makes its row's softmax NaN, as in the definition (max and sum skip NaN here)
+        nan_row = tl.maximum(nan_row, tl.max(tl.where(s != s, 1, 0), axis=1))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         acc = acc * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
         m = m_new
     lse = m + tl.log2(tl.where(acc > 0.0, acc, 1.0))  # [BM]; acc >= 1 on every row when last > 0
+    lse = tl.where(nan_row > 0, float("nan"), lse)
     out = out_ptr + (pid_bh.to(tl.int64) * NQB + I) * NQB
     for j0 in range(0, last, KT):
         j = j0 + c
         s = _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale, KT, BLOCK_D, SPLIT, F32)
         p = tl.where(row_ok[:, None], tl.exp2(s - lse[:, None]), float("-inf"))  # [BM, KT]
-        best = tl.max(p, axis=0)  # [KT]
+        best = tl.max(p, axis=0)  # [KT]; the max skips NaN: a NaN row makes the column NaN
+        best = tl.where(tl.max(tl.where(p != p, 1, 0), axis=0) > 0, float("nan"), best)
         tl.store(out + j, tl.where(j <= I, best, float("-inf")), mask=j < NQB)
     for j0 in range((last + KT - 1) // KT * KT, NQB, KT):
         j = j0 + c
@@ -687,15 +695,19 @@ _RELATIVE_CODE = 2  # minference.index.RULE_CODES["relative"]
 
 @triton.jit
 def _block_candidates(row, pos, I, sinks, FORCE_DIAG: tl.constexpr):
-    """A chunk of one query block's routing scores: ``(x, valid, forced)``; NaN and positions
-    past the diagonal are no candidates (``-inf``)."""
-    x = tl.load(row + pos, mask=pos <= I, other=float("-inf"))
-    x = tl.where(x == x, x, float("-inf"))
-    valid = x > float("-inf")
+    """A chunk of one query block's routing scores: ``(x, valid, forced)`` as the definition
+    (:func:`minference.reference.estimators.select_row`) reads them: ``-inf`` (and positions
+    past the diagonal) is no candidate; NaN or ``+inf`` is a candidate without a score, kept
+    only when forced; ``x`` holds the finite scores (``-inf`` elsewhere), ``valid`` what may be
+    chosen (forced candidates and finite scores)."""
+    raw = tl.load(row + pos, mask=pos <= I, other=float("-inf"))
+    candidate = raw != float("-inf")  # NaN included
+    finite = (raw == raw) & (raw != float("inf")) & candidate
     forced = pos < sinks
     if FORCE_DIAG:
         forced = forced | (pos == I)
-    return x, valid, valid & forced
+    forced = forced & candidate
+    return tl.where(finite, raw, float("-inf")), finite | forced, forced
 
 
 @triton.jit
@@ -737,7 +749,7 @@ def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_p
         above = tl.zeros([], tl.int32)
         for c0 in range(0, end, CHUNK):
             x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
-            above += tl.sum((valid & ~forced & (x.to(tl.float64) >= bar)).to(tl.int32), 0)
+            above += tl.sum((valid & ~forced & (x > float("-inf")) & (x.to(tl.float64) >= bar)).to(tl.int32), 0)
         count = tl.maximum(n_forced + above, tl.load(mins_ptr + g).to(tl.int32))
     count = tl.minimum(tl.maximum(count, n_forced), budget)
     need = tl.minimum(tl.minimum(count, n_valid), width)

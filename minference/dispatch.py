@@ -30,8 +30,8 @@ from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
 from minference.reference.masks import check_fill_gaps
 
-__all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS", "resolve_backend",
-           "INDEX_RANGE", "ATTENTION_RANGE", "profile_range"]
+__all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS",
+           "resolve_backend", "INDEX_RANGE", "ATTENTION_RANGE", "profile_range"]
 
 #: Prompts shorter than this many tokens run dense attention. H200 runs of
 #: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash

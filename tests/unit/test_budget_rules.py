@@ -257,7 +257,7 @@ def test_vertical_slash_builders_keep_the_rule(fast, data) -> None:
 def test_fused_block_selection_is_the_naive_rule(device, data) -> None:
     """The one-launch block selection (``select_query_blocks``: radix select, no sort) on
     query-aware scores in ``[0, 1]`` with ties: per head ``"top_k"`` or ``"relative"``, minima,
-    budgets, sinks, the diagonal, rows past a length, NaN scores (no candidate): exactly the
+    budgets, sinks, the diagonal, rows past a length, a NaN score (kept only where forced): exactly the
     naive rule's sets (ties to the lowest position), ascending, -1 after; a ``"mass"`` head
     hands the selection back (``None``)."""
     B, Hg, nqb = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 24))
@@ -267,9 +267,9 @@ def test_fused_block_selection_is_the_naive_rule(device, data) -> None:
     lens = [max(0, data.draw(st.integers((n - 1) * block + 1, n * block))) if n else 0 for n in nb]
     J = torch.arange(nqb)
     ok = (J[None, None, :] <= J[None, :, None]) & (J[None, :, None] < torch.tensor(nb)[:, None, None])
-    scores = scores.masked_fill(~ok[:, None], float("-inf"))
-    if data.draw(st.booleans(), label="nan"):
+    if data.draw(st.booleans(), label="nan"):  # a candidate without a score: kept where forced
         scores[0, 0, -1, 0] = float("nan")
+    scores = scores.masked_fill(~ok[:, None], float("-inf"))
     budgets = [data.draw(st.integers(1, nqb + 2)) for _ in range(Hg)]
     diagonal = data.draw(st.booleans())
     sinks = [data.draw(st.integers(0, b - diagonal)) for b in budgets]

@@ -100,9 +100,7 @@ def test_vs_definition_keeps_forced_entries_on_nan_scores():
 @pytest.mark.parametrize("rule", ["top_k", "mass"])
 @pytest.mark.parametrize("name", [
     "torch",
-    pytest.param("triton", marks=pytest.mark.xfail(
-        strict=True, reason="the one-launch top-k selection kernel (kernels/estimate.py _select_scores) still "
-                            "drops forced entries whose score is NaN: change owned by the kernel owner")),
+    "triton",
 ])
 def test_vs_builder_keeps_forced_entries_with_validation_off(name, rule):
     """Validation off: one NaN in a sampled query row of head 0 no longer empties its index
@@ -127,10 +125,7 @@ def test_vs_builder_adaptive_triton_keeps_forced_entries():
 
 
 @pytest.mark.parametrize("name,estimate_by", [
-    ("torch", "pooled"), ("torch", "query"), ("triton", "pooled"),
-    pytest.param("triton", "query", marks=pytest.mark.xfail(
-        strict=True, reason="select_query_blocks (kernels/estimate.py _block_candidates) drops a forced block "
-                            "whose score is NaN: change owned by the kernel owner")),
+    ("torch", "pooled"), ("torch", "query"), ("triton", "pooled"), ("triton", "query"),
 ])
 def test_bs_builder_keeps_forced_blocks_with_validation_off(name, estimate_by):
     """A NaN query in block 3 (pooled: the block's mean query is NaN; query-aware: that
