@@ -73,6 +73,7 @@ __all__ = [
     "sequence_nll",
     "split_events",
     "run_eval",
+    "merge_reports",
     "format_report",
     "plot_eval",
     "add_cli",
@@ -402,6 +403,46 @@ class EvalReport:
     @classmethod
     def load(cls, path: str | os.PathLike) -> EvalReport:
         return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
+    """One report from several runs of one model on one machine (e.g. the device calls of one
+    session, each within its time limit): configs and lengths in first-seen order, records and
+    runs concatenated. Speed-ups stay per (config, length) against the dense run of that length,
+    so every length must have been measured with dense in the same run as its other configs.
+
+    Raises:
+        EvalError: a different model, dtype, GPU or settings, a config name with two specs, or
+            one (config, length) in two reports.
+    """
+    if not reports:
+        raise EvalError("nothing to merge")
+    first = reports[0]
+    keys = ("name", "dtype", "model_id")
+    configs: dict[str, EvalConfig] = {}
+    runs: dict[tuple, RunStats] = {}
+    lengths: list[int] = []
+    tasks: list[str] = []
+    records: list[SampleRecord] = []
+    for rep in reports:
+        if any(rep.model.get(k) != first.model.get(k) for k in keys):
+            raise EvalError(f"different models: {rep.model} vs {first.model}")
+        if rep.machine.get("gpu") != first.machine.get("gpu") or rep.settings != first.settings:
+            raise EvalError("reports from different machines or settings cannot be merged")
+        for c in rep.configs:
+            if c.name in configs and configs[c.name].spec != c.spec:
+                raise EvalError(f"config {c.name!r} has two specs: {configs[c.name].spec!r} and {c.spec!r}")
+            configs.setdefault(c.name, c)
+        for r in rep.runs:
+            if (r.config, r.n_tokens) in runs:
+                raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports")
+            runs[(r.config, r.n_tokens)] = r
+        lengths += [n for n in rep.lengths if n not in lengths]
+        tasks += [t for t in rep.tasks if t not in tasks]
+        records += rep.records
+    return EvalReport(model=first.model, machine=first.machine, settings=first.settings, configs=list(configs.values()),
+                      lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
+                      wall_s=sum(r.wall_s for r in reports))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1119,6 +1160,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     p.add_argument("--force-length", action="store_true", help="lengths beyond SmolLM2's 8K context (YaRN)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                   help="run nothing: merge these report JSONs (runs of one model and machine) into --out / --plot")
     p.set_defaults(func=_eval_cmd)
 
 
@@ -1128,17 +1171,28 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     try:
-        report = run_eval(
-            args.model, model_path=args.model_path, configs=args.configs, lengths=args.lengths, tasks=args.tasks,
-            samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
-            backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
-            allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
-            dense_tail=args.dense_tail,
-            checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
-        )
-    except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable) as err:
+        if args.merge:
+            report = merge_reports([EvalReport.load(p) for p in args.merge])
+        else:
+            report = _run_from_args(args)
+    except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable, OSError, ValueError) as err:
         print(f"minference eval: error: {err}", file=sys.stderr)
         return 2
+    return _write_outputs(report, args, out)
+
+
+def _run_from_args(args: argparse.Namespace) -> EvalReport:
+    return run_eval(
+        args.model, model_path=args.model_path, configs=args.configs, lengths=args.lengths, tasks=args.tasks,
+        samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
+        backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
+        allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
+        dense_tail=args.dense_tail,
+        checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
+    )
+
+
+def _write_outputs(report: EvalReport, args: argparse.Namespace, out: TextIO) -> int:
     print(format_report(report), file=out)
     if args.out:
         report.save(args.out)

@@ -3,6 +3,7 @@ the chunked perplexity, the profiler ranges and the eq. 13 split."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
@@ -435,3 +436,33 @@ def test_decoding_stops_once_the_score_is_settled(smollm2):
     assert E._settled(sample, good, tokenizer)
     assert not E._settled(sample, good[:-1], tokenizer)  # " 1234567": a digit may still follow
     assert not E._settled(sample, tokenizer(" 0.", add_special_tokens=False)["input_ids"], tokenizer)
+
+
+def test_merge_reports_of_one_session(tiny_run, tmp_path):
+    """Runs split over several device calls merge into one report (configs and lengths in
+    first-seen order, records and runs concatenated); a repeated (config, length), a config
+    name with two specs or other settings are refused; the CLI merges without loading a model."""
+    report, _ = tiny_run
+    a = E.EvalReport.from_dict(report.to_dict())
+    b = E.EvalReport.from_dict(report.to_dict())
+    for r in b.runs:
+        r.n_tokens *= 2
+    for r in b.records:
+        r.n_tokens *= 2
+    b.lengths = [N * 2]
+    merged = E.merge_reports([a, b])
+    assert merged.lengths == [N, 2 * N] and [c.name for c in merged.configs] == [c.name for c in a.configs]
+    assert len(merged.records) == 2 * len(a.records) and len(merged.runs) == 2 * len(a.runs)
+    assert merged.accuracy() == a.accuracy() + [dict(x, n_tokens=2 * N) for x in a.accuracy()]
+    with pytest.raises(E.EvalError, match="in two reports"):
+        E.merge_reports([a, a])
+    c = E.EvalReport.from_dict(b.to_dict())
+    c.settings = dict(c.settings, dense_tail=64)
+    with pytest.raises(E.EvalError, match="settings"):
+        E.merge_reports([a, c])
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    args = build_parser().parse_args(["eval", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                                      "--out", str(tmp_path / "m.json")])
+    assert E._eval_cmd(args, out=io.StringIO()) == 0
+    assert E.EvalReport.load(tmp_path / "m.json").lengths == [N, 2 * N]
