@@ -42,8 +42,12 @@ __all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THR
 #: to back (run 5), so 12K stays dense and 16K runs sparse. Earlier: 0.77x at 16K and 1.21x at
 #: 20K (s5 run 4), 0.98x at 16K (s6 run 6), when the threshold was 20480. A-shape alone wins
 #: from 16K (2.20 vs 3.76 ms, s5); the threshold is per layer and follows the vertical-slash
-#: budget.
-DENSE_THRESHOLD = 16384
+#: budget. On the real testbed (Qwen2.5-Coder-0.5B: D=64, 14 q / 2 kv heads, a searched config
+#: mixing several patterns per layer, whole-model TTFT; benchmarks/results/h200_s10_qwen_eval.md)
+#: the sparse prefill was 0.47x / 0.45x dense at 16K (device time 79 ms against a TTFT of 142:
+#: host-bound), 0.90x / 0.84x at 32K and 1.47x / 1.30x at 64K for the two searched configs, so
+#: the default is 48K: prompts up to 32K run dense.
+DENSE_THRESHOLD = 49152
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
 #: kernel runs (:func:`minference.reference.masks.slash_set`). Any value >= 127 (the GPU query

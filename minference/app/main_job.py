@@ -67,6 +67,9 @@ def main_job_defaults(device: str | torch.device, model: str | None = None) -> t
     if model == "smollm2":
         return model, DEFAULT_CONFIG, DEFAULT_TOKENS
     raise ValueError(f"model must be 'smollm2' or 'qwen', got {model!r}")
+#: Dense tail of the Qwen main job (prompt tokens at the end that attend densely): the setting
+#: its searched config was measured with (benchmarks/results/h200_s10_qwen_eval.md).
+QWEN_DENSE_TAIL = 128
 #: Needle depth of the default prompt (0 = start, 1 = end).
 DEFAULT_DEPTH = 0.5
 #: Coverage is measured on every this-many-th query row (an unbiased row sample).
@@ -153,6 +156,7 @@ def run_main_job(
     progress: bool = True,
     loaded: tuple | None = None,
     model_name: str | None = None,
+    dense_tail: int | None = None,
 ) -> MainJobReport:
     """Dense and sparse prefill of one passkey prompt; see the module docstring.
 
@@ -160,7 +164,9 @@ def run_main_job(
     device (SmolLM2, its config, 4K tokens on a CPU; Qwen, its searched config, 120K on a GPU).
 
     ``dense_threshold`` defaults to 0 (always sparse): the dispatcher's GPU-measured default
-    (:data:`minference.dispatch.DENSE_THRESHOLD`, 16K tokens) would run this 4K prompt dense.
+    (:data:`minference.dispatch.DENSE_THRESHOLD`, 48K tokens) would run this 4K prompt dense.
+    ``dense_tail``: the last prompt tokens that attend densely (``None``: :data:`QWEN_DENSE_TAIL`
+    for Qwen, as its config was measured, 0 for SmolLM2).
     ``loaded``: an already loaded ``(model, tokenizer)`` from
     :func:`minference.app.models.load_smollm2` (unpatched; it is left unpatched).
     """
@@ -175,6 +181,8 @@ def run_main_job(
     model_name, default_config, default_tokens = main_job_defaults(device, model_name)
     config_path = default_config if config_path is None else config_path
     n_tokens = default_tokens if n_tokens is None else n_tokens
+    if dense_tail is None:
+        dense_tail = QWEN_DENSE_TAIL if model_name == "qwen" else 0
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
     stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
@@ -207,7 +215,7 @@ def run_main_job(
         layer_bar.reset()
         stages.set_postfix_str("sparse prefill")
         integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
-                    check_fingerprint=False)
+                    check_fingerprint=False, dense_tail=dense_tail)
         density = [float("nan")] * len(modules)
         cover = [float("nan")] * len(modules)
         spent = [0.0]
@@ -397,6 +405,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--dense-threshold", type=int, default=0,
                      help="prompts shorter than this run dense (default 0: always sparse, the job's point)")
     run.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    run.add_argument("--dense-tail", type=int, default=None, metavar="T",
+                     help=f"the last T prompt tokens attend densely (default: {QWEN_DENSE_TAIL} for qwen, 0 for smollm2)")
     run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -448,7 +458,7 @@ def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
         model_name=args.model, config_path=args.config, n_tokens=args.tokens, depth=args.depth, seed=args.seed,
         backend=args.backend,
         dense_threshold=args.dense_threshold, allow_mismatch=args.allow_mismatch, device=args.device,
-        coverage=not args.no_coverage, progress=not args.no_progress,
+        coverage=not args.no_coverage, progress=not args.no_progress, dense_tail=args.dense_tail,
     )
     print(format_report(report), file=out or sys.stdout)
     return 0
