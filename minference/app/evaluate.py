@@ -903,8 +903,8 @@ def run_eval(
                         stats.ttft_s.append(ttft)
                         batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
                         answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
-                                            settled=lambda b, tokens: _settled(prompts[gen_tasks[b]], tokens,
-                                                                               tokenizer))
+                                            settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
+                                                                                          tokenizer))
                         for task, tokens in zip(gen_tasks, answers):
                             sample = prompts[task]
                             text = tokenizer.decode(tokens, skip_special_tokens=True)

@@ -406,7 +406,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                      help="prompts shorter than this run dense (default 0: always sparse, the job's point)")
     run.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     run.add_argument("--dense-tail", type=int, default=None, metavar="T",
-                     help=f"the last T prompt tokens attend densely (default: {QWEN_DENSE_TAIL} for qwen, 0 for smollm2)")
+                     help=f"the last T prompt tokens attend densely (default: {QWEN_DENSE_TAIL} for qwen, "
+                          "0 for smollm2)")
     run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
