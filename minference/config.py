@@ -827,11 +827,15 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = FINGERPRINT_SAMPL
     different checkpoints of one architecture differ without hashing it all.
 
     The values are rounded to bfloat16 and the dtype is not hashed: one checkpoint loaded in
-    float32 (a config searched on a CPU) and in bfloat16 (served on a GPU) is one model."""
+    float32 (a config searched on a CPU) and in bfloat16 (served on a GPU) is one model. A
+    parameter sharded by tensor parallelism (a DTensor) is gathered first, one at a time, so a
+    sharded model hashes as the whole one; every rank must call this (it is a collective)."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         if not isinstance(p, torch.Tensor):
             continue
+        if hasattr(p, "full_tensor") and hasattr(p, "placements"):  # torch.distributed.tensor.DTensor
+            p = p.full_tensor()
         h.update(f"{name}|{tuple(p.shape)}".encode())
         flat = p.detach().reshape(-1)
         if flat.numel() == 0:

@@ -426,9 +426,11 @@ def patch(
         head_offset: global id of local query head 0. ``None`` (default): read from the model:
             the rows of the DTensor ``q_proj`` shard this rank holds under transformers' tensor
             parallelism, else 0. Given on a DTensor model, it must equal what the weights say.
-        check_fingerprint: hash the weights to compare with the config's fingerprint. A model
-            sharded by hand hashes differently from the full model, and a DTensor model cannot be
-            hashed here yet: pass False for both (the other signature fields are still checked).
+        check_fingerprint: hash the weights to compare with the config's fingerprint. A DTensor
+            model (transformers' tensor parallelism) hashes as the whole model (its parameters
+            are gathered one at a time: every rank must call ``patch``); a model sharded by hand
+            hashes differently from the full one: pass False there (the other signature fields
+            are still checked).
         check_partition: verify with one all-gather (over the tensor-parallel group) that the
             ranks' head offsets tile the config's heads
             (:func:`minference.distributed.check_head_partition`) and that no rank found its shard
@@ -451,12 +453,6 @@ def patch(
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
     tensor_parallel = _is_tensor_parallel(model)
-    if tensor_parallel and check_fingerprint and (
-            isinstance(config, (str, os.PathLike))
-            or (isinstance(config, PatternConfig) and config.model.weights_fingerprint is not None)):
-        raise ValueError("the model is sharded by tensor parallelism (DTensor weights), whose weights fingerprint "
-                         "cannot be computed yet: pass check_fingerprint=False (architecture, layers, heads, kv heads, "
-                         "head dim and rope are still checked)")
     if isinstance(config, (str, os.PathLike)):
         config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
     if not isinstance(config, PatternConfig):

@@ -62,7 +62,7 @@ def _model_checks(rank: int, path: str, ids: torch.Tensor) -> dict:
     from transformers import AutoModelForCausalLM
 
     import minference.integration as I
-    from minference.config import PatternConfig, model_signature
+    from minference.config import PatternConfig, model_signature, weights_fingerprint
 
     out = {}
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -73,8 +73,8 @@ def _model_checks(rank: int, path: str, ids: torch.Tensor) -> dict:
     with torch.no_grad():
         out["dense_single"], out["dense_tp"] = single(ids).logits, tp(ids).logits
     I.patch(single, config, dense_threshold=0)
-    out["fingerprint_error"] = _error(lambda: I.patch(tp, config, dense_threshold=0))
-    I.patch(tp, config, dense_threshold=0, check_fingerprint=False)  # head offset read from the shard
+    out["fingerprints"] = (weights_fingerprint(single), weights_fingerprint(tp))
+    I.patch(tp, config, dense_threshold=0)  # head offset read from the shard, fingerprint of the gathered weights
     out["offsets"] = {i: (s.head_offset, s.heads) for i, s in I.layer_states(tp).items()}
     with torch.no_grad():
         out["sparse_single"], out["sparse_tp"] = single(ids).logits, tp(ids).logits
@@ -183,9 +183,13 @@ def test_transformers_tensor_parallel_wrong_offset_is_refused_on_every_rank(resu
     assert not any(r["models"][arch]["patched_after_error"] for r in results)
 
 
-def test_transformers_tensor_parallel_fingerprint_is_refused_clearly(results):
+def test_transformers_tensor_parallel_model_has_the_whole_models_fingerprint(results):
+    """The DTensor weights are gathered for the hash: every rank gets the single process's
+    fingerprint, so patch() checks a sharded model against its config (it did refuse before)."""
     for r in results:
-        assert "check_fingerprint=False" in r["models"]["llama"]["fingerprint_error"]
+        for arch in r["models"]:
+            single, tp = r["models"][arch]["fingerprints"]
+            assert single == tp and single.startswith("sha256:")
 
 
 def test_a_shard_that_splits_a_head_is_refused(results):
