@@ -302,14 +302,67 @@ def _select_scores(scores, forced, pos, n):
 
 
 @triton.jit
+def _select_keys(ptr, pos, lim, forced_arg, FORCE_DIAG: tl.constexpr, BLOCKS: tl.constexpr):
+    """A chunk's radix keys and what may be chosen: a vertical-slash row (:func:`_select_scores`:
+    length ``lim``, forced prefix ``forced_arg``) or a query block's row of block scores
+    (:func:`_block_candidates`: diagonal ``lim``, sinks ``forced_arg``); forced entries key as
+    ``+inf``."""
+    if BLOCKS:
+        x, valid, forced = _block_candidates(ptr, pos, lim, forced_arg, FORCE_DIAG)
+        x = tl.where(forced, float("inf"), x)
+    else:
+        x = _select_scores(ptr, forced_arg, pos, lim)
+        valid = x > float("-inf")
+    return _order_bits(x), valid
+
+
+@triton.jit
+def _radix_take(ptr, end, lim, forced_arg, need, out, width, FORCE_DIAG: tl.constexpr, BLOCKS: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Write the ``need`` largest keys (:func:`_select_keys`) of positions ``[0, end)`` to
+    ``out[:width]`` as ascending positions, -1 after, ties to the lowest position.
+
+    A radix select on the scores' order bits: four passes of 8-bit histograms narrow the
+    ``need``-th largest key ``T`` and how many entries equal to ``T`` to take; a last pass writes
+    every entry above ``T`` and the first ties in position order. Fewer selectable entries than
+    ``need``: all of them."""
+    offs = tl.arange(0, CHUNK)
+    bins = tl.arange(0, 512)
+    prefix = tl.zeros([], tl.int64)  # the digits of T chosen so far
+    for p in tl.static_range(4):
+        hist = tl.zeros([512], tl.int32)
+        for c0 in range(0, end, CHUNK):
+            u, ok = _select_keys(ptr, c0 + offs, lim, forced_arg, FORCE_DIAG, BLOCKS)
+            if p > 0:
+                ok = ok & ((u >> (32 - 8 * p)) == prefix)
+            hist += tl.histogram(tl.where(ok, (u >> (24 - 8 * p)) & 255, 256).to(tl.int32), 512)
+        hist = tl.where(bins < 256, hist, 0)
+        if p == 0:  # fewer valid entries than the budget: take them all
+            need = tl.minimum(need, tl.sum(hist, 0))
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [bin]: entries with digit >= bin
+        digit = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), 0)  # 255 when need == 0
+        need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), 0)  # minus those above the digit
+        prefix = prefix * 256 + digit
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, end, CHUNK):
+        pos = c0 + offs
+        u, ok = _select_keys(ptr, pos, lim, forced_arg, FORCE_DIAG, BLOCKS)
+        eq = ok & (u == prefix)
+        sel = (ok & (u > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, pos, mask=sel)
+        taken += tl.sum(sel.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(taken, width, CHUNK):
+        tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
+
+
+@triton.jit
 def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_ptr, vout_ptr, sout_ptr,
                    N, Hg, BHg, width_v, width_s, CHUNK: tl.constexpr):
     """One program per (kind, batch row, head): the ``min(budget, width)`` highest scores of one
-    row (forced ones first, never -inf), written as ascending positions, -1 after.
-
-    A radix select on the scores' order bits: four passes of 8-bit histograms narrow the
-    ``k``-th largest key ``T`` and how many entries equal to ``T`` to take (``need``); a last
-    pass writes every entry above ``T`` and the first ``need`` ties in position order."""
+    row (forced ones first, never -inf), written as ascending positions, -1 after, by the radix
+    select of :func:`_radix_take`."""
     r = tl.program_id(0)
     if r < BHg:  # columns
         g = r % Hg
@@ -327,40 +380,7 @@ def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_
         width = width_s
     b = (r % BHg) // Hg
     n = tl.load(lens_ptr + b)
-    offs = tl.arange(0, CHUNK)
-    bins = tl.arange(0, 512)
-    prefix = tl.zeros([], tl.int64)  # the digits of T chosen so far
-    for p in tl.static_range(4):
-        hist = tl.zeros([512], tl.int32)
-        for c0 in range(0, n, CHUNK):
-            pos = c0 + offs
-            x = _select_scores(scores, forced, pos, n)
-            u = _order_bits(x)
-            ok = x > float("-inf")
-            if p > 0:
-                ok = ok & ((u >> (32 - 8 * p)) == prefix)
-            hist += tl.histogram(tl.where(ok, (u >> (24 - 8 * p)) & 255, 256).to(tl.int32), 512)
-        hist = tl.where(bins < 256, hist, 0)
-        if p == 0:  # fewer valid entries than the budget: take them all
-            need = tl.minimum(need, tl.sum(hist, 0))
-        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [bin]: entries with digit >= bin
-        digit = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), 0)  # 255 when need == 0
-        need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), 0)  # minus those above the digit
-        prefix = prefix * 256 + digit
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for c0 in range(0, n, CHUNK):
-        pos = c0 + offs
-        x = _select_scores(scores, forced, pos, n)
-        u = _order_bits(x)
-        ok = x > float("-inf")
-        eq = ok & (u == prefix)
-        sel = (ok & (u > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
-        tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, pos, mask=sel)
-        taken += tl.sum(sel.to(tl.int32), 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
-    for c0 in range(taken, width, CHUNK):
-        tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
+    _radix_take(scores, n, n, forced, need, out, width, False, False, CHUNK)
 
 
 def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int, rules=None):
@@ -721,8 +741,7 @@ def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_p
     unforced candidates reach ``alpha * max`` (compared in float64, as the definition does). The
     count ``c = min(max(rule count, minimum, forced), budget, candidates, width)`` then picks the
     ``c`` largest (forced ones as ``+inf``, ties to the lowest position) by the radix select of
-    :func:`_select_kernel`: four 8-bit histogram passes find the ``c``-th largest key and the ties
-    to take, a last pass writes the chosen positions ascending, -1 after."""
+    :func:`_radix_take`, written ascending, -1 after."""
     r = tl.program_id(0)  # b * Hg + g
     I = tl.program_id(1)
     g = r % Hg
@@ -749,39 +768,11 @@ def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_p
         above = tl.zeros([], tl.int32)
         for c0 in range(0, end, CHUNK):
             x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
-            above += tl.sum((valid & ~forced & (x > float("-inf")) & (x.to(tl.float64) >= bar)).to(tl.int32), 0)
+            above += tl.sum((valid & ~forced & (x.to(tl.float64) >= bar)).to(tl.int32), 0)  # unforced: finite
         count = tl.maximum(n_forced + above, tl.load(mins_ptr + g).to(tl.int32))
     count = tl.minimum(tl.maximum(count, n_forced), budget)
     need = tl.minimum(tl.minimum(count, n_valid), width)
-    bins = tl.arange(0, 512)
-    prefix = tl.zeros([], tl.int64)  # the digits of the need-th largest key chosen so far
-    for p in tl.static_range(4):
-        hist = tl.zeros([512], tl.int32)
-        for c0 in range(0, end, CHUNK):
-            x, valid, forced = _block_candidates(row, c0 + offs, I, sinks, FORCE_DIAG)
-            u = _order_bits(tl.where(forced, float("inf"), x))
-            ok = valid
-            if p > 0:
-                ok = ok & ((u >> (32 - 8 * p)) == prefix)
-            hist += tl.histogram(tl.where(ok, (u >> (24 - 8 * p)) & 255, 256).to(tl.int32), 512)
-        hist = tl.where(bins < 256, hist, 0)
-        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # [bin]: entries with digit >= bin
-        digit = tl.max(tl.where((at_least >= need) & (bins < 256), bins, -1), 0)  # 255 when need == 0
-        need -= tl.sum(tl.where(bins == digit, at_least - hist, 0), 0)  # minus those above the digit
-        prefix = prefix * 256 + digit
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for c0 in range(0, end, CHUNK):
-        pos = c0 + offs
-        x, valid, forced = _block_candidates(row, pos, I, sinks, FORCE_DIAG)
-        u = _order_bits(tl.where(forced, float("inf"), x))
-        eq = valid & (u == prefix)
-        sel = (valid & (u > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
-        tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, pos, mask=sel)
-        taken += tl.sum(sel.to(tl.int32), 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
-    for c0 in range(taken, width, CHUNK):
-        tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
+    _radix_take(row, end, I, sinks, need, out, width, FORCE_DIAG, True, CHUNK)
 
 
 def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor, budget: torch.Tensor,

@@ -119,17 +119,22 @@ def test_unpatch_restores_the_dense_model(arch):
     assert torch.equal(logits(model, ids), before)
 
 
-def test_progressive_swap_in_leaves_other_layers_dense():
-    model = tiny_model("llama")
-    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(3))
-    cfg = ashape_config(model)
-    want = reference_logits(model, cfg, ids, layers=[1])
-    I.patch(model, cfg, layers=[1], dense_threshold=0)
+def _one_sparse_layer_matches_reference(model, cfg, ids, *, layer: int) -> None:
+    """Patch only ``layer`` of the two: it runs sparse, the other dense, and the logits match the
+    reference with that layer swapped in."""
+    want = reference_logits(model, cfg, ids, layers=[layer])
+    I.patch(model, cfg, layers=[layer], dense_threshold=0)
     got = logits(model, ids)
     counts = I.call_counts(model)
     I.unpatch(model)
     assert counts["sparse"] == 1 and counts["dense_layer"] == 1
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_progressive_swap_in_leaves_other_layers_dense():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(3))
+    _one_sparse_layer_matches_reference(model, ashape_config(model), ids, layer=1)
 
 
 def test_short_prompts_run_dense_bit_for_bit():
@@ -386,13 +391,7 @@ def test_a_non_causal_layer_is_refused_unless_left_dense():
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn \(LlamaAttention, layer 1\) is not causal"):
         I.patch(model, cfg, dense_threshold=0)
     assert not I.is_patched(model)
-    want = reference_logits(model, cfg, ids, layers=[0])
-    I.patch(model, cfg, layers=[0], dense_threshold=0)
-    got = logits(model, ids)
-    counts = I.call_counts(model)
-    I.unpatch(model)
-    assert counts["sparse"] == 1 and counts["dense_layer"] == 1
-    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    _one_sparse_layer_matches_reference(model, cfg, ids, layer=0)
 
 
 def test_a_call_that_says_not_causal_runs_dense():
