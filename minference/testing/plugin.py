@@ -57,11 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from hypothesis import Phase
 
+    # Every profile derives from hypothesis' own defaults, never from the loaded profile (the
+    # implicit parent): with a ``CI`` variable set hypothesis loads its built-in ``ci`` profile,
+    # registering our ``ci`` over it reloads ours, and ``ci-shrink`` would inherit its phases.
+    base = settings.get_profile("default")
     for name, kwargs in PROFILES.items():
         if "phases" in kwargs:
             kwargs = dict(kwargs, phases=tuple(Phase[p] for p in kwargs["phases"]))
         settings.register_profile(
-            name, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], **kwargs
+            name, parent=base, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], **kwargs
         )
     profile = os.environ.get("MINFERENCE_HYPOTHESIS_PROFILE") or ("gpu" if _cuda() else "ci")
     if profile not in PROFILES:
