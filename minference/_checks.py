@@ -54,35 +54,76 @@ def check_tensor(name: str, x: object, *, rank: int | None = None, dtypes=None) 
 
 def check_qkv(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int]:
     """Validate ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]``; return ``(B, Hq, Hkv, N, D)``."""
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v, dtypes=dtypes)
+    if Nq != N:
+        raise ValueError(f"k must be [B={B}, Hkv, N={Nq}, D={D}] to match q, got {tuple(k.shape)}")
+    return B, Hq, Hkv, N, D
+
+
+def check_qkv_rows(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [B,Hq,Nq,D]``, ``k, v [B,Hkv,N,D]`` with ``Nq <= N`` (queries that are a part
+    of the key rows: a chunk after a cache, or chosen rows); return ``(B, Hq, Hkv, Nq, N, D)``."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, rank=4, dtypes=dtypes)
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    B, Hq, N, D = q.shape
+    B, Hq, Nq, D = q.shape
     if D < 1:
         raise ValueError(f"q, k, v must have a head dim D >= 1, got shape {tuple(q.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    Bk, Hkv, Nk, Dk = k.shape
-    if Bk != B or Nk != N or Dk != D:
+    Bk, Hkv, N, Dk = k.shape
+    if Bk != B or Dk != D or N < Nq:
         raise ValueError(
-            f"k must be [B={B}, Hkv, N={N}, D={D}] to match q, got {tuple(k.shape)}"
+            f"k must be [B={B}, Hkv, N >= {Nq}, D={D}] to match q, got {tuple(k.shape)}"
         )
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hkv})")
-    return B, Hq, Hkv, N, D
+    return B, Hq, Hkv, Nq, N, D
 
 
-def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = True):
+def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor, Nq: int, N: int,
+                     *, given_rows: bool, values: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The query rows of a call whose queries are part of the key rows (docs/kernels.md, "query
+    rows"): ``None`` when every key row is its own query row (``Nq == N`` and no ``q_seqlens``),
+    else int32 ``(q_lens, q_starts) [B]``.
+
+    Row ``b``'s queries are the last ``q_lens[b]`` tokens of its key row (logical positions
+    ``lens[b] - q_lens[b] .. lens[b] - 1``), held in ``q`` at ``q_starts[b] ..``. Defaults with
+    ``Nq < N`` and full key rows: every row's queries are its last ``Nq`` tokens, from 0. With
+    ragged key rows (``given_rows``) and ``Nq < N``, ``q_seqlens`` must be given: no placement
+    is guessed. ``q_seqstarts`` defaults to 0.
+    """
+    B = lens.shape[0]
+    if q_seqlens is None and q_seqstarts is not None:
+        raise ValueError("q_seqstarts needs q_seqlens")
+    if q_seqlens is None:
+        if Nq == N:
+            return None
+        if given_rows:
+            raise ValueError(f"q has {Nq} rows and the key rows {N}: with seqlens/seqstarts, give q_seqlens "
+                             "(how many of each key row's last tokens q holds)")
+        q_seqlens = int32_constant(B, Nq, lens.device)
+    q_lens, q_starts = check_ragged(q_seqlens, q_seqstarts, B, Nq, lens.device, values=values, names=(
+        "q_seqlens", "q_seqstarts"))
+    if values and not capturing() and bool((q_lens > lens).any()):
+        raise ValueError(f"q_seqlens must not exceed the key rows' lengths, got {q_lens.tolist()} for key "
+                         f"rows {lens.tolist()}")
+    return q_lens, q_starts
+
+
+def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = True,
+                 names: tuple[str, str] = ("seqlens", "seqstarts")):
     """Validate optional ``seqlens [B]`` / ``seqstarts [B]``; return int32 tensors on ``device``.
 
     Row ``b`` holds its tokens at ``seqstarts[b] .. seqstarts[b] + seqlens[b] - 1`` of the
     ``N`` axis (right padding: starts 0; left padding: starts ``N - seqlens``).
     """
     out = []
-    for name, x, default in (("seqlens", seqlens, N), ("seqstarts", seqstarts, 0)):
+    n_len, n_start = names
+    for name, x, default in ((n_len, seqlens, N), (n_start, seqstarts, 0)):
         if x is None:
             x = int32_constant(B, default, device)
         else:
@@ -96,9 +137,9 @@ def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = T
     lens, starts = out
     if values and not capturing() and (seqlens is not None or seqstarts is not None):
         if bool((lens < 0).any()) or bool((lens > N).any()):
-            raise ValueError(f"seqlens must lie in [0, N={N}], got {lens.tolist()}")
+            raise ValueError(f"{n_len} must lie in [0, N={N}], got {lens.tolist()}")
         if bool((starts < 0).any()) or bool((starts + lens > N).any()):
-            raise ValueError(f"seqstarts + seqlens must lie in [0, N={N}], got starts {starts.tolist()}")
+            raise ValueError(f"{n_start} + {n_len} must lie in [0, N={N}], got starts {starts.tolist()}")
     return lens, starts
 
 

@@ -19,6 +19,8 @@ from minference.reference.masks import (
 from minference._checks import (
     check_index,
     check_qkv,
+    check_qkv_rows,
+    check_query_rows,
     check_ragged,
     check_tensor,
     default_scale,
@@ -32,6 +34,8 @@ __all__ = [
     "ashape_attention",
     "vertical_slash_attention",
     "block_sparse_attention",
+    "query_rows_attention",
+    "merge_attention",
 ]
 
 
@@ -249,3 +253,51 @@ def block_sparse_attention(
     check_index("blocks", blocks, rank=4, lead=(B, len(ids), nb), device=q.device, upper=max(nb, 1))
     masks = block_sparse_mask(N, blocks, block)
     return _run(q, k, v, masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse)
+
+
+def query_rows_attention(fn, q, k, v, *args, q_seqlens=None, q_seqstarts=None, seqlens=None, seqstarts=None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of a call whose queries are part of the key rows (a chunk after a cache,
+    or a row's last tokens): the rows of the full-prompt call ``fn`` (one of this module's
+    functions) at the query positions.
+
+    ``q [B, Hq, Nq, D]``, ``k, v [B, Hkv, N, D]``; row ``b``'s queries are the last
+    ``q_lens[b]`` tokens of its key row (:func:`minference._checks.check_query_rows`). The query
+    rows are scattered into a zero query tensor of the key rows' length at those positions, ``fn``
+    runs on it (indices and budgets in the row's positions, as for the full prompt), and its rows
+    come back to ``q``'s layout. Returns ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])`` in float64;
+    rows of ``q`` outside every row's queries are 0 / ``-inf``.
+    """
+    B, Hq, _, Nq, N, D = check_qkv_rows(q, k, v)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    given = seqlens is not None or seqstarts is not None
+    rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N, given_rows=given)
+    q_lens, q_starts = rows if rows is not None else (lens, starts)
+    full = torch.zeros(B, Hq, N, D, dtype=q.dtype, device=q.device)
+    pairs = []
+    for b in range(B):
+        n, c, s, qs = int(lens[b]), int(q_lens[b]), int(starts[b]), int(q_starts[b])
+        full[b, :, s + n - c : s + n] = q[b, :, qs : qs + c]
+        pairs.append((b, s + n - c, qs, c))
+    out_full, lse_full = fn(full, k, v, *args, seqlens=seqlens, seqstarts=seqstarts, return_lse=True, **kwargs)
+    out = torch.zeros(B, Hq, Nq, D, dtype=out_full.dtype, device=q.device)
+    lse = torch.full((B, Hq, Nq), float("-inf"), dtype=lse_full.dtype, device=q.device)
+    for b, p, qs, c in pairs:
+        out[b, :, qs : qs + c] = out_full[b, :, p : p + c]
+        lse[b, :, qs : qs + c] = lse_full[b, :, p : p + c]
+    return out, lse
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from each set's ``(out, lse)``, in
+    float64: weights ``exp(lse_a - lse)`` and ``exp(lse_b - lse)`` with ``lse =
+    log(exp(lse_a) + exp(lse_b))``; a row empty in both stays 0 / ``-inf``."""
+    la, lb = lse_a.double(), lse_b.double()
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    lse = torch.where(total > 0, m + torch.log(total), torch.full_like(m, float("-inf")))
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (wa[..., None] * out_a.double() + wb[..., None] * out_b.double()) / safe[..., None]
+    return out, lse
