@@ -94,11 +94,18 @@ def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.T
     ``lens[b] - q_lens[b] .. lens[b] - 1``), held in ``q`` at ``q_starts[b] ..``. Defaults with
     ``Nq < N`` and full key rows: every row's queries are its last ``Nq`` tokens, from 0. With
     ragged key rows (``given_rows``) and ``Nq < N``, ``q_seqlens`` must be given: no placement
-    is guessed. ``q_seqstarts`` defaults to 0.
+    is guessed. ``q_seqstarts`` defaults to the queries' own places when ``q`` has the key rows'
+    length (``Nq == N``: ``starts + lens - q_lens``, the rows computed in place), else 0. An int ``q_seqlens = c`` means ``min(c, lens[b])``
+    for every row (a fixed count of last tokens, at most the row); a tensor is used as given.
     """
     B = lens.shape[0]
     if q_seqlens is None and q_seqstarts is not None:
         raise ValueError("q_seqstarts needs q_seqlens")
+    if isinstance(q_seqlens, bool):
+        raise TypeError("q_seqlens must be an int or a 1-D int tensor, got bool")
+    if isinstance(q_seqlens, int):
+        check_int("q_seqlens", q_seqlens, 0)
+        q_seqlens = torch.clamp(lens, max=min(q_seqlens, Nq))
     if q_seqlens is None:
         if Nq == N:
             return None
@@ -106,12 +113,23 @@ def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.T
             raise ValueError(f"q has {Nq} rows and the key rows {N}: with seqlens/seqstarts, give q_seqlens "
                              "(how many of each key row's last tokens q holds)")
         q_seqlens = int32_constant(B, Nq, lens.device)
+    if q_seqstarts is None and Nq == N:
+        q_seqstarts = starts + lens - q_seqlens.to(lens.dtype)
     q_lens, q_starts = check_ragged(q_seqlens, q_seqstarts, B, Nq, lens.device, values=values, names=(
         "q_seqlens", "q_seqstarts"))
     if values and not capturing() and bool((q_lens > lens).any()):
         raise ValueError(f"q_seqlens must not exceed the key rows' lengths, got {q_lens.tolist()} for key "
                          f"rows {lens.tolist()}")
     return q_lens, q_starts
+
+
+def query_rows_bound(q_seqlens, Nq: int) -> int:
+    """The most query rows any batch row can have (host-known, no sync): an int ``q_seqlens``
+    bounds them, a tensor only by ``Nq``. Launch grids follow it, so a call on a row's last
+    ``c`` tokens (an int) launches for ``c`` rows, not for the whole row."""
+    if isinstance(q_seqlens, int) and not isinstance(q_seqlens, bool):
+        return max(0, min(q_seqlens, Nq))
+    return Nq
 
 
 def check_ragged(seqlens, seqstarts, B: int, N: int, device, *, values: bool = True,
