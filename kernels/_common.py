@@ -29,10 +29,12 @@ import triton.language as tl
 from minference._checks import (
     capturing,
     check_finite_rows,
-    check_qkv,
+    check_qkv_rows,
+    check_query_rows,
     check_ragged,
     check_tensor,
     default_scale,
+    query_rows_bound,
     same_device,
 )
 
@@ -52,18 +54,32 @@ _INT_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _program_ids(lens_ptr, starts_ptr, heads_ptr, group, BLOCK_M: tl.constexpr):
-    """Decode the program id: ``(b, g, h, kvh, qblk, m0, row_len, row_start)``. The GQA group and
-    the computed heads are runtime values (one scalar load): as constexprs they only multiplied the
-    compiled variants."""
-    qblk = tl.num_programs(0) - 1 - tl.program_id(0)
+def _program_ids(lens_ptr, starts_ptr, heads_ptr, q_los_ptr, q_row0s_ptr, group, BLOCK_M: tl.constexpr,
+                 QROWS: tl.constexpr):
+    """Decode the program id: ``(b, g, h, kvh, qblk, m0, row_len, row_start, q_lo, q_row0)``. The
+    GQA group and the computed heads are runtime values (one scalar load): as constexprs they only
+    multiplied the compiled variants.
+
+    Query blocks are in the row's positions (``m0 = qblk * BLOCK_M``). With query rows
+    (``QROWS``) only positions ``q_lo .. row_len - 1`` are queries, the grid covers the blocks
+    from ``q_lo``'s on, and position ``i``'s query (and output) row is ``q_row0 + i`` on q's N
+    axis (``q_row0`` may be negative: it is only ever offset by query positions); otherwise
+    ``q_lo = 0`` and ``q_row0 = row_start``."""
     g = tl.program_id(1)
     b = tl.program_id(2)
     h = tl.load(heads_ptr + g)
     kvh = h // group
     row_len = tl.load(lens_ptr + b)
     row_start = tl.load(starts_ptr + b)
-    return b, g, h, kvh, qblk, qblk * BLOCK_M, row_len, row_start
+    if QROWS:
+        q_lo = tl.load(q_los_ptr + b)
+        q_row0 = tl.load(q_row0s_ptr + b)
+        qblk = q_lo // BLOCK_M + tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        q_lo = 0
+        q_row0 = row_start
+        qblk = tl.num_programs(0) - 1 - tl.program_id(0)
+    return b, g, h, kvh, qblk, qblk * BLOCK_M, row_len, row_start, q_lo, q_row0
 
 
 @triton.jit
@@ -208,6 +224,13 @@ class Prepared:
     out: torch.Tensor
     lse: torch.Tensor | None
     tiles: Tiles
+    #: query rows (docs/kernels.md): ``q``'s length, the most query rows of a batch row, and the
+    #: int32 ``[B]`` first query position and q row of position 0 (``None``: every key row is
+    #: its own query row)
+    Nq: int = 0
+    q_bound: int = 0
+    q_los: torch.Tensor | None = None
+    q_row0s: torch.Tensor | None = None
 
     @property
     def block_d(self) -> int:
@@ -217,8 +240,27 @@ class Prepared:
     def qk_scale(self) -> float:
         return self.scale * LOG2E
 
+    @property
+    def qrows(self) -> bool:
+        return self.q_los is not None
+
     def grid(self) -> tuple[int, int, int]:
+        """``(query blocks, computed heads, B)``: with query rows, the blocks that ``q_bound``
+        rows starting anywhere can touch (one more than they fill)."""
+        if self.qrows:
+            return (triton.cdiv(self.q_bound, self.tiles.block_m) + 1 if self.q_bound else 0, self.Hg, self.B)
         return (triton.cdiv(self.N, self.tiles.block_m), self.Hg, self.B)
+
+    def launches(self) -> bool:
+        """Whether a kernel has anything to compute."""
+        return self.Hg > 0 and self.N > 0 and (not self.qrows or self.q_bound > 0)
+
+    def row_args(self) -> list:
+        """The row arguments every kernel takes after ``heads``: lengths, starts, first query
+        positions, q rows of position 0 (the lengths stand in when there are no query rows)."""
+        if self.qrows:
+            return [self.lens, self.starts, self.q_los, self.q_row0s]
+        return [self.lens, self.starts, self.lens, self.lens]
 
     def meta(self, q: torch.Tensor, return_lse: bool) -> dict:
         """Constexprs and launch options common to every kernel."""
@@ -231,6 +273,7 @@ class Prepared:
             BLOCK_N=self.tiles.block_n,
             RETURN_LSE=return_lse,
             PREC=dot_precision(q.dtype),
+            QROWS=self.qrows,
             num_warps=self.tiles.num_warps,
             num_stages=self.tiles.num_stages,
         )
@@ -271,10 +314,10 @@ def check_heads(heads, Hq: int, device, *, values: bool) -> torch.Tensor | None:
 
 
 def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
-            tiles: Tiles | None = None) -> Prepared:
+            tiles: Tiles | None = None, q_seqlens=None, q_seqstarts=None) -> Prepared:
     """Validate the common arguments and allocate outputs; never synchronises when
-    ``validate=False``."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    ``validate=False``. ``q_seqlens`` / ``q_seqstarts``: query rows (docs/kernels.md)."""
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D={D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
     if q.device.type == "cpu" and not interpreting():
@@ -286,28 +329,38 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = default_scale(D, scale)
-    partial = seqlens is not None or seqstarts is not None or heads is not None
-    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate and not capturing())
+    values = validate and not capturing()
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=values)
+    rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                            given_rows=seqlens is not None or seqstarts is not None, values=values)
+    partial = seqlens is not None or seqstarts is not None or heads is not None or rows is not None
     heads = check_heads(heads, Hq, q.device, values=validate)
-    if validate and not capturing():
-        check_finite_rows({"q": q, "k": k, "v": v}, lens, starts, heads=None if heads is None else {"q": heads})
+    q_lens, q_starts = rows if rows is not None else (lens, starts)
+    if values:
+        check_finite_rows({"q": q}, q_lens, q_starts, heads=None if heads is None else {"q": heads})
+        check_finite_rows({"k": k, "v": v}, lens, starts)
     Hg = Hq if heads is None else heads.shape[0]
     if out is None:
         alloc = torch.zeros if partial else torch.empty
-        out = alloc(B, Hq, N, D, dtype=q.dtype, device=q.device)
+        out = alloc(B, Hq, Nq, D, dtype=q.dtype, device=q.device)
     else:
         check_tensor("out", out, rank=4, dtypes=(q.dtype,))
-        if tuple(out.shape) != (B, Hq, N, D):
-            raise ValueError(f"out must have shape {(B, Hq, N, D)}, got {tuple(out.shape)}")
+        if tuple(out.shape) != (B, Hq, Nq, D):
+            raise ValueError(f"out must have shape {(B, Hq, Nq, D)}, got {tuple(out.shape)}")
         if out.device != q.device:
             raise ValueError(f"out must be on {q.device}, got {out.device}")
     lse = None
     if return_lse:
         if partial:  # rows and heads the kernel never touches read as empty rows
-            lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device)
+            lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float32, device=q.device)
         else:
-            lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    return Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q))
+            lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    prep = Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q), Nq=Nq)
+    if rows is not None:
+        q_los = (lens - q_lens).contiguous()
+        prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
+        prep.q_bound = query_rows_bound(q_seqlens, Nq)
+    return prep
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int, *, interpreter: bool = False):

@@ -62,14 +62,15 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_
 
 # index sizes only scale index addresses: specialising on them would only multiply compiles
 @triton.jit(do_not_specialize=["head_offset"])
-def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, sinks, windows, head_offset, qk_scale,
+def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows, head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                 slb, slh, sln,
                 group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
-    if m0 >= row_len:
+                RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start, q_lo, q_row0 = _program_ids(
+        lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
+    if tl.maximum(m0, q_lo) >= row_len:  # past the row, or a row without queries
         return
     sink = tl.load(sinks + head_offset + h)
     window = tl.load(windows + head_offset + h)
@@ -78,10 +79,11 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, sinks, win
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = m0 + offs_m  # [BM] logical
-    row_ok = rows < row_len
+    row_ok = (rows >= q_lo) & (rows < row_len)
     b64 = b.to(tl.int64)
     s64 = row_start.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    q64 = q_row0.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
@@ -89,7 +91,7 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, sinks, win
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    rows_full = m0 + BLOCK_M <= row_len
+    rows_full = (m0 >= q_lo) & (m0 + BLOCK_M <= row_len)  # every row of the block is a query
     last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
 
     # sink part: keys j < sink with j <= i - window for some row of the block
@@ -126,8 +128,8 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, sinks, win
                                   skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
     _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
 
 
@@ -167,6 +169,8 @@ def ashape_attention(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
     head_offset: int = 0,
     out: torch.Tensor | None = None,
@@ -183,6 +187,8 @@ def ashape_attention(
         window: local window width including the query itself (``w >= 1``), same forms.
         scale: softmax scale, default ``D ** -0.5`` (real head dim).
         seqlens, seqstarts: ``[B]`` ragged rows; padding is neither read nor written.
+        q_seqlens, q_seqstarts: query rows that are part of the key rows (``q [B, Hq, Nq, D]``,
+            ``Nq <= N``: a chunk after a cache, or a row's last tokens; docs/kernels.md).
         heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
         head_offset: global id of local head 0 (tensor parallelism), used for tensor budgets.
         out: optional ``[B, Hq, N, D]`` output to write into (else allocated).
@@ -192,7 +198,8 @@ def ashape_attention(
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
-    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate, tiles=_tiles(q))
     check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
     read = prep.head_ids().long() + head_offset if validate else None  # the entries the kernel reads
@@ -200,10 +207,10 @@ def ashape_attention(
     windows = _budget("window", window, head_offset + prep.Hq, q.device, 1, validate, read)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
-    if prep.Hg > 0 and prep.N > 0:
+    if prep.launches():
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _ashape_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
+            q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
             sinks, windows, head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), DESC=desc_k is not None,
         )

@@ -46,30 +46,33 @@ _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
 # index sizes only scale index addresses: specialising on them would only multiply compiles
-@triton.jit(do_not_specialize=["n_k"])
-def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, kv_blocks, kv_count, has_diag, n_k, qk_scale,
+@triton.jit(do_not_specialize=["n_k", "n_qblk"])
+def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count, has_diag,
+            n_k, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
-    if m0 >= row_len:
+            RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start, q_lo, q_row0 = _program_ids(
+        lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
+    if tl.maximum(m0, q_lo) >= row_len:  # past the row, or a row without queries
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = m0 + offs_m  # [BM] logical
-    row_ok = rows < row_len
+    row_ok = (rows >= q_lo) & (rows < row_len)
     b64 = b.to(tl.int64)
     s64 = row_start.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    q64 = q_row0.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
-    slot = (b64 * tl.num_programs(1) + g) * tl.num_programs(0) + qblk
+    slot = (b64 * tl.num_programs(1) + g) * n_qblk + qblk  # the index has a row per query block of the key row
     ids = kv_blocks + slot * n_k
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -96,8 +99,8 @@ def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, heads, kv_blocks, kv_
         s = tl.where(keep, s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
     _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
 
 
@@ -132,6 +135,8 @@ def block_sparse_attention(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
@@ -147,6 +152,8 @@ def block_sparse_attention(
         block: block size for queries and keys, one of :data:`BLOCK_SIZES` (default 64).
         scale: softmax scale, default ``D ** -0.5``.
         seqlens, seqstarts: ``[B]`` ragged rows (blocks are in each row's logical positions).
+        q_seqlens, q_seqstarts: query rows that are part of the key rows (``q [B, Hq, Nq, D]``,
+            ``Nq <= N``; ``blocks`` keeps a row per query block of the key row; docs/kernels.md).
         heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
         out: optional ``[B, Hq, N, D]`` output to write into.
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
@@ -159,19 +166,20 @@ def block_sparse_attention(
         raise TypeError(f"block must be an int, got {type(block).__name__}")
     if block not in BLOCK_SIZES:
         raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
-    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate, tiles=_tiles(q, block))
     nqb = triton.cdiv(prep.N, block)
     check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
                 values=validate)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
-    if prep.Hg > 0 and prep.N > 0:
+    if prep.launches():
         off, count, has_diag = normalize_blocks(blocks)
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
         _bs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, prep.lens, prep.starts, prep.head_ids(),
-            off, count, has_diag, off.shape[-1], prep.qk_scale,
+            q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
+            off, count, has_diag, off.shape[-1], nqb, prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), DESC=desc_k is not None,
         )

@@ -123,7 +123,7 @@ def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_
     """Column scratch rows ``[s, s + BLOCK_C)`` of one (batch row, computed head): the K and V rows
     of ``columns[b, g, s]`` (contiguous ``[B, Hg, n_cols, D]``). Padding slots (-1) and columns past
     the row's end are written as zeros: every scratch row a tile can read is finite."""
-    b, g, h, kvh, _, _, row_len, row_start = _program_ids(lens, starts, heads, group, 1)
+    b, g, h, kvh, _, _, row_len, row_start, _, _ = _program_ids(lens, starts, heads, lens, lens, group, 1, False)
     slot = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -141,35 +141,36 @@ def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_
 
 
 # index sizes only scale index addresses: specialising on them would only multiply compiles
-@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols"])
-def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, heads,
+@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk"])
+def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_los, q_row0s, heads,
             run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits, col_mask,
-            n_idx, n_words, n_runs, n_cols, qk_scale,
+            n_idx, n_words, n_runs, n_cols, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
             slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
             COL_STAGES: tl.constexpr, SOLID: tl.constexpr, WIDE: tl.constexpr, SCRATCH: tl.constexpr,
-            SCRATCH_STAGES: tl.constexpr):
-    b, g, h, kvh, qblk, m0, row_len, row_start = _program_ids(lens, starts, heads, group, BLOCK_M)
-    if m0 >= row_len:
+            SCRATCH_STAGES: tl.constexpr, QROWS: tl.constexpr):
+    b, g, h, kvh, qblk, m0, row_len, row_start, q_lo, q_row0 = _program_ids(
+        lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
+    if tl.maximum(m0, q_lo) >= row_len:  # past the row, or a row without queries
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = m0 + offs_m  # [BM] logical
-    row_ok = rows < row_len
+    row_ok = (rows >= q_lo) & (rows < row_len)
     b64 = b.to(tl.int64)
     s64 = row_start.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + s64 * sqn
+    q64 = q_row0.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     bg = b64 * tl.num_programs(1) + g  # (batch row, computed head) slot of the index tensors
-    n_qblk = tl.num_programs(0)
     rs_base = run_start + bg * n_runs
     re_base = run_end + bg * n_runs
     bits_base = diag_bits + bg * n_words
@@ -180,7 +181,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, hea
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    rows_full = m0 + BLOCK_M <= row_len
+    rows_full = (m0 >= q_lo) & (m0 + BLOCK_M <= row_len)  # every row of the block is a query
     last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
 
     # slash runs: disjoint key ranges [max(0, m0 - δb), m0 + BM - 1 - δa] of this block. In a run
@@ -256,8 +257,8 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, hea
         s = tl.where(keep, s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + s64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + s64 * sln
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
     _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
 
 
@@ -275,6 +276,8 @@ def vertical_slash_attention_physical(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
@@ -283,7 +286,8 @@ def vertical_slash_attention_physical(
     """Vertical-slash attention from an already converted :class:`VSIndex` (see
     :func:`vertical_slash_attention` for the arguments); ``index.block_m`` must equal
     :func:`vertical_slash_block_m` and ``index.n`` the sequence length."""
-    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate)
     return _run(prep, q, k, v, index, return_lse)
 
@@ -301,7 +305,7 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
     _check_physical(prep, index, q.device)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
-    if prep.Hg > 0 and prep.N > 0:
+    if prep.launches():
         wide = WIDE_TILE_FACTOR * prep.tiles.block_n
         desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
         heads = prep.head_ids()
@@ -309,10 +313,11 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
         if desc_k is not None and index.columns.shape[-1] > 0:
             desc_ck, desc_cv = _column_scratch(prep, k, v, index, heads, wide)
         _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, prep.lens, prep.starts, heads,
+            q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, *prep.row_args(), heads,
             index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
             index.col_before, index.col_lead, index.diag_bits, index.col_mask,
-            prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1], prep.qk_scale,
+            prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1],
+            index.col_count.shape[-1], prep.qk_scale,
             *qkv_strides(q, k, v, prep.out), slb, slh, sln,
             **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
             COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide, SCRATCH=desc_ck is not None,
@@ -379,6 +384,8 @@ def vertical_slash_attention(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
@@ -397,6 +404,8 @@ def vertical_slash_attention(
             duplicates allowed; offsets that run before position 0 are clipped.
         scale: softmax scale, default ``D ** -0.5``.
         seqlens, seqstarts: ``[B]`` ragged rows; padding is neither read nor written.
+        q_seqlens, q_seqstarts: query rows that are part of the key rows (``q [B, Hq, Nq, D]``,
+            ``Nq <= N``: a chunk after a cache, or a row's last tokens; docs/kernels.md).
         heads: 1-D int tensor of local query heads to compute; other heads are left untouched.
         out: optional ``[B, Hq, N, D]`` output to write into.
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
@@ -410,7 +419,8 @@ def vertical_slash_attention(
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
-    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate)
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(prep.B, prep.Hg), device=q.device, upper=max(prep.N, 1),

@@ -59,6 +59,7 @@ __all__ = [
     "LAYOUTS",
     "attention_shapes",
     "ragged_rows",
+    "query_rows",
     "head_subsets",
     "vertical_slash_indices",
     "block_sparse_indices",
@@ -150,6 +151,31 @@ def ragged_rows(draw, B: int, N: int) -> tuple[torch.Tensor | None, torch.Tensor
         starts.append(s)
     seqlens = torch.tensor(lens, dtype=torch.int32)
     return (seqlens, None) if form == "lens_only" else (seqlens, torch.tensor(starts, dtype=torch.int32))
+
+
+@st.composite
+def query_rows(draw, B: int, N: int, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | None):
+    """Strategy for query rows that are part of the key rows (docs/kernels.md): ``(Nq, q_seqlens,
+    q_seqstarts)`` for key rows of length ``N`` (``seqlens``/``seqstarts`` as drawn by
+    :func:`ragged_rows`). Either a chunk after a cache (``Nq <= N``, defaults, an int or per-row
+    counts and places) or a row's last tokens in place (``Nq == N``, an int or per-row counts)."""
+    lens = [N] * B if seqlens is None else [int(x) for x in seqlens]
+    ragged = seqlens is not None or seqstarts is not None
+    if draw(st.sampled_from(("chunk", "in_place"))) == "in_place":
+        if draw(st.booleans()):
+            return N, draw(st.integers(0, N + 2)), None
+        return N, torch.tensor([draw(st.integers(0, n)) for n in lens], dtype=torch.int32), None
+    Nq = draw(st.integers(1, N))
+    form = draw(st.sampled_from(("per_row",) if ragged else ("default", "int", "per_row")))
+    if form == "default":
+        return Nq, None, None
+    if form == "int":
+        return Nq, draw(st.integers(0, Nq + 2)), None
+    q_lens = [draw(st.integers(0, min(n, Nq))) for n in lens]
+    q_starts = [draw(st.integers(0, Nq - c)) for c in q_lens]
+    starts = None if all(x == 0 for x in q_starts) and draw(st.booleans()) else torch.tensor(q_starts,
+                                                                                                dtype=torch.int32)
+    return Nq, torch.tensor(q_lens, dtype=torch.int32), starts
 
 
 @st.composite
