@@ -25,13 +25,22 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from minference._checks import capturing, check_finite_rows, check_qkv, check_ragged, default_scale
+from minference._checks import (
+    capturing,
+    check_finite_rows,
+    check_qkv_rows,
+    check_query_rows,
+    check_ragged,
+    default_scale,
+    query_rows_bound,
+)
 from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
 from minference.reference.masks import check_fill_gaps
 
-__all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THRESHOLD", "FILL_GAPS", "BACKENDS",
-           "resolve_backend", "INDEX_RANGE", "ATTENTION_RANGE", "profile_range"]
+__all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "merge_attention", "DENSE_THRESHOLD",
+           "MIN_SPARSE_QUERIES", "FILL_GAPS", "BACKENDS", "resolve_backend", "INDEX_RANGE", "ATTENTION_RANGE",
+           "profile_range"]
 
 #: Prompts shorter than this many tokens run dense attention. H200 runs of
 #: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash
@@ -48,6 +57,12 @@ __all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "DENSE_THR
 #: host-bound), 0.90x / 0.84x at 32K and 1.47x / 1.30x at 64K for the two searched configs, so
 #: the default is 48K: prompts up to 32K run dense.
 DENSE_THRESHOLD = 49152
+#: A call on query rows (a chunk after a cache; docs/kernels.md) with fewer query rows than this
+#: runs dense attention, whatever the key length: decode steps and short continuations. Not yet
+#: measured: the estimate is that a vertical-slash index costs about as much as 128 dense query
+#: rows (two passes of 64 sampled rows over every key), so chunks of 1K rows and more leave the
+#: sparse path room to pay.
+MIN_SPARSE_QUERIES = 1024
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
 #: kernel runs (:func:`minference.reference.masks.slash_set`). Any value >= 127 (the GPU query
@@ -104,14 +119,16 @@ def _ops(backend: str) -> SimpleNamespace:
                            convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
 
 
-def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out):
-    """Causal dense attention on ``heads`` (the whole row) into ``out``: the torch backend's dense
-    path, or on Triton the A-shape kernel with no sink and a window as long as the prompt."""
+def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None):
+    """Causal dense attention on ``heads`` (the whole row, or its query rows) into ``out``: the
+    torch backend's dense path, or on Triton the A-shape kernel with no sink and a window as long
+    as the key rows."""
+    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+    if q_seqlens is not None or q_seqstarts is not None:
+        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
     if ops.dense is not None:
-        return ops.dense(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, out=out,
-                         validate=False)
-    return ops.ashape(q, k, v, 0, max(1, q.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                      heads=heads, out=out, validate=False)
+        return ops.dense(q, k, v, heads=heads, out=out, validate=False, **rows)
+    return ops.ashape(q, k, v, 0, max(1, k.shape[2]), heads=heads, out=out, validate=False, **rows)
 
 
 def dense_prefill(
@@ -122,23 +139,26 @@ def dense_prefill(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     backend: str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal dense attention ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` -> ``[B,Hq,N,D]``.
 
     Full rows go to PyTorch SDPA (``enable_gqa``: no repeated kv copies; cuDNN / flash on CUDA).
-    Ragged rows go to the backend's masked dense path; padding rows come out as zeros.
-    ``validate``: as :func:`sparse_prefill`.
+    Ragged rows and query rows (``q [B,Hq,Nq,D]``, ``q_seqlens`` / ``q_seqstarts``:
+    docs/kernels.md) go to the backend's masked dense path; rows that are not computed come out
+    as zeros. ``validate``: as :func:`sparse_prefill`.
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     scale = default_scale(D, scale)
-    _check_values(q, k, v, seqlens, seqstarts, validate)
-    if seqlens is None and seqstarts is None:
+    _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
+    if seqlens is None and seqstarts is None and q_seqlens is None and Nq == N:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
     ops = _ops(resolve_backend(backend, q.device))
     return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                        out=torch.zeros_like(q))
+                        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, out=torch.zeros_like(q))
 
 
 def sparse_prefill(
@@ -150,6 +170,8 @@ def sparse_prefill(
     scale: float | None = None,
     seqlens: torch.Tensor | None = None,
     seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
     head_offset: int = 0,
     dense_threshold: int | None = None,
     backend: str = "auto",
@@ -167,9 +189,14 @@ def sparse_prefill(
         scale: softmax scale, default ``D ** -0.5``.
         seqlens, seqstarts: ``[B]`` ragged rows (tokens of row ``b`` at ``seqstarts[b] ..
             seqstarts[b] + seqlens[b] - 1``); padding rows of the output are zeros.
+        q_seqlens, q_seqstarts: query rows that are part of the key rows: ``q [B, Hq, Nq, D]``
+            with ``Nq <= N`` (a chunk of a prompt after its cached prefix, a continuation of a
+            conversation), or a row's last tokens (docs/kernels.md). Each pattern's index is
+            built from the query rows' own queries against all keys, in the row's positions;
+            fewer than :data:`MIN_SPARSE_QUERIES` query rows run dense.
         head_offset: global id of local query head 0 (tensor parallelism).
-        dense_threshold: run dense attention when ``N`` is below this (default
-            :data:`DENSE_THRESHOLD`; 0 forces the sparse path).
+        dense_threshold: run dense attention when ``N`` (the key rows' length) is below this
+            (default :data:`DENSE_THRESHOLD`; 0 forces the sparse path, query rows included).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
         fill_gaps: vertical-slash offsets are closed over gaps of at most this many missing
             offsets (default :data:`FILL_GAPS`; both backends compute the same filled set).
@@ -180,7 +207,8 @@ def sparse_prefill(
         dense_tail: the last ``dense_tail`` query rows of every row (batch row) attend densely,
             whatever their heads' patterns (:func:`dense_tail_attention`): the rows that make
             the first generated token, a small share of the work (``dense_tail / N`` of the
-            rows). 0 (default): every row follows its pattern.
+            rows). With query rows, the last ``dense_tail`` of them. 0 (default): every row
+            follows its pattern.
         validate: check the values once, before any launch (skipped under CUDA-graph capture):
             ``seqlens``/``seqstarts`` ranges, and NaN or inf in q, k or v on a token inside its
             row (a ``ValueError`` naming the tensor, batch row, head and token). Costs one pass
@@ -189,9 +217,9 @@ def sparse_prefill(
             them (the index builders keep their forced entries: ``docs/contract.md``).
 
     Returns:
-        ``out [B, Hq, N, D]`` in q's dtype.
+        ``out [B, Hq, Nq, D]`` in q's dtype.
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     name = resolve_backend(backend, q.device)
     groups = prepare_plan(plan, Hq, head_offset, q.device)
     if dense_threshold is None:
@@ -208,14 +236,18 @@ def sparse_prefill(
         raise ValueError("dense_over needs the triton backend (the torch backend has no tile cost model)")
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
-    if N < dense_threshold or all(g.group.kind == "dense" for g in groups):
-        return dense_prefill(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, backend=name,
-                             validate=validate)
-    _check_values(q, k, v, seqlens, seqstarts, validate)  # once here; everything below runs with validate=False
+    qrows = q_seqlens is not None or q_seqstarts is not None or Nq != N
+    few_queries = qrows and dense_threshold > 0 and query_rows_bound(q_seqlens, Nq) < MIN_SPARSE_QUERIES
+    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+    if qrows:  # the ordinary call passes no query-row arguments at all
+        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+    if N < dense_threshold or few_queries or all(g.group.kind == "dense" for g in groups):
+        return dense_prefill(q, k, v, backend=name, validate=validate, **rows)
+    # once here; everything below runs with validate=False
+    _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
     ops = _ops(name)
     ragged = seqlens is not None or seqstarts is not None
-    out = torch.zeros_like(q) if ragged else torch.empty_like(q)
-    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+    out = torch.zeros_like(q) if ragged or qrows else torch.empty_like(q)
     for dg in groups:
         kind = dg.group.kind
         if kind == "a_shape":
@@ -241,56 +273,81 @@ def sparse_prefill(
         else:
             _dense_heads(ops, q, k, v, dg.heads, out=out, **rows)
     if dense_tail:
-        dense_tail_attention(q, k, v, dense_tail, out=out, **rows)
+        dense_tail_attention(q, k, v, dense_tail, out=out, backend=name, **rows)
     return out
 
 
 def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, *, out: torch.Tensor,
                          scale: float | None = None, seqlens: torch.Tensor | None = None,
-                         seqstarts: torch.Tensor | None = None) -> torch.Tensor:
+                         seqstarts: torch.Tensor | None = None, q_seqlens: int | torch.Tensor | None = None,
+                         q_seqstarts: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Causal dense attention of the last ``rows`` query rows of each batch row (all of a row
     shorter than that), written into ``out`` (other rows untouched); returns ``out``.
 
-    The query heads of a kv head are folded into one SDPA call's rows (no repeated keys) with a
-    boolean mask ``key <= query position`` inside the row, so the work is ``rows * N`` pairs
-    per head. Device ops only, fixed shapes (no host sync: CUDA-graph capturable); a row of
-    length 0 is left untouched."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, v)
-    T = min(rows, N)
-    if T == 0 or B == 0 or Hq == 0:
+    One dense call on query rows (docs/kernels.md): the row's last ``rows`` tokens in place, or
+    with query rows (``q_seqlens`` / ``q_seqstarts``, ``q`` shorter than ``k``) the last ``rows``
+    of them; the work is ``rows * N`` pairs per head. On Triton it is the A-shape kernel with a
+    window as long as the row over those rows (no mask but the causal edge), on the torch backend
+    its dense path. Device ops only (no host sync: CUDA-graph capturable); a row without queries
+    is left untouched."""
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"dense_tail rows must be a non-negative int, got {rows!r}")
+    if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
-    g = Hq // Hkv
-    dev = q.device
-    if seqlens is None and seqstarts is None:
-        lens = torch.full((B,), N, dtype=torch.int64, device=dev)
-        starts = torch.zeros(B, dtype=torch.int64, device=dev)
+    lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
+    chosen = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                              given_rows=seqlens is not None or seqstarts is not None, values=False)
+    if chosen is None:  # the rows' own last tokens, in place: an int keeps the grid to `rows` rows
+        tail = dict(q_seqlens=rows)
+    elif isinstance(q_seqlens, int) or q_seqlens is None and q_seqstarts is None:
+        # every row's count is min(c, its length) (an int c, or c = Nq for a chunk on full rows):
+        # so is the tail's, with c = min(rows, c), an int again; placed at the end of the queries
+        count = min(rows, Nq if q_seqlens is None else q_seqlens)
+        q_lens, q_starts = chosen
+        tail = dict(q_seqlens=count, q_seqstarts=q_starts + q_lens - torch.clamp(q_lens, max=count))
     else:
-        lens, starts = check_ragged(seqlens, seqstarts, B, N, dev, values=False)
-        lens, starts = lens.long(), starts.long()
-    i = torch.arange(T, device=dev)
-    pos = starts[:, None] + torch.clamp(lens[:, None] - T + i[None], min=0)  # [B, T] physical
-    pos = torch.minimum(pos, torch.full_like(pos, N - 1))
-    idx = pos[:, None, :, None].expand(B, Hq, T, D)
-    qt = torch.gather(q, 2, idx).reshape(B, Hkv, g * T, D)  # heads of a kv head folded into rows
-    j = torch.arange(N, device=dev)
-    mask = (j[None, None] >= starts[:, None, None]) & (j[None, None] <= pos[:, :, None])  # [B, T, N]
-    mask = mask[:, None].expand(B, g, T, N).reshape(B, 1, g * T, N)
-    o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=default_scale(D, scale))
-    o = o.reshape(B, Hq, T, D)
-    keep = (lens > 0)[:, None, None, None]
-    out.scatter_(2, idx, torch.where(keep, o.to(out.dtype), torch.gather(out, 2, idx)))
-    return out
+        q_lens, q_starts = chosen
+        last = torch.clamp(q_lens, max=rows)
+        tail = dict(q_seqlens=last, q_seqstarts=q_starts + q_lens - last)
+    ops = _ops(resolve_backend(backend, q.device))
+    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, **tail)
 
 
-def _check_values(q, k, v, seqlens, seqstarts, validate: bool) -> None:
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the same queries over the union of two disjoint key sets, from each set's
+    ``(out [..., D], lse [...])`` (``return_lse=True`` of any kernel): weights ``exp(lse_a -
+    lse)`` and ``exp(lse_b - lse)`` with ``lse = log(exp(lse_a) + exp(lse_b))``, in float32.
+    A row empty in both stays 0 with ``lse = -inf``. Returns ``(out in out_a's dtype, lse
+    float32)``; the float64 twin is :func:`minference.reference.attention.merge_attention`."""
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or tuple(out_a.shape[:-1]) != tuple(lse_a.shape):
+        raise ValueError(f"merge_attention needs outputs [..., D] and log-sum-exps [...] of one shape, got "
+                         f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, {tuple(lse_b.shape)}")
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    lse = torch.where(total > 0, m + torch.log(total), torch.full_like(m, float("-inf")))
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / safe[..., None]
+    return out.to(out_a.dtype), lse
+
+
+def _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate: bool) -> None:
     """The value checks of :func:`sparse_prefill` / :func:`dense_prefill` (host reads): row
-    ranges, then finite q, k, v inside the rows. Nothing with ``validate=False`` or while a CUDA
-    graph is captured."""
+    ranges, query rows, then finite q (its query rows), k, v inside the rows. Nothing with
+    ``validate=False`` or while a CUDA graph is captured."""
     if not validate or capturing():
         return
-    B, _, N, _ = q.shape
+    B, N = k.shape[0], k.shape[2]
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
-    check_finite_rows({"q": q, "k": k, "v": v}, lens, starts)
+    chosen = check_query_rows(q_seqlens, q_seqstarts, lens, starts, q.shape[2], N,
+                              given_rows=seqlens is not None or seqstarts is not None)
+    q_lens, q_starts = chosen if chosen is not None else (lens, starts)
+    check_finite_rows({"q": q}, q_lens, q_starts)
+    check_finite_rows({"k": k, "v": v}, lens, starts)
 
 
 def _check_triton_plan(groups, q: torch.Tensor) -> None:
