@@ -13,9 +13,14 @@ Each call of the attention function picks one path (counted in :class:`LayerStat
 path                 when                                                                 runs
 ==================== ==================================================================== ======
 ``sparse``           prefill from an empty cache: ``q`` and ``k`` have the same length    sparse
+``sparse_continue``  ``q`` shorter than ``k`` (a chunk after a cache: chunked prefill, a   sparse
+                     continued conversation, a static cache) with at least
+                     :data:`~minference.dispatch.MIN_SPARSE_QUERIES` queries, and a mask
+                     whose rows the kernels take (:func:`query_rows`)
 ``dense_decode``     one query token (decode)                                             dense
-``dense_continue``   ``q`` shorter than ``k``: chunked prefill, a multi-turn prompt that   dense
-                     extends a cache, a pre-allocated static cache
+``dense_continue``   a chunk after a cache that is too short (or too few keys), or whose  dense
+                     mask is not causal with contiguous rows (right padding after a
+                     cache, custom masks), or a sliding-window / non-causal module
 ``dense_short``      prompt shorter than ``dense_threshold`` tokens                        dense
 ``dense_mask``       a mask that is not causal + contiguous padding (packed sequences,     dense
                      sliding windows, custom masks), a sliding-window layer, or a call or
@@ -23,6 +28,11 @@ path                 when                                                       
 ``dense_layer``      the layer is not in ``layers`` (progressive swap-in), its plan is     dense
                      all :class:`~minference.patterns.Dense`, or attention dropout is on
 ==================== ==================================================================== ======
+
+The key-length threshold (``dense_threshold``) applies to both sparse paths; ``dense_threshold=0``
+also lifts the chunk minimum (tests run tiny chunks sparse). A continued prefill builds each
+pattern's index from the chunk's own queries against every cached and new key (docs/kernels.md,
+"query rows").
 
 ``patch`` refuses attention that is not causal self-attention (``is_causal=False``, as in a
 bidirectional encoder, or cross-attention) in any layer chosen to run sparse, naming the module.
@@ -50,6 +60,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,6 +83,7 @@ __all__ = [
     "reset_counts",
     "register",
     "padding_rows",
+    "query_rows",
     "observe_attention",
     "attention_modules",
     "tensor_parallel_kwargs",
@@ -83,7 +95,7 @@ ATTN_IMPLEMENTATION = "minference"
 STATE_ATTR = "minference_layer"
 #: Attribute on the patched model that remembers what ``unpatch`` must restore.
 MODEL_ATTR = "_minference_patch"
-PATHS = ("sparse", "dense_decode", "dense_continue", "dense_short", "dense_mask", "dense_layer")
+PATHS = ("sparse", "sparse_continue", "dense_decode", "dense_continue", "dense_short", "dense_mask", "dense_layer")
 
 
 @dataclass
@@ -105,6 +117,8 @@ class LayerState:
         heads: the query heads ``patch`` read this module to hold (its local heads under tensor
             parallelism); a sparse call that brings another count raises instead of reading the
             wrong global heads of the plan.
+        graphs: the :class:`minference.graphs.PrefillGraphs` the sparse path runs through, keyed
+            by ``layer`` (shared by the model's layers; ``None``: direct calls).
     """
 
     layer: int
@@ -118,6 +132,7 @@ class LayerState:
     observer: Callable | None = None
     heads: int | None = None
     dense_tail: int = 0
+    graphs: Any = None
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -126,7 +141,7 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-_mask_cache: list = [None, None]  # [weakref to the last mask, its rows]
+_mask_cache: list = [None, None]  # [weakref to the last mask, {(L, S): its rows}]
 
 
 def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
@@ -134,36 +149,91 @@ def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch
 
     Returns ``None`` for no mask (plain causal, no padding) and ``False`` when the mask is not
     "causal AND key is a token of the row" with each row's tokens contiguous (left or right
-    padding); the caller then runs dense. The result is cached for the last mask object, which
-    transformers passes to every layer of one forward call.
+    padding); the caller then runs dense. Cached for the last mask object, which transformers
+    passes to every layer of one forward call.
     """
     if mask is None:
         return None
+    rows = query_rows(mask, n, n)
+    if rows is False or rows is None:
+        return False
+    lens, starts, q_lens, q_starts = rows
+    if not (torch.equal(q_lens, lens) and torch.equal(torch.where(lens > 0, q_starts, starts), starts)):
+        return False  # queries that are not the row's own tokens: not a plain padded prefill
+    return lens, starts
+
+
+def query_rows(mask: torch.Tensor, L: int, S: int):
+    """The rows of a mask ``[B, 1, L, S]`` (bool, or additive with 0 = attend) in the kernels'
+    query-row terms (docs/kernels.md): int32 ``(seqlens, seqstarts, q_seqlens, q_seqstarts)``
+    ``[B]``; ``None`` after a cache (``L < S``) when every row is the plain case (all ``S`` keys,
+    the ``L`` queries their last tokens: the kernels' defaults); ``False`` when the mask is not
+    that shape.
+
+    A query's own position is the last key it reads. The query rows of a batch row are the ones
+    whose own position is ``i + d`` for the row's offset ``d`` (that of its first query that
+    reads anything: ``S - L`` after a dynamic cache, the cache's fill after a static one); they
+    must be contiguous, and each must read exactly the row's keys from its first up to its own
+    position. Other query rows must be padding (not computed; zeros): in a square prefill the
+    positions outside the row, after a cache rows that read nothing. The key row ends at the last
+    query's own position (keys after it, such as a static cache's empty slots, are not in the
+    row). Cached for the last mask object per ``(L, S)``.
+    """
     ref = _mask_cache[0]
-    if ref is not None and ref() is mask:
-        return _mask_cache[1]
-    result = _padding_rows(mask, n)
+    if ref is not None and ref() is mask and (L, S) in _mask_cache[1]:
+        return _mask_cache[1][(L, S)]
+    result = _query_rows(mask, L, S)
     try:
-        _mask_cache[0], _mask_cache[1] = weakref.ref(mask), result
+        if ref is None or ref() is not mask:
+            _mask_cache[0], _mask_cache[1] = weakref.ref(mask), {}
+        _mask_cache[1][(L, S)] = result
     except TypeError:
         pass
     return result
 
 
-def _padding_rows(mask: torch.Tensor, n: int):
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != n or mask.shape[-1] != n:
+def _query_rows(mask: torch.Tensor, L: int, S: int):
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != L or mask.shape[-1] != S or L > S:
         return False
-    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, n, n]
-    valid = allowed.any(dim=1)  # [B, n]: keys some query reads
-    pos = torch.arange(n, device=mask.device)
-    causal = pos[None, :] <= pos[:, None]
-    if not torch.equal(allowed | ~valid[:, :, None], causal[None] & valid[:, None, :] | ~valid[:, :, None]):
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, L, S]
+    B, dev = allowed.shape[0], mask.device
+    reads = allowed.any(dim=2)  # [B, L]
+    i = torch.arange(L, device=dev)
+    own = torch.where(reads, S - 1 - allowed.flip(-1).int().argmax(-1), torch.full_like(reads, -1, dtype=torch.long))
+    first = torch.where(reads.any(1), reads.int().argmax(1), torch.zeros(B, dtype=torch.long, device=dev))
+    d = own.gather(1, first[:, None]) - first[:, None]  # [B, 1] the row's offset
+    is_query = reads & (own - i[None] == d)  # [B, L]
+    q_lens = is_query.sum(1)
+    q_starts = torch.where(q_lens > 0, is_query.int().argmax(1), torch.zeros_like(q_lens))
+    if not torch.equal(token_mask(q_lens, q_starts, B, L, dev, values=False), is_query):
+        return False  # query rows with a gap
+    key_start = torch.where(q_lens > 0, allowed.gather(1, first[:, None, None].expand(B, 1, S))[:, 0].int().argmax(1),
+                            torch.zeros_like(q_lens))
+    end = torch.where(q_lens > 0, d[:, 0] + q_starts + q_lens, key_start)  # one past the last query's own key
+    j = torch.arange(S, device=dev)
+    expect = (j[None, None] >= key_start[:, None, None]) & (j[None, None] <= (d + i[None])[:, :, None])
+    if not torch.equal(allowed & is_query[:, :, None], expect & is_query[:, :, None]):
+        return False  # not "causal AND key of the row" with the row's keys contiguous
+    lens = (end - key_start).to(torch.int32)
+    # the other query rows must be padding: in a square prefill, positions outside the row (they
+    # may read anything); after a cache, rows that read nothing (left padding). A row that reads
+    # keys without being a query of its row (a non-causal mask, or right padding after a cache,
+    # which the mask alone cannot tell apart) is refused: the caller runs dense.
+    if L == S:
+        inside = token_mask(lens, key_start, B, S, dev, values=False)
+        if bool((~is_query & inside).any()):
+            return False
+    elif bool((~is_query & reads).any()):
         return False
-    lens = valid.sum(dim=1)
-    starts = torch.where(lens > 0, valid.int().argmax(dim=1), torch.zeros_like(lens))
-    if not torch.equal(token_mask(lens, starts, valid.shape[0], n, mask.device, values=False), valid):
-        return False
-    return lens.to(torch.int32), starts.to(torch.int32)
+    elif bool((lens == S).all()) and bool((q_lens == L).all()):
+        return None  # every row is a plain chunk after its cache: the kernels' defaults
+    return lens, key_start.to(torch.int32), q_lens.to(torch.int32), q_starts.to(torch.int32)
+
+
+def _min_queries() -> int:
+    from minference.dispatch import MIN_SPARSE_QUERIES
+
+    return MIN_SPARSE_QUERIES
 
 
 def _threshold(state: LayerState) -> int:
@@ -191,22 +261,24 @@ def minference_attention(
     dense = lambda: _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if state is None:
         return dense()
+    rows = None
     if L == 1:
         path = "dense_decode"
-    elif L != S:
-        path = "dense_continue"
     elif not state.sparse or dropout:
         path = "dense_layer"
-    elif L < _threshold(state):
-        path = "dense_short"
+    elif S < _threshold(state) or (L != S and state.dense_threshold != 0 and L < _min_queries()):
+        path = "dense_short" if L == S else "dense_continue"
     elif (getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None
           or kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False):
-        path = "dense_mask"  # not a causal square prefill: SDPA with the module's own masking
-    else:
+        path = "dense_mask" if L == S else "dense_continue"  # not causal self-attention: the module's own masking
+    elif L == S:
         rows = padding_rows(attention_mask, L)
         path = "dense_mask" if rows is False else "sparse"
+    else:  # a chunk after a cache (chunked prefill, a continued conversation, a static cache)
+        rows = False if attention_mask is None else query_rows(attention_mask, L, S)
+        path = "dense_continue" if rows is False else "sparse_continue"
     state.calls[path] += 1
-    if path != "sparse":
+    if not path.startswith("sparse"):
         with profile_range(ATTENTION_RANGE):
             return dense()
     from minference.dispatch import sparse_prefill
@@ -217,16 +289,21 @@ def minference_attention(
             f"{state.heads} heads (global {state.head_offset}..{state.head_offset + state.heads - 1}) from the "
             "model; its projections are not sharded the way patch() saw them"
         )
-    seqlens, seqstarts = rows if rows is not None else (None, None)
-    if state.observer is not None:
+    seqlens = seqstarts = q_seqlens = q_seqstarts = None
+    if rows is not None and L == S:
+        seqlens, seqstarts = rows
+    elif rows is not None:
+        seqlens, seqstarts, q_seqlens, q_seqstarts = rows
+    if state.observer is not None and L == S:
         state.observer(state.layer, query, key, seqlens, seqstarts)
     with profile_range(ATTENTION_RANGE):
         out = sparse_prefill(
             query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts,
             head_offset=state.head_offset, dense_threshold=0, backend=state.backend, dense_tail=state.dense_tail,
             validate=False,  # the model's own activations: no host sync per layer (as SDPA checks nothing)
             **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
-        )  # [B, Hq, L, D], zeros at padding positions; the length threshold was applied above
+        )  # [B, Hq, L, D], zeros at padding positions; the thresholds were applied above
     return out.transpose(1, 2), None
 
 
@@ -402,6 +479,7 @@ def patch(
     check_partition: bool | None = None,
     fill_gaps: int | None = None,
     dense_tail: int = 0,
+    cuda_graphs: Any = False,
 ) -> torch.nn.Module:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
@@ -423,6 +501,12 @@ def patch(
             :data:`minference.dispatch.FILL_GAPS`; 0 runs the estimator's exact sets).
         dense_tail: the last ``dense_tail`` prompt tokens of a sparse prefill attend densely
             (:func:`minference.dispatch.sparse_prefill`; 0, the default: none).
+        cuda_graphs: ``True`` runs every sparse layer through one new
+            :class:`minference.graphs.PrefillGraphs` (a CUDA graph per layer and prompt shape,
+            captured on the first prefill of that shape and replayed after; CUDA tensors on the
+            Triton backend only, direct calls elsewhere), or pass a ``PrefillGraphs`` to use (and
+            keep across ``patch`` calls). ``False`` (default): direct calls. docs/integration.md,
+            "CUDA graphs".
         head_offset: global id of local query head 0. ``None`` (default): read from the model:
             the rows of the DTensor ``q_proj`` shard this rank holds under transformers' tensor
             parallelism, else 0. Given on a DTensor model, it must equal what the weights say.
@@ -452,6 +536,11 @@ def patch(
         check_fill_gaps(fill_gaps)
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
+    from minference.graphs import PrefillGraphs
+
+    if cuda_graphs is not False and cuda_graphs is not True and not isinstance(cuda_graphs, PrefillGraphs):
+        raise TypeError(f"cuda_graphs must be a bool or a PrefillGraphs, got {type(cuda_graphs).__name__}")
+    graphs = PrefillGraphs() if cuda_graphs is True else None if cuda_graphs is False else cuda_graphs
     tensor_parallel = _is_tensor_parallel(model)
     if isinstance(config, (str, os.PathLike)):
         config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
@@ -535,7 +624,7 @@ def patch(
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
         setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps,
-                                               heads=local, dense_tail=dense_tail))
+                                               heads=local, dense_tail=dense_tail, graphs=graphs))
     register()
     previous = getattr(model.config, "_attn_implementation", None)
     setattr(model, MODEL_ATTR, {"previous": previous})

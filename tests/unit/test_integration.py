@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from minference.reference.attention import masked_attention
+from minference.reference.attention import ashape_attention as ref_ashape
+from minference.reference.attention import masked_attention, query_rows_attention
 from minference.reference.masks import ashape_mask
 
 import minference.integration as I
@@ -55,9 +56,13 @@ REF = {"config": None, "layers": set(), "rows": None}
 
 def _ref_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     L, S = query.shape[2], key.shape[2]
-    if L == 1 or L != S or module.layer_idx not in REF["layers"]:
+    if L == 1 or module.layer_idx not in REF["layers"]:
         return I._sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     plan = REF["config"].plan(module.layer_idx)
+    if L != S:  # a chunk after its cache: the last L rows of the whole prompt's A-shape attention
+        sinks, windows = (torch.tensor([getattr(p, a) for p in plan[: query.shape[1]]]) for a in ("sink", "window"))
+        out, _ = query_rows_attention(ref_ashape, query, key, value, sinks, windows, scale=scaling)
+        return out.to(query.dtype).transpose(1, 2), None
     masks = torch.stack([ashape_mask(L, p.sink, p.window) for p in plan[: query.shape[1]]])[None]
     seqlens, seqstarts = REF["rows"] or (None, None)
     out, _ = masked_attention(query, key, value, masks, scale=scaling, seqlens=seqlens, seqstarts=seqstarts)
@@ -199,7 +204,7 @@ def test_dense_equivalent_plan_reproduces_dense_prefill_and_cache():
         torch.testing.assert_close(a.values, b.values, atol=LOGIT_ATOL, rtol=0)
 
 
-def test_chunked_prefill_continues_densely():
+def test_chunked_prefill_continues_sparse():
     model = tiny_model("llama")
     ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(7))
     cfg = ashape_config(model)
@@ -215,7 +220,7 @@ def test_chunked_prefill_continues_densely():
     got = chunked(lambda x: model(x, use_cache=True))
     counts = I.call_counts(model)
     I.unpatch(model)
-    assert counts["sparse"] == LAYERS and counts["dense_continue"] == LAYERS
+    assert counts["sparse"] == LAYERS and counts["sparse_continue"] == LAYERS
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
 
 
@@ -430,7 +435,7 @@ def _sdpa_mask(lens, starts, n):
 
 @pytest.mark.parametrize("lens, starts", [([10, 7], [0, 0]), ([10, 7], [0, 3]), ([0, 10], [0, 0]), ([4, 9], [6, 1])])
 def test_padding_rows_reads_contiguous_rows(lens, starts):
-    rows = I._padding_rows(_sdpa_mask(lens, starts, 10), 10)
+    rows = I.padding_rows(_sdpa_mask(lens, starts, 10), 10)
     assert rows[0].tolist() == lens
     assert [s if n else 0 for s, n in zip(rows[1].tolist(), lens)] == [s if n else 0 for s, n in zip(starts, lens)]
 
@@ -439,11 +444,45 @@ def test_padding_rows_refuses_other_masks():
     n = 10
     gap = _sdpa_mask([10], [0], n).clone()
     gap[..., 4] = False  # a hole inside the row
-    assert I._padding_rows(gap, n) is False
+    assert I.padding_rows(gap, n) is False
     window = _sdpa_mask([10], [0], n) & (torch.arange(n)[None, :] > torch.arange(n)[:, None] - 4)
-    assert I._padding_rows(window, n) is False
-    assert I._padding_rows(torch.ones(1, 1, n, n, dtype=torch.bool), n) is False  # not causal
+    assert I.padding_rows(window, n) is False
+    assert I.padding_rows(torch.ones(1, 1, n, n, dtype=torch.bool), n) is False  # not causal
     assert I.padding_rows(None, n) is None
+
+
+def _continuation_mask(S, L, own0, key_starts):
+    """``[B, 1, L, S]``: query ``i`` of row ``b`` reads keys ``key_starts[b] .. own0 + i``."""
+    j, i = torch.arange(S), torch.arange(L)
+    lo = torch.tensor(key_starts)[:, None, None]
+    return ((j[None, None] >= lo) & (j[None, None] <= (own0 + i)[None, :, None]))[:, None]
+
+
+def test_query_rows_reads_chunks_after_a_cache():
+    S, L = 12, 5
+    assert I.query_rows(_continuation_mask(S, L, S - L, [0, 0]), L, S) is None  # plain: the kernels' defaults
+    lens, starts, q_lens, q_starts = I.query_rows(_continuation_mask(S, L, S - L, [0, 3]), L, S)  # left padding
+    assert lens.tolist() == [12, 9] and starts.tolist() == [0, 3] and q_lens.tolist() == [5, 5]
+    assert q_starts.tolist() == [0, 0]
+    lens, starts, q_lens, q_starts = I.query_rows(_continuation_mask(S, L, 4, [0]), L, S)  # a static cache filled to 4
+    assert (lens.tolist(), starts.tolist(), q_lens.tolist(), q_starts.tolist()) == ([9], [0], [5], [0])
+    padded = _continuation_mask(S, L, S - L, [0]).clone()
+    padded[:, :, :2] = False  # the first two queries are left padding of a new turn: they read nothing
+    lens, starts, q_lens, q_starts = I.query_rows(padded, L, S)
+    assert (lens.tolist(), q_lens.tolist(), q_starts.tolist()) == ([12], [3], [2])
+
+
+def test_query_rows_refuses_what_the_kernels_cannot_take():
+    S, L = 12, 5
+    assert I.query_rows(torch.ones(1, 1, L, S, dtype=torch.bool), L, S) is False  # not causal
+    gap = _continuation_mask(S, L, S - L, [0]).clone()
+    gap[..., 3] = False  # a hole in the row
+    assert I.query_rows(gap, L, S) is False
+    right = _continuation_mask(S, L, S - L - 2, [0]).clone()
+    right[:, :, 3:] = right[:, :, 2:3]  # right padding after a cache: the mask alone is ambiguous
+    assert I.query_rows(right, L, S) is False
+    window = _continuation_mask(S, L, S - L, [0]) & (torch.arange(S)[None, :] > (S - L + torch.arange(L))[:, None] - 4)
+    assert I.query_rows(window, L, S) is False
 
 
 def test_cli_registers_run_search_sweep():
