@@ -60,8 +60,10 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_
     return acc, m_i, l_i
 
 
-# index sizes only scale index addresses: specialising on them would only multiply compiles
-@triton.jit(do_not_specialize=["head_offset"])
+# index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
+# divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
+# compiles (the GPU tier draws many N)
+@triton.jit(do_not_specialize=["head_offset", "slb", "slh"])
 def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows, head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                 slb, slh, sln,

@@ -45,8 +45,10 @@ _GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 2}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
-# index sizes only scale index addresses: specialising on them would only multiply compiles
-@triton.jit(do_not_specialize=["n_k", "n_qblk"])
+# index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
+# divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
+# compiles (the GPU tier draws many N)
+@triton.jit(do_not_specialize=["n_k", "n_qblk", "slb", "slh"])
 def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count, has_diag,
             n_k, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,

@@ -140,8 +140,10 @@ def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_
     tl.store(CV + dst, v, mask=in_list[:, None] & d_ok[None, :])
 
 
-# index sizes only scale index addresses: specialising on them would only multiply compiles
-@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk"])
+# index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
+# divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
+# compiles (the GPU tier draws many N)
+@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk", "slb", "slh"])
 def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_los, q_row0s, heads,
             run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits, col_mask,
             n_idx, n_words, n_runs, n_cols, n_qblk, qk_scale,
