@@ -32,6 +32,13 @@ materialised (fine on the host at the lengths this backend is for) and reduced w
 ``scatter_reduce``, and blocks are pooled with reshapes.
 Rows outside a sequence and rows with an empty candidate set come out as zeros (log-sum-exp
 ``-inf``); heads not listed in ``heads`` are left untouched in ``out``.
+
+The attention functions also take queries that are only part of the key rows (``q_seqlens``,
+``q_seqstarts``; docs/kernels.md, "query rows": a chunk after a cache, or a row's last tokens):
+the tiles stay those of the whole row, in its positions, and only the tiles holding queries run
+(from ``lo // R``, ``lo`` the first query's position), so a chunk of ``C`` queries costs ``C``
+times its chosen keys. Dense splits such a chunk into the keys before it (all visible) and its
+causal square, merged by log-sum-exp like every other pair of pieces.
 """
 
 from __future__ import annotations
@@ -39,7 +46,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minference._checks import check_index, check_qkv, check_ragged, check_tensor, default_scale
+from minference._checks import (
+    check_index,
+    check_qkv,
+    check_qkv_rows,
+    check_query_rows,
+    check_ragged,
+    check_tensor,
+    default_scale,
+)
 from minference.index import build_block_sparse_index, build_vertical_slash_index
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 from minference.reference.attention import head_ids, per_head_budget
@@ -255,19 +270,19 @@ def _manual(qt, kt, vt, mask, scale):
 
 
 def _merge(acc_o, acc_l, r0, o, l, empty) -> None:
-    """Add one piece (``o [rows, D]``, ``l [rows]``; ``empty`` rows contribute nothing) to rows
-    ``r0..`` of the accumulators."""
-    r1 = r0 + l.shape[0]
+    """Add one piece (``o [..., rows, D]``, ``l [..., rows]``; ``empty`` rows contribute nothing)
+    to rows ``r0..`` of the accumulators ``acc_o [..., R, D]``, ``acc_l [..., R]``."""
+    r1 = r0 + l.shape[-1]
     l = l.to(acc_l.dtype).masked_fill(empty, _INF)
-    o = o.to(acc_o.dtype).masked_fill(empty[:, None], 0)
-    old = acc_l[r0:r1]
+    o = o.to(acc_o.dtype).masked_fill(empty[..., None], 0)
+    old = acc_l[..., r0:r1]
     if bool((old == _INF).all()):  # the rows' first piece
-        acc_o[r0:r1], acc_l[r0:r1] = o, l
+        acc_o[..., r0:r1, :], acc_l[..., r0:r1] = o, l
         return
     new = torch.logaddexp(old, l)
     safe = new.masked_fill(new == _INF, 0)
-    acc_o[r0:r1].mul_(torch.exp(old - safe)[:, None]).add_(o * torch.exp(l - safe)[:, None])
-    acc_l[r0:r1] = new
+    acc_o[..., r0:r1, :].mul_(torch.exp(old - safe)[..., None]).add_(o * torch.exp(l - safe)[..., None])
+    acc_l[..., r0:r1] = new
 
 
 def _tile_chunks(first: int, last: int, per_tile: int):
@@ -288,13 +303,14 @@ def _clusters(diags: torch.Tensor, gap: int) -> list[tuple[int, int]]:
     return list(zip(lo, hi))
 
 
-def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R) -> None:
+def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=0) -> None:
     """One head's vertical-slash set ``{j in cols: j <= i} ∪ {i - δ: δ in diags}`` into the
-    accumulators. ``qh [count*R, D]``, ``kpad, vpad [pad + count*R, D]`` hold key ``j`` at row
-    ``pad + j`` (zeros around it), ``cols`` 1-D key positions, ``diags [n]`` bool."""
-    count, D = qh.shape[0] // R, qh.shape[1]
+    accumulators. ``qh [(count-t0)*R, D]`` holds the rows of tiles ``t0..count-1`` (tile ``c``:
+    rows ``c*R ..``; the accumulators likewise), ``kpad, vpad [pad + count*R, D]`` hold key ``j``
+    at row ``pad + j`` (zeros around it), ``cols`` 1-D key positions, ``diags [n]`` bool."""
+    count, D = t0 + qh.shape[0] // R, qh.shape[1]
     dt, dev = qh.dtype, qh.device
-    q4 = qh.view(1, count, R, D)
+    q4 = qh.view(1, count - t0, R, D)
     if cols.numel():
         # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
         table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
@@ -303,20 +319,21 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R) -> 
         windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
         kc = kpad[pad + cols]
         vc = vpad[pad + cols]
-        for c0, c1 in _tile_chunks(0, count, R * cols.numel()):
+        for c0, c1 in _tile_chunks(t0, count, R * cols.numel()):
             lo = torch.arange(c0, c1, device=dev)[:, None] * R
             mask = windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
-            o, l = _FLASH_CPU(q4[:, c0:c1], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
+            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
                               attn_mask=mask[None], scale=scale)
-            _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
+            _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
     for a, b in _clusters(diags, R):
         W = b - a + R
         r = torch.arange(R, device=dev)[:, None]
         x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
         inside = (x >= a) & (x <= b)
         band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
-        first, body = a // R, min(count, max(a // R, -(-b // R)))  # tiles before `body` reach keys < 0
+        first = max(t0, a // R)  # tiles before a // R have no row i >= a
+        body = min(count, max(first, -(-b // R)))  # tiles before `body` reach keys < 0
 
         def window(c0, c1, t, skip=0, W=W, b=b):  # tiles c0..c1-1, window keys skip..W-1
             return t.as_strided((1, c1 - c0, W - skip, D), (0, R * D, D, 1),
@@ -331,30 +348,32 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R) -> 
             skip = max(0, b - (c1 - 1) * R)
             jpos = torch.arange(c0, c1, device=dev)[:, None] * R - b + torch.arange(skip, W, device=dev)[None, :]
             mask = band[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
-            o, l = _FLASH_CPU(q4[:, c0:c1], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
+            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
                               attn_mask=mask[None], scale=scale)
-            _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
+            _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
             c0 = c1
         if body < count:  # every row of these tiles has its keys r .. r + b - a of the window
-            o, l = _FLASH_CPU(q4[:, body:], window(body, count, kpad), window(body, count, vpad),
+            o, l = _FLASH_CPU(q4[:, body - t0 :], window(body, count, kpad), window(body, count, vpad),
                               attn_mask=band[None, None], scale=scale)
             rows = (count - body) * R
-            _merge(acc_o, acc_l, body * R, o.reshape(-1, D), l.reshape(-1),
+            _merge(acc_o, acc_l, (body - t0) * R, o.reshape(-1, D), l.reshape(-1),
                    torch.zeros(rows, dtype=torch.bool, device=dev))
 
 
-def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R) -> None:
+def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -> None:
     """One head's block-sparse set: ``blk [count, K]`` its chosen key blocks per query block
-    (each once, on or below the diagonal, ``big`` = none), tile = block = ``R`` rows."""
-    count, D = qh.shape[0] // R, qh.shape[1]
+    (each once, on or below the diagonal, ``big`` = none), tile = block = ``R`` rows; ``qh`` and
+    the accumulators hold query blocks ``t0..count-1`` (as :func:`_fused_band`)."""
+    count, D = t0 + qh.shape[0] // R, qh.shape[1]
     dev = qh.device
-    q4 = qh.view(1, count, R, D)
-    tiles = torch.arange(count, device=dev)
+    q4 = qh.view(1, count - t0, R, D)
+    tiles = torch.arange(t0, count, device=dev)
     kblocks = kpad[pad : pad + count * R].view(count, R, D)
     vblocks = vpad[pad : pad + count * R].view(count, R, D)
+    blk = blk[t0:]  # the query blocks before t0 hold no query
     diag = (blk == tiles[:, None]).any(-1)
     if bool(diag.any()):  # the diagonal block: causal inside, a view of the keys
-        o, l = _FLASH_CPU(q4, kblocks[None], vblocks[None], is_causal=True, scale=scale)
+        o, l = _FLASH_CPU(q4, kblocks[None, t0:], vblocks[None, t0:], is_causal=True, scale=scale)
         _merge(acc_o, acc_l, 0, o.reshape(-1, D), l.reshape(-1), (~diag).repeat_interleave(R))
     below = torch.where(blk < tiles[:, None], blk, big).sort(-1).values
     nbelow = (below < big).sum(-1)
@@ -362,7 +381,7 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R) -> None
     if width == 0:
         return
     below = below[:, :width]
-    for c0, c1 in _tile_chunks(0, count, width * R * D):
+    for c0, c1 in _tile_chunks(0, count - t0, width * R * D):  # local query blocks
         ids = below[c0:c1].clamp(max=count - 1)
         nt = c1 - c0
         kg = kblocks[ids].view(1, nt, width * R, D)
@@ -376,9 +395,9 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R) -> None
 def _band_fused(cols: torch.Tensor, diags: torch.Tensor):
     """``fused_of`` of a band set (``cols, diags [Hg, n]`` bool)."""
 
-    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R):
+    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0):
         _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, cols.shape[-1], cols[g].nonzero().flatten(), diags[g],
-                    scale, R)
+                    scale, R, t0)
 
     return TILE_ROWS, run
 
@@ -387,80 +406,99 @@ def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
     """``fused_of`` of block-sparse (``blocks [Hg, NQB, K]`` of one batch row)."""
     blk, big, _ = _chosen_blocks(blocks, n, block)
 
-    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R):
-        _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk[g], big, scale, R)
+    def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0):
+        _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk[g], big, scale, R, t0)
 
     return block, run
 
 
-def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, dense=False):
+def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, dense=False,
+            q_seqlens=None, q_seqstarts=None):
     """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
 
+    Queries may be part of the key rows (docs/kernels.md, "query rows"): ``q [B,Hq,Nq,D]``, row
+    ``b``'s queries its last ``c = q_lens[b]`` tokens (logical ``lo = n - c .. n - 1``), held in
+    ``q`` from ``q_starts[b]``; ``out`` and ``lse`` have ``q``'s rows. Only the query tiles
+    (``lo // R ..``) are computed; tiles, sets and index values stay in the row's positions.
+
     Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run)``, where
-    ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R)`` adds local head ``g``'s pieces
-    (:func:`_fused_band`, :func:`_fused_blocks`); ``dense`` runs the causal kernel instead. Any
-    other input takes the exact gathered path: ``tiles_of(b, n, dtype) -> _Tiles``, per chunk of
-    query tiles the union of the tile's candidate keys gathered and one small softmax
-    (:func:`_manual`)."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head ``g``'s pieces
+    for the tiles ``t0..`` (:func:`_fused_band`, :func:`_fused_blocks`); ``dense`` runs the
+    causal kernel instead (a chunk after a cache: the cached keys unmasked, merged with the
+    chunk's causal square). Any other input takes the exact gathered path: ``tiles_of(b, n,
+    dtype) -> _Tiles``, per chunk of query tiles the union of the tile's candidate keys gathered
+    and one small softmax (:func:`_manual`)."""
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                            given_rows=seqlens is not None or seqstarts is not None)
+    q_lens, q_starts = rows if rows is not None else (lens, starts)
     if out is None:
         out = torch.zeros_like(q)
     else:
         check_tensor("out", out, rank=4, dtypes=(q.dtype,))
         if out.shape != q.shape or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
-    lse = torch.full((B, Hq, N), _INF, dtype=torch.float32, device=q.device) if return_lse else None
+    lse = torch.full((B, Hq, Nq), _INF, dtype=torch.float32, device=q.device) if return_lse else None
     if not ids:
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     hk = hq // (Hq // Hkv)
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
-    for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
-        if n == 0:
+    dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    for b, (s, n, qs, c) in enumerate(zip(starts.tolist(), lens.tolist(), q_starts.tolist(), q_lens.tolist())):
+        if c == 0:
             continue
+        lo = n - c  # the queries' first logical position
         used = hk.unique()
         # The fused CPU kernel adds the mask to the logits and multiplies every value it loads, so
         # a non-finite key or value would reach rows outside its set: such rows take _manual.
         fused = _FLASH_CPU is not None and q.device.type == "cpu" and bool(
             torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
-        qb = q[b, :, s : s + n].index_select(0, hq)
+        qb = q[b, :, qs : qs + c].index_select(0, hq)  # [Hg, c, D]
         if dense and fused:
             kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
             vb = v[b, :, s : s + n].index_select(0, hk)
-            o, l = _FLASH_CPU(qb[None], kb[None], vb[None], is_causal=True, scale=scale)
-            out[b, hq, s : s + n] = o[0]
+            o, l = _FLASH_CPU(qb[None], kb[None, :, lo:], vb[None, :, lo:], is_causal=True, scale=scale)
+            o, l = o[0], l[0]
+            if lo:  # the keys before the queries: every query sees all of them
+                o, l = o.to(acc_dt), l.to(acc_dt)
+                oc, lc = _FLASH_CPU(qb[None], kb[None, :, :lo], vb[None, :, :lo], scale=scale)
+                _merge(o, l, 0, oc[0], lc[0], torch.zeros(Hg, c, dtype=torch.bool, device=q.device))
+            out[b, hq, qs : qs + c] = o.to(q.dtype)
             if lse is not None:
-                lse[b, hq, s : s + n] = l[0].float()
+                lse[b, hq, qs : qs + c] = l.float()
             continue
         if fused and fused_of is not None:
             R, run = fused_of(b, n)
-            count = -(-n // R)
-            dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
-            acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+            count, t0 = -(-n // R), lo // R
+            first = lo - t0 * R  # the first query's row in the computed tiles
             kpad = torch.zeros(Hkv, n + count * R, D, dtype=dt, device=q.device)
             vpad = torch.zeros_like(kpad)
             kpad[:, n : 2 * n] = k[b, :, s : s + n]
             vpad[:, n : 2 * n] = v[b, :, s : s + n]
-            qpad = torch.zeros(Hg, count * R, D, dtype=dt, device=q.device)
-            qpad[:, :n] = qb
+            qpad = torch.zeros(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
+            qpad[:, first : first + c] = qb
             for g, (h, hv) in enumerate(zip(ids, hk.tolist())):
-                acc_o = torch.zeros(count * R, D, dtype=acc_dt, device=q.device)
-                acc_l = torch.full((count * R,), _INF, dtype=acc_dt, device=q.device)
-                run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R)
-                out[b, h, s : s + n] = acc_o[:n].to(q.dtype)
+                acc_o = torch.zeros((count - t0) * R, D, dtype=acc_dt, device=q.device)
+                acc_l = torch.full(((count - t0) * R,), _INF, dtype=acc_dt, device=q.device)
+                run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R, t0)
+                out[b, h, qs : qs + c] = acc_o[first : first + c].to(q.dtype)
                 if lse is not None:
-                    lse[b, h, s : s + n] = acc_l[:n].float()
+                    lse[b, h, qs : qs + c] = acc_l[first : first + c].float()
             continue
         kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
         vb = v[b, :, s : s + n].index_select(0, hk)
         t = tiles_of(b, n, q.dtype)
         R = t.rows
-        qt = F.pad(qb, (0, 0, 0, t.count * R - n)).view(Hg, t.count, R, D)
+        t0 = lo // R
+        first = lo - t0 * R
+        qt = F.pad(qb, (0, 0, first, (t.count - t0) * R - first - c)).view(Hg, t.count - t0, R, D)
         step = max(1, CHUNK_ELEMENTS // (Hg * n))  # tiles whose [Hg, C, keys] selection fits
-        for c0 in range(0, t.count, step):
+        for c0 in range(t0, t.count, step):
             c1 = min(t.count, c0 + step)
             pos, sel, cnt = t.keys(c0, c1)
             if pos.shape[-1] == 0:  # no tile has a key (their rows are empty): one padding key, no 0-length call
@@ -476,16 +514,19 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
                 p, sl = pos[:, a:e, :width], sel[:, a:e, :width]
                 mask = t.mask(c0 + a, p, sl)
                 kt, vt = kb[heads, p], vb[heads, p]
+                qc = qt[:, c0 + a - t0 : c0 + e - t0]
                 if fused:
-                    o, l = _FLASH_CPU(qt[:, c0 + a : c0 + e], kt, vt, attn_mask=mask, scale=scale)
+                    o, l = _FLASH_CPU(qc, kt, vt, attn_mask=mask, scale=scale)
                 else:
-                    o, l = _manual(qt[:, c0 + a : c0 + e], kt, vt, mask, scale)
-                r0, r1 = (c0 + a) * R, min(n, (c0 + e) * R)
-                live = t.live[:, r0:r1]
-                o = o.reshape(Hg, -1, D)[:, : r1 - r0].masked_fill(~live[..., None], 0)
-                out[b, hq, s + r0 : s + r1] = o.to(q.dtype)
+                    o, l = _manual(qc, kt, vt, mask, scale)
+                r0, r1 = (c0 + a) * R, min(n, (c0 + e) * R)  # logical rows of these tiles
+                w0 = max(r0, lo)  # the first of them that is a query
+                live = t.live[:, w0:r1]
+                o = o.reshape(Hg, -1, D)[:, w0 - r0 : r1 - r0].masked_fill(~live[..., None], 0)
+                out[b, hq, qs + w0 - lo : qs + r1 - lo] = o.to(q.dtype)
                 if lse is not None:
-                    lse[b, hq, s + r0 : s + r1] = l.reshape(Hg, -1)[:, : r1 - r0].float().masked_fill(~live, _INF)
+                    l = l.reshape(Hg, -1)[:, w0 - r0 : r1 - r0].float().masked_fill(~live, _INF)
+                    lse[b, hq, qs + w0 - lo : qs + r1 - lo] = l
                 a = e
     return (out, lse) if return_lse else out
 
@@ -500,11 +541,14 @@ def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
     seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-    validate: bool = True,
+    validate: bool = True, q_seqlens: torch.Tensor | int | None = None, q_seqstarts: torch.Tensor | None = None,
 ):
     """Causal dense attention (the ``Dense`` pattern): ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` ->
-    ``out [B,Hq,N,D]`` (and ``lse [B,Hq,N]`` fp32)."""
-    check_qkv(q, k, v)
+    ``out [B,Hq,N,D]`` (and ``lse [B,Hq,N]`` fp32).
+
+    ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
+    check_qkv_rows(q, k, v)
     ids = _ids(heads, q.shape[1])
 
     def tiles(b, n, dtype):  # only for inputs the fused causal kernel cannot take
@@ -512,18 +556,22 @@ def dense_attention(
         return _band_tiles(~every, every, n, dtype)
 
     return _attend(q, k, v, ids, tiles, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                   return_lse=return_lse, dense=True)
+                   return_lse=return_lse, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def ashape_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: int | torch.Tensor, window: int | torch.Tensor, *,
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, head_offset: int = 0, out: torch.Tensor | None = None,
-    return_lse: bool = False, validate: bool = True,
+    return_lse: bool = False, validate: bool = True, q_seqlens: torch.Tensor | int | None = None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """A-shape attention; ``sink``, ``window``: ints or 1-D int tensors indexed by global head
-    ``head_offset + h``. Shapes as :func:`minference.kernels.ashape_attention`."""
-    check_qkv(q, k, v)
+    ``head_offset + h``. Shapes as :func:`minference.kernels.ashape_attention`.
+
+    ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
+    check_qkv_rows(q, k, v)
     ids = _ids(heads, q.shape[1])
     sinks = torch.tensor(per_head_budget("sink", sink, ids, head_offset, 0), device=q.device)
     windows = torch.tensor(per_head_budget("window", window, ids, head_offset, 1), device=q.device)
@@ -534,19 +582,23 @@ def ashape_attention(
 
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(*sets(n), n, dtype),
                    lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                   out=out, return_lse=return_lse)
+                   out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def vertical_slash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vertical: torch.Tensor, slash: torch.Tensor, *,
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-    validate: bool = True, fill_gaps: int = 0,
+    validate: bool = True, fill_gaps: int = 0, q_seqlens: torch.Tensor | int | None = None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Vertical-slash attention on logical ``vertical [B,Hg,NV]`` / ``slash [B,Hg,NS]`` (-1 padded),
     offsets closed over gaps of at most ``fill_gaps``. Shapes as
-    :func:`minference.kernels.vertical_slash_attention`."""
-    B, Hq, _, N, _ = check_qkv(q, k, v)
+    :func:`minference.kernels.vertical_slash_attention`.
+
+    ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
+    B, Hq, _, _, N, _ = check_qkv_rows(q, k, v)
     ids = _ids(heads, Hq)
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
@@ -555,18 +607,22 @@ def vertical_slash_attention(
     diags = slash_set(N, slash, fill_gaps)
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
                    lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,
-                   seqstarts=seqstarts, out=out, return_lse=return_lse)
+                   seqstarts=seqstarts, out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def block_sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, *, block: int = DEFAULT_BLOCK_SIZE,
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-    validate: bool = True,
+    validate: bool = True, q_seqlens: torch.Tensor | int | None = None, q_seqstarts: torch.Tensor | None = None,
 ):
     """Block-sparse attention on ``blocks [B,Hg,ceil(N/block),K]`` (-1 padded, any block size).
-    Shapes as :func:`minference.kernels.block_sparse_attention`."""
-    B, Hq, _, N, _ = check_qkv(q, k, v)
+    Shapes as :func:`minference.kernels.block_sparse_attention`.
+
+    ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
+    ``blocks`` has one row per query block of the key row (``ceil(N / block)``)."""
+    B, Hq, _, _, N, _ = check_qkv_rows(q, k, v)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     ids = _ids(heads, Hq)
@@ -575,7 +631,8 @@ def block_sparse_attention(
                 values=validate)
     return _attend(q, k, v, ids, lambda b, n, dtype: _block_tiles(blocks[b], n, block, dtype),
                    lambda b, n: _blocks_fused(blocks[b], n, block),
-                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse)
+                   scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse,
+                   q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
