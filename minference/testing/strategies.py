@@ -154,28 +154,37 @@ def ragged_rows(draw, B: int, N: int) -> tuple[torch.Tensor | None, torch.Tensor
 
 
 @st.composite
-def query_rows(draw, B: int, N: int, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | None):
-    """Strategy for query rows that are part of the key rows (docs/kernels.md): ``(Nq, q_seqlens,
-    q_seqstarts)`` for key rows of length ``N`` (``seqlens``/``seqstarts`` as drawn by
-    :func:`ragged_rows`). Either a chunk after a cache (``Nq <= N``, defaults, an int or per-row
-    counts and places) or a row's last tokens in place (``Nq == N``, an int or per-row counts)."""
-    lens = [N] * B if seqlens is None else [int(x) for x in seqlens]
+def query_rows(draw, B: int, N: int, seqlens, seqstarts):
+    """Strategy for query rows that are part of the key rows (docs/kernels.md) of length ``N``
+    (``seqlens``/``seqstarts`` as drawn by :func:`ragged_rows`): ``(Nq, q_seqlens, q_seqstarts,
+    q_lens, q_starts)``, a call's query-row arguments and the rows they mean (host lists), written
+    out here from the contract, independently of :func:`minference._checks.check_query_rows`.
+
+    Forms: ``chunk`` (full key rows, ``Nq < N`` queries, no ``q_seqlens``: the last ``Nq`` tokens
+    of every row; ``N = 1``: the ordinary call), ``explicit`` (any ``Nq``, ``q_seqlens`` a tensor with 0 and whole
+    rows likely, or an int ``c``: ``min(c, row)``; ``q_seqstarts`` given or 0) and ``in_place``
+    (``Nq == N``, ``q_seqlens`` given, ``q_seqstarts`` given or the queries' own places)."""
+    lens = [N] * B if seqlens is None else seqlens.tolist()
+    starts = [0] * B if seqstarts is None else seqstarts.tolist()
     ragged = seqlens is not None or seqstarts is not None
-    if draw(st.sampled_from(("chunk", "in_place"))) == "in_place":
-        if draw(st.booleans()):
-            return N, draw(st.integers(0, N + 2)), None
-        return N, torch.tensor([draw(st.integers(0, n)) for n in lens], dtype=torch.int32), None
-    Nq = draw(st.integers(1, N))
-    form = draw(st.sampled_from(("per_row",) if ragged else ("default", "int", "per_row")))
-    if form == "default":
-        return Nq, None, None
-    if form == "int":
-        return Nq, draw(st.integers(0, Nq + 2)), None
-    q_lens = [draw(st.integers(0, min(n, Nq))) for n in lens]
+    form = draw(st.sampled_from(("explicit", "in_place") if ragged else ("chunk", "chunk", "explicit", "in_place")))
+    if form == "chunk":
+        Nq = draw(st.integers(1, N - 1)) if N > 1 else 1
+        if Nq == N:  # the ordinary call: every key row is its own query row
+            return Nq, None, None, lens, starts
+        return Nq, None, None, [Nq] * B, [0] * B
+    Nq = N if form == "in_place" else draw(st.integers(1, N))
+    if draw(st.booleans()):
+        c = draw(st.integers(0, Nq + 2))
+        q_seqlens, q_lens = c, [min(c, n, Nq) for n in lens]
+    else:
+        q_lens = [draw(st.sampled_from((0, min(n, Nq), draw(st.integers(0, min(n, Nq)))))) for n in lens]
+        q_seqlens = torch.tensor(q_lens, dtype=torch.int32)
+    if draw(st.booleans()):  # the default places
+        places = [s + n - c for s, n, c in zip(starts, lens, q_lens)] if Nq == N else [0] * B
+        return Nq, q_seqlens, None, q_lens, places
     q_starts = [draw(st.integers(0, Nq - c)) for c in q_lens]
-    starts = None if all(x == 0 for x in q_starts) and draw(st.booleans()) else torch.tensor(q_starts,
-                                                                                                dtype=torch.int32)
-    return Nq, torch.tensor(q_lens, dtype=torch.int32), starts
+    return Nq, q_seqlens, torch.tensor(q_starts, dtype=torch.int32), q_lens, q_starts
 
 
 @st.composite

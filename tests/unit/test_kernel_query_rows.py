@@ -14,7 +14,7 @@ from test_kernel_common import COMBOS, DEVICE, SEED, problem
 
 from minference import kernels
 from minference import reference as ref
-from minference._checks import check_query_rows, check_ragged, token_mask
+from minference._checks import token_mask
 from minference.reference.attention import merge_attention, query_rows_attention
 from minference.testing import assert_close_to_reference, assert_not_written, assert_stats_close, poison
 from minference.testing.strategies import (
@@ -31,14 +31,12 @@ def _query_problem(data, combo):
     """A kernel problem (keys, values, ragged rows, heads) plus query rows and their q."""
     p = problem(data, combo=combo)
     s = p["shape"]
-    Nq, q_seqlens, q_seqstarts = data.draw(query_rows(s.B, s.N, p["seqlens"], p["seqstarts"]), label="query rows")
+    Nq, q_seqlens, q_seqstarts, q_lens, q_starts = data.draw(query_rows(s.B, s.N, p["seqlens"], p["seqstarts"]),
+                                                             label="query rows")
     g = torch.Generator().manual_seed(data.draw(SEED, label="q seed"))
     q = torch.randn(s.B, s.Hq, Nq, s.D, generator=g, dtype=torch.float64).to(p["dtype"]).to(DEVICE)
-    lens, starts = check_ragged(p["seqlens"], p["seqstarts"], s.B, s.N, "cpu")
-    chosen = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, s.N,
-                              given_rows=p["seqlens"] is not None or p["seqstarts"] is not None)
-    q_lens, q_starts = chosen if chosen is not None else (lens, starts)  # None: the ordinary call
-    return dict(p, q=q, Nq=Nq, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, q_lens=q_lens, q_starts=q_starts)
+    return dict(p, q=q, Nq=Nq, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, q_lens=torch.tensor(q_lens),
+                q_starts=torch.tensor(q_starts))
 
 
 def _run(p, kernel, twin, *args, **kwargs):

@@ -23,45 +23,13 @@ from minference.testing.strategies import (
     head_subsets,
     layouts,
     qkv,
+    query_rows,
     ragged_rows,
     tp_offsets,
     vertical_slash_indices,
 )
 
 SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=130, head_dims=(16, 32))
-
-
-@st.composite
-def query_rows(draw, B: int, N: int, seqlens, seqstarts):
-    """``(Nq, q_seqlens, q_seqstarts, q_lens, q_starts)``: a call's query-row arguments and the
-    rows they mean (host lists), written out here from the contract, independently of
-    :func:`minference._checks.check_query_rows`.
-
-    Forms: ``chunk`` (full key rows, ``Nq < N`` queries, no ``q_seqlens``: the last ``Nq`` tokens
-    of every row; ``N = 1``: the ordinary call), ``explicit`` (any ``Nq``, ``q_seqlens`` a tensor with 0 and whole
-    rows likely, or an int ``c``: ``min(c, row)``; ``q_seqstarts`` given or 0) and ``in_place``
-    (``Nq == N``, ``q_seqlens`` given, ``q_seqstarts`` given or the queries' own places)."""
-    lens = [N] * B if seqlens is None else seqlens.tolist()
-    starts = [0] * B if seqstarts is None else seqstarts.tolist()
-    ragged = seqlens is not None or seqstarts is not None
-    form = draw(st.sampled_from(("explicit", "in_place") if ragged else ("chunk", "chunk", "explicit", "in_place")))
-    if form == "chunk":
-        Nq = draw(st.integers(1, N - 1)) if N > 1 else 1
-        if Nq == N:  # the ordinary call: every key row is its own query row
-            return Nq, None, None, lens, starts
-        return Nq, None, None, [Nq] * B, [0] * B
-    Nq = N if form == "in_place" else draw(st.integers(1, N))
-    if draw(st.booleans()):
-        c = draw(st.integers(0, Nq + 2))
-        q_seqlens, q_lens = c, [min(c, n, Nq) for n in lens]
-    else:
-        q_lens = [draw(st.sampled_from((0, min(n, Nq), draw(st.integers(0, min(n, Nq)))))) for n in lens]
-        q_seqlens = torch.tensor(q_lens, dtype=torch.int32)
-    if draw(st.booleans()):  # the default places
-        places = [s + n - c for s, n, c in zip(starts, lens, q_lens)] if Nq == N else [0] * B
-        return Nq, q_seqlens, None, q_lens, places
-    q_starts = [draw(st.integers(0, Nq - c)) for c in q_lens]
-    return Nq, q_seqlens, torch.tensor(q_starts, dtype=torch.int32), q_lens, q_starts
 
 
 @contextlib.contextmanager
