@@ -13,7 +13,10 @@
 #   qwen       check the staged Qwen GGUF (/tmp/m/q.gguf, ../shared/tools/stage_qwen.sh; carry
 #              .stage/whl for the gguf wheel) and point $MINFERENCE_QWEN_GGUF at it
 #   search     minference search on Qwen: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json and /tmp/m/
-#   eval       minference eval on Qwen: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}
+#   eval       minference eval on Qwen: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}; CUDA_GRAPHS=1 adds
+#              --cuda-graphs (sparse layers replay CUDA graphs captured by the warm-up prefill). To
+#              measure the host time it saves at 16K-32K (dense there unless EVAL_ARGS has
+#              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
 # With no STAGES every stage runs: name the stages of each device call.
 set -o pipefail
@@ -87,6 +90,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
                     --out "$OUT/qwen_search_{min_mass}.json" && cp "$OUT"/qwen_search_*.json /tmp/m/ ;;
         # shellcheck disable=SC2086
         eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model qwen --device cuda $EVAL_ARGS \
+                  $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
                   --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
         *) echo "unknown stage $stage" ;;
     esac

@@ -296,8 +296,10 @@ def minference_attention(
         seqlens, seqstarts, q_seqlens, q_seqstarts = rows
     if state.observer is not None and L == S:
         state.observer(state.layer, query, key, seqlens, seqstarts)
+    # patch(cuda_graphs=...): square prefills through the layer's graph (a chunk's key length grows: direct)
+    run = sparse_prefill if state.graphs is None or L != S else partial(state.graphs, state.layer)
     with profile_range(ATTENTION_RANGE):
-        out = sparse_prefill(
+        out = run(
             query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
             q_seqlens=q_seqlens, q_seqstarts=q_seqstarts,
             head_offset=state.head_offset, dense_threshold=0, backend=state.backend, dense_tail=state.dense_tail,
@@ -504,7 +506,8 @@ def patch(
         cuda_graphs: ``True`` runs every sparse layer through one new
             :class:`minference.graphs.PrefillGraphs` (a CUDA graph per layer and prompt shape,
             captured on the first prefill of that shape and replayed after; CUDA tensors on the
-            Triton backend only, direct calls elsewhere), or pass a ``PrefillGraphs`` to use (and
+            Triton backend only, direct calls elsewhere and for chunks after a cache, whose key
+            length changes every chunk), or pass a ``PrefillGraphs`` to use (and
             keep across ``patch`` calls). ``False`` (default): direct calls. docs/integration.md,
             "CUDA graphs".
         head_offset: global id of local query head 0. ``None`` (default): read from the model:

@@ -770,6 +770,7 @@ def run_eval(
     loaded: tuple | None = None,
     dense_tail: int = 0,
     checkpoint: Callable[[EvalReport], None] | None = None,
+    cuda_graphs: bool = False,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
@@ -786,6 +787,12 @@ def run_eval(
         dense_threshold: passed to :func:`minference.patch` (``None``: the dispatcher's default).
         dense_tail: passed to :func:`minference.patch`: the last prompt tokens of a sparse
             prefill that attend densely (0: none).
+        cuda_graphs: sparse configs run their layers through CUDA graphs
+            (:class:`minference.graphs.PrefillGraphs`, one cache per config kept across its
+            patches and cleared at each new length; captured by the untimed warm-up prefill, so
+            the timed prefills replay). Only CUDA tensors on the Triton backend use graphs. The
+            profiled split then books index building under attention (a replay has no index
+            ranges); ``settings["cuda_graph_stats"]`` counts captures, replays and fallbacks.
         coverage: measure density and coverage; ``profile``: the CUDA split (ignored on the CPU).
         loaded: an already loaded, unpatched ``(model, tokenizer)`` (left unpatched).
 
@@ -806,6 +813,8 @@ def run_eval(
     _check_int("samples", samples, 1)
     _check_int("seed", seed, 0)
     _check_int("dense_tail", dense_tail, 0)
+    if not isinstance(cuda_graphs, bool):
+        raise EvalError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
     lengths = [_check_int("length", n, 2) for n in lengths]
     if not lengths:
         raise EvalError("no lengths given")
@@ -868,17 +877,25 @@ def run_eval(
         settings={"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
                   "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
                   "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
-                  "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail},
+                  "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
+                  "cuda_graphs": cuda_graphs},
         configs=resolved, lengths=lengths, tasks=tasks,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     eos = _eos_ids(model, tokenizer)
     physical = _triton_backend(backend, dev)
+    graphs = {}
+    if cuda_graphs:
+        from minference.graphs import PrefillGraphs
+
+        graphs = {c.name: PrefillGraphs() for c in resolved if pattern_configs[c.name] is not None}
     bar = tqdm(total=len(lengths) * samples * len(resolved), desc="eval", unit="run", disable=not progress)
     try:
         for n in lengths:
             need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
             yarn = set_context_length(model, need)
+            for cache in graphs.values():  # one length's shapes at a time
+                cache.clear()
             for index in range(samples):
                 if index == 0:
                     prompts = first[n]
@@ -889,7 +906,8 @@ def run_eval(
                         prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
                 for cfg in resolved:
                     bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
-                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail)
+                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
+                           graphs.get(cfg.name))
                     stats = report.run(cfg.name, n)
                     if stats is None:
                         stats = RunStats(cfg.name, n, yarn=yarn)
@@ -933,6 +951,9 @@ def run_eval(
         if integ.is_patched(model):
             integ.unpatch(model)
         set_context_length(model, 1)  # the model's own rotary embedding again
+        if graphs:
+            report.settings["cuda_graph_stats"] = {name: cache.stats for name, cache in graphs.items()}
+            graphs.clear()
     report.wall_s = time.perf_counter() - t_start
     return report
 
@@ -944,14 +965,17 @@ def _triton_backend(backend: str, device: torch.device) -> bool:
     return resolve_backend(backend, device) == "triton"
 
 
-def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, dense_tail: int = 0) -> None:
+def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, dense_tail: int = 0,
+           graphs=None) -> None:
     import minference.integration as integ
 
     if integ.is_patched(model):
         integ.unpatch(model)
     if config is not None:
+        extra = {} if graphs is None else {"cuda_graphs": graphs}  # the config's PrefillGraphs, kept across patches
         integ.patch(model, config, dense_threshold=dense_threshold, backend=backend, allow_mismatch=allow_mismatch,
-                    check_fingerprint=False, dense_tail=dense_tail)  # fingerprint checked once by resolve_config
+                    check_fingerprint=False, dense_tail=dense_tail,  # fingerprint checked once by resolve_config
+                    **extra)
 
 
 def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunStats, dev: torch.device, *,
@@ -1005,7 +1029,8 @@ def format_report(report: EvalReport) -> str:
     lines = [f"## minference eval: {m['name']} ({m['dtype']}) on {report.settings['device']} ({gpu})", "",
              f"samples {report.settings['samples']} per task and length, seed {report.settings['seed']}, "
              f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
-             f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens", ""]
+             f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens"
+             + (", CUDA graphs" if report.settings.get("cuda_graphs") else ""), ""]
     head = ["length", "config"] + gen_tasks + (["NLL"] if ppl else []) + [
         "TTFT ms", "vs dense", "attn ms", "index ms", "other ms", "density (log/phys)", "coverage", "paths"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1153,6 +1178,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
     p.add_argument("--dense-tail", type=int, default=0, metavar="T",
                    help="the last T prompt tokens of a sparse prefill attend densely (default 0: none)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="sparse layers replay CUDA graphs captured by the warm-up prefill (CUDA, Triton backend; "
+                        "docs/integration.md)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="draw accuracy vs TTFT here (needs matplotlib)")
     p.add_argument("--no-coverage", action="store_true", help="skip density and coverage")
@@ -1187,7 +1215,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
         backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
-        dense_tail=args.dense_tail,
+        dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
     )
 
