@@ -16,9 +16,9 @@ from minference.patterns import AShape, BlockSparse, VerticalSlash
 from minference.testing import assert_close_to_reference
 from minference.testing.strategies import AttnShape, qkv
 
-#: The tail is one SDPA call on every backend; the torch backend's plan keeps the CPU suite fast
-#: (the GPU test runs the tail on CUDA).
-BACKENDS = ["torch"]
+#: The tail is one dense call on query rows: the torch backend's dense path, or the Triton A-shape
+#: kernel (here in the interpreter; the GPU test runs it on CUDA).
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 #: Patterns that miss most of a late row's keys, so a tail that is not dense shows.
 PLAN = [AShape(sink=1, window=4), VerticalSlash(vertical=2, slash=2, last_q=8),
         BlockSparse(top_k=1, block=16, sink_blocks=0, rule="relative", threshold=0.5, estimate="query"),

@@ -205,26 +205,33 @@ def test_dense_equivalent_plan_reproduces_dense_prefill_and_cache():
 
 
 def test_chunked_prefill_continues_sparse():
+    """A prompt fed in two chunks through the cache: the second chunk runs sparse on query rows,
+    equals the reference's rows of the whole prompt, and (A-shape has no online index) the
+    one-shot sparse prefill's logits at those positions."""
     model = tiny_model("llama")
     ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(7))
     cfg = ashape_config(model)
     first, second = ids[:, : N // 2], ids[:, N // 2 :]
 
-    def chunked(run_first):
+    def chunked(run):
         with torch.no_grad():
-            out = run_first(first)
-            return model(second, cache=out.cache, use_cache=True).logits
+            out = run(first)
+            return run(second, cache=out.cache).logits
 
-    want = chunked(lambda x: _ref_run(model, cfg, x))
+    want = chunked(lambda x, **kw: _ref_run(model, cfg, x, **kw))
     I.patch(model, cfg, dense_threshold=0)
-    got = chunked(lambda x: model(x, use_cache=True))
+    got = chunked(lambda x, **kw: model(x, use_cache=True, **kw))
     counts = I.call_counts(model)
+    one_shot = logits(model, ids)
     I.unpatch(model)
     assert counts["sparse"] == LAYERS and counts["sparse_continue"] == LAYERS
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(got, one_shot[:, N // 2 :], atol=LOGIT_ATOL, rtol=0)
+    dense = logits(model, ids)[:, N // 2 :]
+    assert (got - dense).abs().max() > 100 * LOGIT_ATOL, "the plan must differ from dense for the test to see it"
 
 
-def _ref_run(model, cfg, ids):
+def _ref_run(model, cfg, ids, **kw):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -233,7 +240,7 @@ def _ref_run(model, cfg, ids):
     REF.update(config=cfg, layers=set(range(LAYERS)), rows=None)
     model.set_attn_implementation("h4_reference")
     try:
-        return model(ids, use_cache=True)
+        return model(ids, use_cache=True, **kw)
     finally:
         model.set_attn_implementation("sdpa")
 
