@@ -187,8 +187,9 @@ class PrefillGraphs:
             kernels and fills the dispatcher's device caches outside the graph pool).
 
     Call it as ``graphs(key, q, k, v, plan, **sparse_prefill_keywords)``. ``stats`` counts
-    captures, replays, direct calls, out-of-order and over-limit fallbacks, evictions and
-    retained bytes; ``len(graphs)`` is the number of captured graphs, ``shapes`` the groups.
+    captures, replays (every graph launch, the one right after a capture included), direct calls,
+    out-of-order and over-limit fallbacks, evictions and retained bytes; ``len(graphs)`` is the
+    number of captured graphs, ``shapes`` the number of shape groups.
     """
 
     def __init__(self, *, max_shapes: int = DEFAULT_MAX_SHAPES,

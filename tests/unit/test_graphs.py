@@ -310,7 +310,7 @@ def _tiny_llama(heads: int = HQ, kv: int = HKV, hidden: int = 64, device="cpu", 
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=64, num_hidden_layers=LAYERS,
                         num_attention_heads=heads, num_key_value_heads=kv, pad_token_id=0, eos_token_id=1,
-                        bos_token_id=1)
+                        bos_token_id=1, max_position_embeddings=8192)
     return T.LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
 
 
