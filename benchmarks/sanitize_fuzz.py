@@ -1,4 +1,4 @@
-"""Fuzz each kernel and both index builders on small random shapes once (meant to run under
+"""Fuzz each kernel (on whole rows and on query rows) and both index builders on small random shapes once (meant to run under
 ``compute-sanitizer --tool memcheck`` with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so every tensor
 is its own allocation and an out-of-bounds read or write is caught). Also checks each result
 (the builders' scores) against the float64 twin."""
@@ -59,6 +59,19 @@ def main(seed: int = 0) -> None:
             want = twin(q.cpu().float(), k.cpu().float(), v.cpu().float(), *args, **kw, **extra)
             record(case, fast.__name__ + (" (filled)" if extra else ""), float((out.cpu().double() - want).abs().max()),
                    shape)
+        # the same kernels on query rows: a chunk of C queries after each row's cache (q's rows
+        # at q_starts, so q's row of position 0 lies before q's storage: pointer offsets go negative)
+        C = max(1, N // 3)
+        q_lens = torch.clamp(lens, max=C)
+        q_kw = dict(q_seqlens=q_lens, q_seqstarts=((C - q_lens) * (case % 2)).to(torch.int32))
+        qc = q[:, :, :C]
+        for fast, twin, args, extra in runs:
+            out = fast(qc, k, v, *[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args], **kw_dev,
+                       **{n: x.to(DEVICE) for n, x in q_kw.items()}, **extra)
+            want, _ = ref.query_rows_attention(twin, qc.cpu().float(), k.cpu().float(), v.cpu().float(), *args, **kw,
+                                               **q_kw, **extra)
+            record(case, fast.__name__ + " (query rows)" + (" (filled)" if extra else ""),
+                   float((out.cpu().double() - want).abs().max()), shape + f" C={C}")
         # index builders: column / diagonal scores, block scores (finite entries) vs the twins
         vs_kw = dict(last_q=1 + case * 13, extra_rows=case, return_scores=True)
         got = estimate.vertical_slash_index(q, k, 8, 8, **vs_kw, **kw_dev)[2:]

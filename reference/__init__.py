@@ -10,6 +10,8 @@ from minference.reference.attention import (
     dense_attention,
     dense_attention_probs,
     masked_attention,
+    merge_attention,
+    query_rows_attention,
     vertical_slash_attention,
 )
 from minference.reference.masks import (
@@ -31,6 +33,8 @@ __all__ = [
     "dense_attention_probs",
     "length_mask",
     "masked_attention",
+    "merge_attention",
+    "query_rows_attention",
     "slash_set",
     "vertical_slash_attention",
     "vertical_slash_mask",
