@@ -56,7 +56,7 @@ from typing import Any, TextIO
 
 import torch
 
-from minference.app.models import decode_step, output_cache, synchronize
+from minference.app.models import decode_step, forward_chunks, output_cache, synchronize
 
 __all__ = [
     "DENSE",
@@ -449,12 +449,13 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
 # Measurements.
 
 
-def _prefill(model, ids: torch.Tensor):
-    """Whole-model prefill; returns ``(seconds, cache, first token id tensor)`` synchronised."""
+def _prefill(model, ids: torch.Tensor, chunk: int = 0):
+    """Whole-model prefill (in chunks of ``chunk`` tokens through the cache: chunked prefill);
+    returns ``(seconds, cache, first token id tensor)`` synchronised."""
     synchronize(ids.device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model(ids[None], use_cache=True, logits_to_keep=1)
+        out = forward_chunks(model, ids[None], chunk, logits_to_keep=1)
         first = out.logits[0, -1].argmax()
     synchronize(ids.device)
     return time.perf_counter() - start, output_cache(out), first
@@ -472,14 +473,15 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _generate(model, ids: torch.Tensor, max_new_tokens: Sequence[int], eos: set[int],
-              settled: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+              settled: Callable[[int, list[int]], bool] | None = None, chunk: int = 0) -> list[list[int]]:
     """Greedy decode of a batch of equal-length prompts ``ids [B, n]`` (no padding, so each row
     decodes exactly as it would alone): row ``b`` up to ``max_new_tokens[b]`` tokens, stopping at
     EOS (not returned), or as soon as ``settled(b, tokens)`` says more tokens cannot change the
-    row's score. One prefill and one decode loop for the batch."""
+    row's score. One prefill (in chunks of ``chunk`` tokens, 0: one call) and one decode loop for
+    the batch."""
     B = ids.shape[0]
     with torch.no_grad():
-        out = model(ids, use_cache=True, logits_to_keep=1)
+        out = forward_chunks(model, ids, chunk, logits_to_keep=1)
         cache = output_cache(out)
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         seqs: list[list[int]] = [[] for _ in range(B)]
@@ -509,10 +511,12 @@ def _settled(sample, tokens: list[int], tokenizer) -> bool:
     return bool(text) and not text[-1].isalnum() and evals.score(sample, text)
 
 
-def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_CHUNK) -> torch.Tensor:
+def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_CHUNK,
+                 prefill_chunk: int = 0) -> torch.Tensor:
     """Next-token NLL ``[n - 1]`` float32 (on the CPU) of ``ids [n]`` from ONE prefill of the
-    decoder: the LM head and log-softmax run on ``chunk`` hidden rows at a time, so no
-    ``[n, vocab]`` tensor is ever built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``."""
+    decoder (in chunks of ``prefill_chunk`` tokens through the cache, 0: one call): the LM head and
+    log-softmax run on ``chunk`` hidden rows at a time, so no ``[n, vocab]`` tensor is ever
+    built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``."""
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"ids must be 1-D with at least 2 tokens, got shape {tuple(ids.shape)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -522,13 +526,22 @@ def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_
     n = ids.numel()
     targets = ids[1:]
     out = torch.empty(n - 1, dtype=torch.float32, device=ids.device)
-    with torch.no_grad():
-        hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]  # [n, hidden]
-        for s in range(0, n - 1, chunk):
-            e = min(s + chunk, n - 1)
-            logp = torch.log_softmax(head(hidden[s:e]).float(), dim=-1)  # [c, vocab]
-            out[s:e] = -logp.gather(1, targets[s:e, None].long())[:, 0]
+
+    def score(first: int, step) -> None:  # the hidden rows of positions first .. first + len - 1
+        hidden = step.last_hidden_state[0]
+        for s in range(0, hidden.shape[0], chunk):
+            lo, hi = first + s, min(first + min(s + chunk, hidden.shape[0]), n - 1)
+            if lo >= hi:
+                break
+            logp = torch.log_softmax(head(hidden[s : s + hi - lo]).float(), dim=-1)  # [c, vocab]
+            out[lo:hi] = -logp.gather(1, targets[lo:hi, None].long())[:, 0]
             del logp
+
+    with torch.no_grad():
+        if prefill_chunk:
+            forward_chunks(decoder, ids[None], prefill_chunk, each=score)
+        else:
+            score(0, decoder(input_ids=ids[None], use_cache=False))
     return out.cpu()
 
 
@@ -595,12 +608,12 @@ def split_events(events, *, device: bool = True) -> TimeSplit:
                      total_ms=total * ms, unlinked_ms=unlinked * ms, top=top if device else {})
 
 
-def _profiled_split(model, ids: torch.Tensor) -> TimeSplit:
+def _profiled_split(model, ids: torch.Tensor, chunk: int = 0) -> TimeSplit:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with torch.no_grad():
-            model(ids[None], use_cache=True, logits_to_keep=1)
+            forward_chunks(model, ids[None], chunk, logits_to_keep=1)
         synchronize(ids.device)
     return split_events(prof.events(), device=True)
 
@@ -771,6 +784,7 @@ def run_eval(
     dense_tail: int = 0,
     checkpoint: Callable[[EvalReport], None] | None = None,
     cuda_graphs: bool = False,
+    prefill_chunk: int = 0,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
@@ -793,6 +807,11 @@ def run_eval(
             the timed prefills replay). Only CUDA tensors on the Triton backend use graphs. The
             profiled split then books index building under attention (a replay has no index
             ranges); ``settings["cuda_graph_stats"]`` counts captures, replays and fallbacks.
+        prefill_chunk: every timed, profiled, answering and perplexity prefill feeds the prompt in
+            chunks of this many tokens through the KV cache (chunked prefill, as serving engines
+            run it; each later chunk runs the patched model's ``sparse_continue`` path); the TTFT is
+            then all chunks' time. Coverage and density stay one-shot measurements of the config.
+            0 (default): one call.
         coverage: measure density and coverage; ``profile``: the CUDA split (ignored on the CPU).
         loaded: an already loaded, unpatched ``(model, tokenizer)`` (left unpatched).
 
@@ -813,6 +832,7 @@ def run_eval(
     _check_int("samples", samples, 1)
     _check_int("seed", seed, 0)
     _check_int("dense_tail", dense_tail, 0)
+    _check_int("prefill_chunk", prefill_chunk, 0)
     if not isinstance(cuda_graphs, bool):
         raise EvalError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
     lengths = [_check_int("length", n, 2) for n in lengths]
@@ -878,7 +898,7 @@ def run_eval(
                   "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
                   "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
                   "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
-                  "cuda_graphs": cuda_graphs},
+                  "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk},
         configs=resolved, lengths=lengths, tasks=tasks,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -913,16 +933,17 @@ def run_eval(
                         stats = RunStats(cfg.name, n, yarn=yarn)
                         report.runs.append(stats)
                         _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
-                                         coverage=coverage, profile=profile, physical=physical)
+                                         coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk)
                     if gen_tasks:
                         # TTFT: one timed single-prompt prefill (the first task's); the answers:
                         # every task's prompt (all n tokens) in one batch, one greedy decode loop
-                        ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev))[0]
+                        ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
                         stats.ttft_s.append(ttft)
                         batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
                         answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
                                             settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
-                                                                                          tokenizer))
+                                                                                          tokenizer),
+                                            chunk=prefill_chunk)
                         for task, tokens in zip(gen_tasks, answers):
                             sample = prompts[task]
                             text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -934,9 +955,9 @@ def run_eval(
                         ids = prompts[evals.PERPLEXITY_TASK].to(dev)
                         ttft = None
                         if not gen_tasks:  # nothing else is timed: time this prompt's prefill
-                            ttft = _prefill(model, ids)[0]
+                            ttft = _prefill(model, ids, prefill_chunk)[0]
                             stats.ttft_s.append(ttft)
-                        nll = sequence_nll(model, ids)
+                        nll = sequence_nll(model, ids, prefill_chunk=prefill_chunk)
                         buckets = [float(b) for b in evals.position_buckets(nll, NLL_BUCKETS)]
                         report.records.append(SampleRecord(
                             cfg.name, evals.PERPLEXITY_TASK, n, index, seed, None, [], None, None, ttft,
@@ -979,7 +1000,7 @@ def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, d
 
 
 def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunStats, dev: torch.device, *,
-                     coverage: bool, profile: bool, physical: bool) -> None:
+                     coverage: bool, profile: bool, physical: bool, chunk: int = 0) -> None:
     """Warm-up prefill (untimed), the profiled prefill (CUDA) and the coverage prefill, on the
     first prompt of this (config, length)."""
     import minference.integration as integ
@@ -988,11 +1009,11 @@ def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunSt
     ids = (first.ids if hasattr(first, "ids") else first).to(dev)
     if config is not None:
         integ.reset_counts(model)
-    stats.warmup_s = _prefill(model, ids)[0]
+    stats.warmup_s = _prefill(model, ids, chunk)[0]
     if config is not None:
         stats.calls = {k: v for k, v in integ.call_counts(model).items() if v}
     if profile and dev.type == "cuda":
-        stats.split = _profiled_split(model, ids)
+        stats.split = _profiled_split(model, ids, chunk)
     if config is None:
         L = len(integ.attention_modules(model))
         stats.layer_density, stats.layer_coverage, stats.layer_physical = [1.0] * L, [1.0] * L, [1.0] * L
@@ -1030,7 +1051,9 @@ def format_report(report: EvalReport) -> str:
              f"samples {report.settings['samples']} per task and length, seed {report.settings['seed']}, "
              f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
              f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens"
-             + (", CUDA graphs" if report.settings.get("cuda_graphs") else ""), ""]
+             + (", CUDA graphs" if report.settings.get("cuda_graphs") else "")
+             + (f", prefill in chunks of {report.settings['prefill_chunk']} tokens"
+                if report.settings.get("prefill_chunk") else ""), ""]
     head = ["length", "config"] + gen_tasks + (["NLL"] if ppl else []) + [
         "TTFT ms", "vs dense", "attn ms", "index ms", "other ms", "density (log/phys)", "coverage", "paths"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -1178,6 +1201,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto", help="dispatcher backend")
     p.add_argument("--dense-tail", type=int, default=0, metavar="T",
                    help="the last T prompt tokens of a sparse prefill attend densely (default 0: none)")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
+                   help="feed every prompt in chunks of C tokens through the KV cache (chunked prefill; "
+                        "later chunks run sparse on query rows); 0: one call (default)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="sparse layers replay CUDA graphs captured by the warm-up prefill (CUDA, Triton backend; "
                         "docs/integration.md)")
@@ -1215,7 +1241,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         samples=args.samples, seed=args.seed, device=args.device, dense_threshold=args.dense_threshold,
         backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
-        dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs,
+        dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
     )
 

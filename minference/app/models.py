@@ -310,13 +310,38 @@ def output_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
+def cache_keyword(module) -> str:
+    """The keyword this transformers version's forward takes the KV cache under: ``cache``
+    (>= 5.2x) or ``past_key_values`` (5.17, the H200's)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def decode_step(model, token: int | torch.Tensor, cache, device: torch.device):
     """One greedy decode step's forward for ``token`` (an id, or ``[B]`` ids of a batch) after
-    ``cache``, passing the cache under the keyword this transformers version's forward takes
-    (``cache`` or ``past_key_values``)."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ``cache`` (:func:`cache_keyword`)."""
     ids = token.reshape(-1, 1).to(device) if isinstance(token, torch.Tensor) else torch.tensor([[token]], device=device)
-    return model(ids, use_cache=True, **{name: cache})
+    return model(ids, use_cache=True, **{cache_keyword(model): cache})
+
+
+def forward_chunks(module, ids: torch.Tensor, chunk: int = 0, *, each=None, **kwargs):
+    """``module(ids, use_cache=True, **kwargs)`` for a prompt ``ids [B, n]`` fed in chunks of
+    ``chunk`` tokens through the KV cache, as serving engines prefill (``0`` or ``chunk >= n``:
+    one call). Returns the last chunk's output, whose cache holds every token. ``each(start,
+    out)``, if given, sees every chunk's output (its first position is ``start``)."""
+    n = ids.shape[1]
+    if not chunk or chunk >= n:
+        out = module(ids, use_cache=True, **kwargs)
+        if each is not None:
+            each(0, out)
+        return out
+    cache, name = None, cache_keyword(module)
+    for start in range(0, n, chunk):
+        out = module(ids[:, start : start + chunk], use_cache=True, **({name: cache} if cache is not None else {}),
+                     **kwargs)
+        if each is not None:
+            each(start, out)
+        cache = output_cache(out)
+    return out
 
 
 def _rope_source(model):

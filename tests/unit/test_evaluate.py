@@ -158,6 +158,37 @@ def test_chunked_nll_equals_full_logits(smollm2):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)  # NLL ~20 here: fp32 rounding of the sum
     with pytest.raises(ValueError, match="chunk"):
         E.sequence_nll(model, ids, chunk=0)
+    # the prompt fed in chunks through the cache (chunked prefill, dense here): the same NLL up to
+    # float32 rounding (another SDPA path: a chunk against its cache is a masked call, not is_causal)
+    torch.testing.assert_close(E.sequence_nll(model, ids, chunk=7, prefill_chunk=13), want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_prefill_decodes_as_one_call():
+    """``_generate`` / ``_prefill`` with the prompt in chunks through the cache give what one
+    call gives (an unpatched model: chunked dense prefill is the same attention)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 64, (2, 23))
+    assert E._generate(model, ids, [8, 8], set(), chunk=5) == E._generate(model, ids, [8, 8], set())
+    assert int(E._prefill(model, ids[0], 6)[2]) == int(E._prefill(model, ids[0])[2])
+
+
+def test_run_eval_prefills_in_chunks(smollm2):
+    """``prefill_chunk``: the later chunks of a sparse config run the ``sparse_continue`` path,
+    recorded with the setting; the dense config is unpatched."""
+    report = E.run_eval("smollm2", configs=["dense", UNIFORM], lengths=[N], tasks=["perplexity"], samples=1,
+                        dense_threshold=0, allow_mismatch=True, progress=False, loaded=smollm2, coverage=False,
+                        prefill_chunk=N // 3)
+    assert report.settings["prefill_chunk"] == N // 3
+    calls = report.run("BS(top4,b64)", N).calls
+    assert calls["sparse"] == LAYERS and calls["sparse_continue"] == 2 * LAYERS  # chunks 2 and 3 of every layer
+    assert "prefill in chunks of" in E.format_report(report)
+    with pytest.raises(E.EvalError, match="prefill_chunk"):
+        E.run_eval("smollm2", configs=["dense"], lengths=[N], tasks=["perplexity"], prefill_chunk=-1, loaded=smollm2,
+                   progress=False)
 
 
 # ---------------------------------------------------------------------------------------------
