@@ -191,6 +191,84 @@ GPU_TILES_FP32 = Tiles(block_m=64, block_n=32, num_warps=4, num_stages=2)
 INTERPRET_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)
 
 
+#: Environment variable that lowers the shared memory a kernel program may use below the device's
+#: own limit (bytes): how the H200 runs the tiles an A100 (164 KB a block: 166912) or a consumer
+#: GPU (~100 KB: 101376) would get.
+SMEM_LIMIT_ENV = "MINFERENCE_SMEM_LIMIT"
+_FITTED: dict = {}
+_DEVICE_SMEM: dict = {}
+
+
+def smem_limit(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: the device's opt-in per-block
+    limit, or :data:`SMEM_LIMIT_ENV` when that is lower (read at every call, so tests may set it;
+    the device query is made once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = _DEVICE_SMEM.get(index)
+    if limit is None:
+        props = torch.cuda.get_device_properties(index)
+        limit = _DEVICE_SMEM[index] = int(getattr(props, "shared_memory_per_block_optin", 0)
+                                          or props.shared_memory_per_block)
+    forced = os.environ.get(SMEM_LIMIT_ENV)
+    if forced:
+        try:
+            value = int(forced)
+        except ValueError:
+            raise ValueError(f"{SMEM_LIMIT_ENV} must be a byte count, got {forced!r}") from None
+        if value <= 0:
+            raise ValueError(f"{SMEM_LIMIT_ENV} must be positive, got {value}")
+        limit = min(limit, value)
+    return limit
+
+
+def fit_tiles(name: str, key: tuple, device: torch.device, candidates, compiled_shared) -> Tiles:
+    """The first of ``candidates`` (preferred first) whose compiled program fits the device's
+    shared memory (:func:`smem_limit`), remembered per ``(name, key, device, limit)``.
+
+    ``compiled_shared(tiles) -> bytes`` compiles the kernel for ``tiles`` without launching it
+    (``JITFunction.warmup``) and returns its ``metadata.shared``; it runs once per candidate tried,
+    the first time a key is seen. On CPU tensors (the interpreter) the first candidate is used.
+    Raises ``RuntimeError`` naming the limit when no candidate fits."""
+    candidates = list(candidates)
+    if device.type != "cuda" or interpreting():
+        return candidates[0]
+    limit = smem_limit(device)
+    cache_key = (name, key, device.index if device.index is not None else torch.cuda.current_device(), limit)
+    hit = _FITTED.get(cache_key)
+    if hit is not None:
+        return hit
+    tried = []
+    for tiles in candidates:
+        need = int(compiled_shared(tiles))
+        tried.append(f"{tiles.block_m}x{tiles.block_n}/{tiles.num_stages} stages: {need} B")
+        if need <= limit:
+            _FITTED[cache_key] = tiles
+            return tiles
+    raise RuntimeError(f"{name}: no tile configuration fits {limit} bytes of shared memory per program "
+                       f"({'; '.join(tried)})")
+
+
+def launch_fitted(name: str, jit_fn, device: torch.device, key: tuple, candidates, call) -> Tiles:
+    """Launch ``jit_fn`` with the first of ``candidates`` that fits (:func:`fit_tiles`); ``call(tiles)
+    -> (grid, args, kwargs)`` builds the launch for a configuration (grid, descriptors and
+    constexprs follow the tiles). Returns the tiles used."""
+    def shared(tiles: Tiles) -> int:
+        grid, args, kwargs = call(tiles)
+        return jit_fn.warmup(*args, grid=grid, **kwargs).metadata.shared
+
+    tiles = fit_tiles(name, key, device, candidates, shared)
+    grid, args, kwargs = call(tiles)
+    jit_fn[grid](*args, **kwargs)
+    return tiles
+
+
+def fitted_stages(tiles: Tiles) -> list[Tiles]:
+    """``tiles`` and the same tiles with fewer pipeline stages down to 1: the candidates of a
+    kernel whose tile sizes are fixed by its index (block-sparse blocks, the vertical-slash
+    converter's ``block_m``)."""
+    return [Tiles(tiles.block_m, tiles.block_n, tiles.num_warps, s) for s in range(tiles.num_stages, 0, -1)]
+
+
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -371,17 +449,22 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int, block_d: int,
     also builds them for CPU tensors under the interpreter (tests of the descriptor path)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    on_gpu = k.device.type == "cuda" and not interpreting()
-    if not (on_gpu or (interpreter and interpreting())) or k.shape[-1] != block_d or block_d * k.element_size() < 16:
-        return None, None
-    for x in (k, v):
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
-            return None, None
-    if k.shape[-2] == 0 or k.shape[0] == 0 or k.shape[1] == 0:
+    if not descriptors_ok(k, v, block_d, interpreter=interpreter):
         return None, None
     blk = [1, 1, block_n, block_d]
     return (TensorDescriptor(k, list(k.shape), list(k.stride()), blk),
             TensorDescriptor(v, list(v.shape), list(v.stride()), blk))
+
+
+def descriptors_ok(k: torch.Tensor, v: torch.Tensor, block_d: int, *, interpreter: bool = False) -> bool:
+    """Whether :func:`kv_descriptors` builds descriptors for ``k, v`` (for any key tile)."""
+    on_gpu = k.device.type == "cuda" and not interpreting()
+    if not (on_gpu or (interpreter and interpreting())) or k.shape[-1] != block_d or block_d * k.element_size() < 16:
+        return False
+    for x in (k, v):
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * x.element_size() % 16 for st in x.stride()[:-1]):
+            return False
+    return not (k.shape[-2] == 0 or k.shape[0] == 0 or k.shape[1] == 0)
 
 
 def qkv_strides(q, k, v, out) -> list[int]:

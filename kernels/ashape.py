@@ -24,8 +24,10 @@ from minference.kernels._common import (
     _scores,
     _softmax_update,
     _store_rows,
+    descriptors_ok,
     finish,
     kv_descriptors,
+    launch_fitted,
     prepare,
     qkv_strides,
 )
@@ -64,7 +66,8 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
 @triton.jit(do_not_specialize=["head_offset", "slb", "slh"])
-def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows, head_offset, qk_scale,
+def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows, head_offset,
+                qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
                 slb, slh, sln,
                 group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -140,10 +143,23 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, h
 _GPU_TILES_2BYTE = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
+#: Smaller tiles, tried in order where the preferred ones exceed the device's shared memory
+#: (:func:`minference.kernels._common.fit_tiles`): fewer stages first, then 64-key tiles, then
+#: 64-row blocks. At D = 128 the preferred 2-byte tiles take ~229 KB (more than an A100's 164 KB).
+_GPU_FALLBACK_2BYTE = (Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2),
+                       Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1))
+_GPU_FALLBACK_FP32 = (Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1))
+
+
 def _tiles(q: torch.Tensor) -> Tiles | None:
     if q.device.type == "cuda" and q.element_size() == 2:
         return _GPU_TILES_2BYTE
     return None  # the shared defaults (fp32 on the GPU, the interpreter)
+
+
+def _candidates(q: torch.Tensor, preferred: Tiles) -> list[Tiles]:
+    """``preferred`` and the fallbacks for ``q``'s dtype (the kernel takes any tile sizes)."""
+    return [preferred, *(_GPU_FALLBACK_2BYTE if q.element_size() == 2 else _GPU_FALLBACK_FP32)]
 
 
 def _budget(name: str, value, H_needed: int, device, minimum: int, validate: bool,
@@ -210,10 +226,13 @@ def ashape_attention(
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.launches():
-        desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
-        _ashape_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
-            sinks, windows, head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse), DESC=desc_k is not None,
-        )
+        def call(tiles: Tiles):
+            prep.tiles = tiles
+            desc_k, desc_v = kv_descriptors(k, v, tiles.block_n, prep.block_d)
+            args = (q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(), sinks, windows,
+                    head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+            return prep.grid(), args, dict(**prep.meta(q, return_lse), DESC=desc_k is not None)
+
+        key = (q.dtype, prep.D, return_lse, prep.qrows, descriptors_ok(k, v, prep.block_d))
+        launch_fitted("ashape", _ashape_fwd, q.device, key, _candidates(q, prep.tiles), call)
     return finish(prep, return_lse)

@@ -24,7 +24,9 @@ from minference.kernels._common import (
     _softmax_update,
     _store_rows,
     finish,
+    fitted_stages,
     kv_descriptors,
+    launch_fitted,
     prepare,
     qkv_strides,
 )
@@ -179,10 +181,13 @@ def block_sparse_attention(
     if prep.launches():
         off, count, has_diag = normalize_blocks(blocks)
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
-        _bs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
-            off, count, has_diag, off.shape[-1], nqb, prep.qk_scale,
-            *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse), DESC=desc_k is not None,
-        )
+
+        def call(tiles: Tiles):  # the routing block fixes the tile sizes: only the stages vary
+            prep.tiles = tiles
+            args = (q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(), off, count, has_diag,
+                    off.shape[-1], nqb, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+            return prep.grid(), args, dict(**prep.meta(q, return_lse), DESC=desc_k is not None)
+
+        key = (q.dtype, prep.D, block, return_lse, prep.qrows, desc_k is not None)
+        launch_fitted("block_sparse", _bs_fwd, q.device, key, fitted_stages(prep.tiles), call)
     return finish(prep, return_lse)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from minference.kernels._common import (
     Prepared,
+    Tiles,
     _load_kv,
     _load_kv_desc,
     _load_rows,
@@ -35,8 +36,11 @@ from minference.kernels._common import (
     _softmax_update,
     _store_rows,
     default_tiles,
+    descriptors_ok,
     finish,
+    fitted_stages,
     kv_descriptors,
+    launch_fitted,
     prepare,
     qkv_strides,
 )
@@ -308,24 +312,43 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.launches():
-        wide = WIDE_TILE_FACTOR * prep.tiles.block_n
-        desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
         heads = prep.head_ids()
-        desc_ck = desc_cv = None
-        if desc_k is not None and index.columns.shape[-1] > 0:
-            desc_ck, desc_cv = _column_scratch(prep, k, v, index, heads, wide)
-        _vs_fwd[prep.grid()](
-            q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, *prep.row_args(), heads,
-            index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index, index.col_count,
-            index.col_before, index.col_lead, index.diag_bits, index.col_mask,
-            prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1],
-            index.col_count.shape[-1], prep.qk_scale,
-            *qkv_strides(q, k, v, prep.out), slb, slh, sln,
-            **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
-            COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide, SCRATCH=desc_ck is not None,
-            SCRATCH_STAGES=SCRATCH_STAGES,
-        )
+        scratch = {}  # the column scratch per wide tile width (built once, for the tiles launched)
+
+        def call(tiles: Tiles):  # the converter fixed block_m: the key tile and the stages vary
+            prep.tiles = tiles
+            wide = WIDE_TILE_FACTOR * tiles.block_n
+            desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
+            desc_ck = desc_cv = None
+            if desc_k is not None and index.columns.shape[-1] > 0:
+                if wide not in scratch:
+                    scratch[wide] = _column_scratch(prep, k, v, index, heads, wide)
+                desc_ck, desc_cv = scratch[wide]
+            args = (q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, *prep.row_args(), heads,
+                    index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index,
+                    index.col_count, index.col_before, index.col_lead, index.diag_bits, index.col_mask,
+                    prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1],
+                    index.col_count.shape[-1], prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+            return prep.grid(), args, dict(
+                **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
+                COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide, SCRATCH=desc_ck is not None,
+                SCRATCH_STAGES=SCRATCH_STAGES)
+
+        key = (q.dtype, prep.D, prep.tiles.block_m, return_lse, prep.qrows, index.all_solid,
+               descriptors_ok(k, v, prep.block_d), index.columns.shape[-1] > 0)
+        launch_fitted("vertical_slash", _vs_fwd, q.device, key, _candidates(prep.tiles), call)
     return finish(prep, return_lse)
+
+
+def _candidates(preferred: Tiles) -> list[Tiles]:
+    """``preferred`` then, at its ``block_m`` (the converter's), fewer stages and narrower key tiles
+    where the device's shared memory is smaller (at D = 128 the preferred 2-byte tiles take
+    ~229 KB with their 128-key wide tiles)."""
+    out = fitted_stages(preferred)
+    for block_n in (32, 16):
+        if block_n < preferred.block_n:
+            out += fitted_stages(Tiles(preferred.block_m, block_n, preferred.num_warps, min(2, preferred.num_stages)))
+    return out
 
 
 def _check_physical(prep: Prepared, index: VSIndex, device) -> None:

@@ -95,8 +95,9 @@ def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.T
     ``Nq < N`` and full key rows: every row's queries are its last ``Nq`` tokens, from 0. With
     ragged key rows (``given_rows``) and ``Nq < N``, ``q_seqlens`` must be given: no placement
     is guessed. ``q_seqstarts`` defaults to the queries' own places when ``q`` has the key rows'
-    length (``Nq == N``: ``starts + lens - q_lens``, the rows computed in place), else 0. An int ``q_seqlens = c`` means ``min(c, lens[b])``
-    for every row (a fixed count of last tokens, at most the row); a tensor is used as given.
+    length (``Nq == N``: ``starts + lens - q_lens``, the rows computed in place), else 0. An int
+    ``q_seqlens = c`` means ``min(c, lens[b])`` for every row (a fixed count of last tokens, at
+    most the row); a tensor is used as given.
     """
     B = lens.shape[0]
     if q_seqlens is None and q_seqstarts is not None:

@@ -13,11 +13,15 @@ tests draw bf16 too, longer sequences (several 128-row tiles) and every supporte
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import strategies as st
+from minference.kernels import _common as C
 
 from minference import kernels
+from minference import reference as ref
 from minference._checks import token_mask
 from minference.testing import assert_close_to_reference, assert_not_written, assert_stats_close, poison
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
@@ -373,3 +377,96 @@ def check_sharp(p: dict, kernel, twin, *args, **kwargs) -> None:
     assert lead.numel() >= 20, "too few rows with a masked key"
     assert float((lead > 20).double().mean()) >= 0.9, f"planted keys lead by only {lead.quantile(0.1):.1f} nats"
     run_and_check(p, kernel, twin, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# tiles chosen from the device's shared memory (GPUs other than Hopper)
+# --------------------------------------------------------------------------------------------
+
+_CANDIDATES = [C.Tiles(128, 128, 8, 3), C.Tiles(128, 128, 8, 2), C.Tiles(128, 64, 8, 2)]
+_SHARED = {_CANDIDATES[0]: 234_000, _CANDIDATES[1]: 168_000, _CANDIDATES[2]: 99_000}
+
+
+@pytest.fixture
+def compiled_gpu(monkeypatch):
+    """fit_tiles as on a GPU (the interpreter would take the first candidate unprobed)."""
+    monkeypatch.setattr(C, "interpreting", lambda: False)
+    monkeypatch.setattr(C, "_FITTED", {})
+    monkeypatch.setattr(C, "_DEVICE_SMEM", {0: 232_448})  # an H200's opt-in limit per block
+    monkeypatch.delenv(C.SMEM_LIMIT_ENV, raising=False)
+
+
+def test_fit_tiles_takes_the_first_configuration_that_fits(compiled_gpu, monkeypatch):
+    dev = torch.device("cuda", 0)
+    tried = []
+
+    def shared(t):
+        tried.append(t)
+        return _SHARED[t]
+
+    assert C.fit_tiles("k", ("a",), dev, _CANDIDATES, shared) == _CANDIDATES[1]  # 234 KB > 227 KB
+    assert tried == _CANDIDATES[:2]
+    assert C.fit_tiles("k", ("a",), dev, _CANDIDATES, shared) == _CANDIDATES[1] and len(tried) == 2  # remembered
+    monkeypatch.setenv(C.SMEM_LIMIT_ENV, "166912")  # an A100's: another key, probed again
+    assert C.fit_tiles("k", ("a",), dev, _CANDIDATES, shared) == _CANDIDATES[2]
+    monkeypatch.setenv(C.SMEM_LIMIT_ENV, "50000")
+    with pytest.raises(RuntimeError, match="no tile configuration fits 50000 bytes"):
+        C.fit_tiles("k", ("a",), dev, _CANDIDATES, shared)
+    assert C.fit_tiles("k", ("a",), torch.device("cpu"), _CANDIDATES, shared) == _CANDIDATES[0]  # interpreter
+
+
+def test_smem_limit_is_the_device_limit_or_the_forced_lower_one(compiled_gpu, monkeypatch):
+    dev = torch.device("cuda", 0)
+    assert C.smem_limit(dev) == 232_448
+    monkeypatch.setenv(C.SMEM_LIMIT_ENV, "101376")
+    assert C.smem_limit(dev) == 101_376
+    monkeypatch.setenv(C.SMEM_LIMIT_ENV, "999999")  # never above the device's own
+    assert C.smem_limit(dev) == 232_448
+    for bad in ("lots", "0", "-5"):
+        monkeypatch.setenv(C.SMEM_LIMIT_ENV, bad)
+        with pytest.raises(ValueError, match=C.SMEM_LIMIT_ENV):
+            C.smem_limit(dev)
+
+
+def test_launch_fitted_builds_each_candidate_launch_and_runs_the_fitting_one(compiled_gpu):
+    launched = []
+
+    class FakeKernel:  # JITFunction's warmup (compile only) and launch
+        def warmup(self, *args, grid, **kwargs):
+            return SimpleNamespace(metadata=SimpleNamespace(shared=_SHARED[kwargs["tiles"]]))
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, args, kwargs["tiles"]))
+
+    def call(tiles):
+        return (tiles.block_m, 1, 1), ("q",), {"tiles": tiles}
+
+    used = C.launch_fitted("fake", FakeKernel(), torch.device("cuda", 0), (), _CANDIDATES, call)
+    assert used == _CANDIDATES[1] and launched == [((128, 1, 1), ("q",), _CANDIDATES[1])]
+    assert C.fitted_stages(C.Tiles(64, 64, 4, 3)) == [C.Tiles(64, 64, 4, s) for s in (3, 2, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [166_912, 101_376], ids=["a100", "100KB"])
+@pytest.mark.parametrize("which", ["ashape", "vertical_slash", "block_sparse"])
+def test_smaller_shared_memory_still_runs_and_matches(which, limit, monkeypatch):
+    """The H200 forced to an A100's and a 100 KB budget (MINFERENCE_SMEM_LIMIT): each kernel at
+    D = 128, bf16, picks tiles that compile within it and still meets the tolerance rule."""
+    monkeypatch.setenv(C.SMEM_LIMIT_ENV, str(limit))
+    monkeypatch.setattr(C, "_FITTED", {})
+    shape = AttnShape(B=2, Hq=4, Hkv=2, N=700, D=128)
+    q, k, v = qkv(shape, torch.bfloat16, "cuda", seed=3)
+    p = dict(shape=shape, dtype=torch.bfloat16, seqlens=torch.tensor([700, 433], dtype=torch.int32), seqstarts=None,
+             heads=None, Hg=4, q=q, k=k, v=v)
+    g = torch.Generator().manual_seed(4)
+    if which == "ashape":
+        run_and_check(p, kernels.ashape_attention, ref.ashape_attention, 16, 200)
+    elif which == "vertical_slash":
+        vert = torch.randint(-1, 700, (2, 4, 40), generator=g, dtype=torch.int32)
+        sl = torch.randint(-1, 700, (2, 4, 60), generator=g, dtype=torch.int32)
+        run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vert, sl, fill_gaps=383)
+    else:
+        blocks = torch.randint(-1, 11, (2, 4, 11, 4), generator=g, dtype=torch.int32)
+        run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=64)
+    fitted = [t for (name, _, _, lim), t in C._FITTED.items() if lim == limit]
+    assert fitted, "the launch must have gone through fit_tiles"

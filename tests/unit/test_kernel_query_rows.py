@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from minference.reference.attention import merge_attention, query_rows_attention
 from test_kernel_common import COMBOS, DEVICE, SEED, problem
 
 from minference import kernels
 from minference import reference as ref
 from minference._checks import token_mask
-from minference.reference.attention import merge_attention, query_rows_attention
 from minference.testing import assert_close_to_reference, assert_not_written, assert_stats_close, poison
 from minference.testing.strategies import (
     ashape_budgets,
