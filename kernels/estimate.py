@@ -32,6 +32,14 @@ query, against the block-mean keys: one program owns one query block's rows and 
 means ``J <= I`` in tiles of ``KT``, twice (log-sum-exp per row, then normalised probabilities
 reduced by a max over the rows into one ``[KT]`` slice of ``score[I, :]``). It writes its whole
 score row (``-inf`` past ``I``), so the output needs no fill, and reads no atomics.
+
+Query rows (``q_seqlens``, ``q_seqstarts``: ``q [B, Hq, Nq, D]`` holds each row's last tokens;
+docs/kernels.md) reach every kernel as two more pointers, the query rows' counts and starts
+(the key rows' own lengths and starts for the ordinary call, which therefore computes exactly
+what it did): the vertical-slash passes read position ``i``'s query at q's row ``q_starts -
+q_lo + i`` and sample no position before ``q_lo``, over a grid of ``min(last_q, bound)`` rows;
+the block kernels run one program per *slot* (query block ``q_lo // block + s``,
+:meth:`minference.index.QueryRows.slots`), not per query block of the row.
 """
 
 from __future__ import annotations
@@ -42,8 +50,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minference._checks import check_qkv, check_ragged, default_scale
-from minference.index import build_block_sparse_index, build_vertical_slash_index, heads_tensor, select_vertical_slash
+from minference._checks import check_qkv_rows, check_ragged, default_scale
+from minference.index import (
+    blocks_from_slots,
+    build_block_sparse_index,
+    build_vertical_slash_index,
+    heads_tensor,
+    query_rows,
+    select_vertical_slash,
+)
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "query_block_scores", "select_query_blocks"]
@@ -67,14 +82,15 @@ POOL_TOKEN_TILE = 64
 
 
 @triton.jit
-def _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, kvh, pid_c, pid_t, n, start, last_q, scale, R_TOTAL,
+def _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, kvh, pid_c, pid_t, n, start, q_lo, q_row0, last_q, scale, R_TOTAL,
                sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
                RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
     """Logits ``[RC, KT]`` of the sampled rows of chunk ``pid_c`` against the keys
     ``[pid_t KT, (pid_t + 1) KT)`` (``-inf`` where the pair is not owned: row not sampled, key
     past the row, not causal), the ownership mask, and the row ``[RC]`` and key ``[KT]``
-    positions. Rows: the last ones ``n - R_TOTAL + pid_c RC + r`` (``SPREAD`` False), or read
-    from ``pos_ptr [B, R_TOTAL]`` (-1 = none)."""
+    positions. Rows: the last ones ``n - R_TOTAL + pid_c RC + r`` from ``max(n - last_q, q_lo)``
+    on (``SPREAD`` False), or read from ``pos_ptr [B, R_TOTAL]`` (-1 = none). Position ``i``'s
+    query is q's row ``q_row0 + i`` (``q_lo = 0``, ``q_row0 = start`` for the ordinary call)."""
     r = tl.arange(0, RC)
     c = tl.arange(0, KT)
     d = tl.arange(0, BLOCK_D)
@@ -83,11 +99,11 @@ def _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, kvh, pid_c, pid_t, n, start, last_q,
         row_ok = i >= 0
     else:
         i = n - R_TOTAL + pid_c * RC + r
-        row_ok = (i >= tl.maximum(n - last_q, 0)) & (i < n)
+        row_ok = (i >= tl.maximum(n - last_q, q_lo)) & (i < n)
     j = pid_t * KT + c  # [KT] logical key positions
     key_ok = j < n
     own = row_ok[:, None] & key_ok[None, :] & (i[:, None] >= j[None, :])
-    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
+    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (q_row0 + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
     k_off = b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + (start + j).to(tl.int64)[:, None] * skn + d[None, :] * skd
     kt = tl.load(k_ptr + k_off, mask=key_ok[:, None] & (d[None, :] < D), other=0.0)
@@ -107,12 +123,13 @@ def _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC: tl.constexpr, KT: tl.co
 
 
 @triton.jit
-def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, stat_ptr,
+def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, qlens_ptr, qstarts_ptr, stat_ptr,
                      Hg, group, last_q, scale, R_TOTAL, T,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
                      RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPREAD: tl.constexpr):
     """Each tile's log-sum-exp of its owned logits per row (``-inf`` where it owns none), written
-    for every (row, tile) of the grid, so the buffer needs no fill."""
+    for every (row, tile) of the grid, so the buffer needs no fill. ``qlens_ptr``,
+    ``qstarts_ptr``: the query rows' counts and starts (the key rows' own for the ordinary call)."""
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -125,8 +142,11 @@ def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, sta
     if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
         tl.store(stat_ptr + off, tl.full([RC], float("-inf"), tl.float32))
     else:
-        s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
-                                  R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
+        q_lo = n - tl.load(qlens_ptr + b)
+        q_row0 = tl.load(qstarts_ptr + b) - q_lo
+        s, own, _, _ = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, q_lo, q_row0,
+                                  last_q, scale, R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D,
+                                  SPREAD)
         m = tl.max(s, axis=1)  # [RC]
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l = tl.sum(tl.where(own, tl.exp(s - m_safe[:, None]), 0.0), axis=1)
@@ -152,8 +172,8 @@ def _lse_kernel(stat_ptr, lse_ptr, T, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, lse_ptr, col_ptr, diag_ptr,
-                      Hg, group, last_q, scale, R_TOTAL, N,
+def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, qlens_ptr, qstarts_ptr, lse_ptr,
+                      col_ptr, diag_ptr, Hg, group, last_q, scale, R_TOTAL, N,
                       sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
                       RC: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, USE_MAX: tl.constexpr,
                       SPREAD: tl.constexpr):
@@ -166,8 +186,10 @@ def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, ls
     start = tl.load(starts_ptr + b)
     if _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC, KT, SPREAD):
         return
-    s, own, i, j = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, last_q, scale,
-                              R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
+    q_lo = n - tl.load(qlens_ptr + b)
+    q_row0 = tl.load(qstarts_ptr + b) - q_lo
+    s, own, i, j = _vs_logits(q_ptr, k_ptr, pos_ptr, b, h, h // group, pid_c, pid_t, n, start, q_lo, q_row0, last_q,
+                              scale, R_TOTAL, sqb, sqh, sqn, sqd, skb, skh, skn, skd, D, RC, KT, BLOCK_D, SPREAD)
     r = tl.arange(0, RC)
     lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * R_TOTAL + pid_c * RC + r)  # [RC]
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
@@ -204,36 +226,43 @@ def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, ls
 
 
 @triton.jit
-def _pool_kernel(x_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr, Hs, NQB, block,
+def _pool_kernel(x_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, out_ptr, Hs, NS, block,
                  sxb, sxh, sxn, sxd, D,
                  TT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per (batch row, head, slot): the mean of the slot's block over the positions
+    ``q_lo .. n - 1`` (``q_lo = n - qlens[b]``), read at rows ``qstarts[b] - q_lo + p``; slot ``s``
+    is block ``q_lo // block + s``. The ordinary call (``qlens = lens``, ``qstarts = starts``):
+    every block of the row, slot = block."""
     pid_bh = tl.program_id(0)
-    I = tl.program_id(1)
+    slot = tl.program_id(1)
     b = pid_bh // Hs
     h = tl.load(heads_ptr + pid_bh % Hs)
     n = tl.load(lens_ptr + b)
-    start = tl.load(starts_ptr + b)
+    q_lo = n - tl.load(qlens_ptr + b)
+    row0 = tl.load(qstarts_ptr + b) - q_lo
     d = tl.arange(0, BLOCK_D)
     t = tl.arange(0, TT)
-    lo = I * block
-    hi = tl.minimum(lo + block, n)
+    I = q_lo // block + slot
+    lo = tl.maximum(I * block, q_lo)
+    hi = tl.minimum(I * block + block, n)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
     for t0 in range(0, block, TT):
         pos = lo + t0 + t
         ok = pos < hi
-        x = tl.load(base + (start + pos).to(tl.int64)[:, None] * sxn + d[None, :] * sxd,
+        x = tl.load(base + (row0 + pos).to(tl.int64)[:, None] * sxn + d[None, :] * sxd,
                     mask=ok[:, None] & (d[None, :] < D), other=0.0)
         acc += tl.sum(x.to(tl.float32), axis=0)
     count = tl.maximum(hi - lo, 1).to(tl.float32)
-    tl.store(out_ptr + (pid_bh.to(tl.int64) * NQB + I) * D + d, acc / count, mask=d < D)
+    tl.store(out_ptr + (pid_bh.to(tl.int64) * NS + slot) * D + d, acc / count, mask=d < D)
 
 
 def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: bool, col, diag,
-               n_rows: int, spread: bool):
+               n_rows: int, spread: bool, q_lens, q_starts):
     """Both passes over one row set (the last rows, or the extra rows ``pos``), reducing into
-    ``col`` and ``diag``: 3 launches (statistics, their reduction, scores)."""
-    B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    ``col`` and ``diag``: 3 launches (statistics, their reduction, scores). ``q_lens``,
+    ``q_starts``: the query rows (``lens``, ``starts`` for the ordinary call)."""
+    B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], k.shape[2], q.shape[3]
     Hg = hs.shape[0]
     rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(n_rows)))
     kt = max(VS_KEY_TILE, rc)  # the roll needs every row's shift below the tile width
@@ -249,25 +278,32 @@ def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: 
     grid = (B * Hg, n_chunks, n_tiles)
     common = (*q.stride(), *k.stride(), D)
     meta = dict(RC=rc, KT=kt, BLOCK_D=block_d, SPREAD=spread, num_warps=VS_WARPS)
-    _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, stat, Hg, Hq // Hkv, last_q, scale, r_total, n_tiles,
-                           *common, **meta)
+    _vs_stats_kernel[grid](q, k, pos, hs, lens, starts, q_lens, q_starts, stat, Hg, Hq // Hkv, last_q, scale, r_total,
+                           n_tiles, *common, **meta)
     lse = torch.empty((B * Hg, r_total), dtype=torch.float32, device=q.device)
     _lse_kernel[(B * Hg * r_total,)](stat, lse, n_tiles, CHUNK=LSE_CHUNK, num_warps=4)
-    _vs_scores_kernel[grid](q, k, pos, hs, lens, starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale, r_total, N,
-                            *common, USE_MAX=use_max, **meta)
+    _vs_scores_kernel[grid](q, k, pos, hs, lens, starts, q_lens, q_starts, lse, col, diag, Hg, Hq // Hkv, last_q, scale,
+                            r_total, N, *common, USE_MAX=use_max, **meta)
 
 
 def _vs_scores_triton(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
-                      aggregation: str):
+                      aggregation: str, qrows=None):
     """Column and diagonal scores ``[B, Hg, N]`` float32 by the two Triton passes over the last
-    rows, and two more over the extra rows ``rows [B, E]`` (-1 = none) when given."""
-    B, Hg, N = q.shape[0], hs.shape[0], q.shape[2]
+    rows, and two more over the extra rows ``rows [B, E]`` (-1 = none) when given. Query rows
+    ``qrows`` (:class:`minference.index.QueryRows`): the kernels read each sampled position's
+    query at its q row and sample no position before the row's first query; the last-rows grid
+    covers ``min(last_q, qrows.bound)`` rows."""
+    B, Hg, N = q.shape[0], hs.shape[0], k.shape[2]
     col, diag = torch.zeros(2, B, Hg, N, dtype=torch.float32, device=q.device).unbind(0)  # one fill
     if B * Hg > 0 and N > 0:
         use_max = aggregation == "max"
-        _vs_passes(q, k, hs, lens, starts, None, last_q, scale, use_max, col, diag, last_q, spread=False)
+        q_lens, q_starts = (lens, starts) if qrows is None else (qrows.lens, qrows.starts)
+        n_last = last_q if qrows is None else min(last_q, qrows.bound)
+        if n_last > 0:
+            _vs_passes(q, k, hs, lens, starts, None, last_q, scale, use_max, col, diag, n_last, False, q_lens, q_starts)
         if rows is not None and rows.shape[1] > 0:
-            _vs_passes(q, k, hs, lens, starts, rows, last_q, scale, use_max, col, diag, rows.shape[1], spread=True)
+            _vs_passes(q, k, hs, lens, starts, rows, last_q, scale, use_max, col, diag, rows.shape[1], True, q_lens,
+                       q_starts)
     return col, diag
 
 
@@ -430,12 +466,15 @@ def vertical_slash_index(
     min_vertical: int | torch.Tensor = 0,
     min_slash: int | torch.Tensor = 0,
     resolved_rules: tuple | None = None,
+    q_seqlens=None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Vertical-slash index from the last ``last_q`` queries of each row and ``extra_rows`` earlier
     ones (two Triton passes per row set).
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``).
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``);
+            ``Nq < N`` with query rows.
         vertical, slash: column / offset budgets (forced included): ints, or 1-D int tensors
             indexed by global head ``head_offset + h`` (keep them on q's device for no sync).
         last_q: sampled query rows per batch row (the last ones; fewer when a row is shorter).
@@ -459,6 +498,10 @@ def vertical_slash_index(
         min_vertical, min_slash: fewest columns / offsets of the adaptive rules (per global head).
         resolved_rules: :func:`minference.index.vertical_slash_rules` of the rule arguments,
             made ahead (the dispatcher keeps them per plan).
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md, as the attention kernels take them:
+            a chunk after a cache, or a row's last tokens): only query positions are sampled (the
+            last ``min(last_q, q_lens)`` and the extra rows among the earlier queries), each read
+            at its q row; columns and offsets stay in the key rows' positions.
 
     Returns:
         ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32, -1 padded, in no
@@ -470,21 +513,30 @@ def vertical_slash_index(
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
         vertical_width=vertical_width, slash_width=slash_width, validate=validate, selector=_select, resolved=resolved,
-        rule=rule, threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules)
+        rule=rule, threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
+        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
-                heads: torch.Tensor | None = None) -> torch.Tensor:
+                heads: torch.Tensor | None = None, qrows=None) -> torch.Tensor:
     """Mean of the valid tokens of each block: ``x [B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]``
-    float32 (heads ``heads`` or all; blocks with no valid token are 0)."""
+    float32 (heads ``heads`` or all; blocks with no valid token are 0).
+
+    Query rows ``qrows`` (:class:`minference.index.QueryRows`; ``x`` is then ``q [B, H, Nq, D]``,
+    ``lens`` the key rows' lengths): the means over each block's query positions only, in the
+    slot layout ``[B, Hs, S, D]`` (``S = qrows.slots(block)``, slot ``s`` =
+    block ``q_lo // block + s``), one program per slot."""
     B, H, N, D = x.shape
     hs = heads_tensor(heads, H, x.device)
     nqb = math.ceil(N / block)
+    q_lens, q_starts = lens, starts
+    if qrows is not None:
+        nqb, q_lens, q_starts = qrows.slots(block), qrows.lens, qrows.starts
     out = torch.zeros(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)
     if out.numel():
         tt = min(POOL_TOKEN_TILE, triton.next_power_of_2(block))
-        _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, starts, out, hs.shape[0], nqb, block, *x.stride(), D,
-                                              TT=tt, BLOCK_D=triton.next_power_of_2(D))
+        _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, q_lens, q_starts, out, hs.shape[0], nqb, block, *x.stride(),
+                                              D, TT=tt, BLOCK_D=triton.next_power_of_2(D))
     return out
 
 
@@ -510,13 +562,15 @@ def block_sparse_index(
     min_blocks: int | torch.Tensor = 0,
     resolved_rules: tuple | None = None,
     estimate: str = "pooled",
+    q_seqlens=None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Block-sparse routing: mean-pooled Q/K per block (Triton), scaled block scores, block-causal
     mask, forced diagonal and sink blocks, top-k (or a budget rule) per query block (chunked to
     bound memory).
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (``Nq < N`` with query rows).
         top_k: key blocks per query block (forced included): int or 1-D int tensor indexed by
             global head ``head_offset + h``.
         block: block size for queries and keys.
@@ -530,17 +584,23 @@ def block_sparse_index(
             weights are ``exp(s - max s)`` of the block logits. ``top_k`` is then the maximum.
         min_blocks: fewest blocks of the adaptive rules per query block (per global head).
         resolved_rules: :func:`minference.index.block_sparse_rules` of the rule arguments.
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md): query blocks stay in the key rows'
+            positions; only those holding a query are scored and selected, from their query
+            positions (pooled means, or the queries of ``estimate="query"``); the grids cover
+            those blocks only (:meth:`minference.index.QueryRows.slots`).
 
     Returns:
-        ``blocks [B, Hg, NQB, K]`` int32, -1 padded; with ``return_scores`` also the float32
-        scores ``[B, Hg, NQB, NQB]`` (``-inf`` where not a candidate).
+        ``blocks [B, Hg, NQB, K]`` int32, -1 padded (every entry of a query block without a
+        query); with ``return_scores`` also the float32 scores ``[B, Hg, NQB, NQB]`` (``-inf``
+        where not a candidate).
     """
     return build_block_sparse_index(
         pool_blocks, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
         return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved,
         rule=rule, threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules,
-        estimate=estimate, scorer=query_block_scores, selector=select_query_blocks)
+        estimate=estimate, scorer=query_block_scores, selector=select_query_blocks, q_seqlens=q_seqlens,
+        q_seqstarts=q_seqstarts)
 
 
 #: Block-mean keys per loop step of the query-aware block scores (:func:`_qbs_kernel`).
@@ -582,31 +642,38 @@ def _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale,
 
 
 @triton.jit
-def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr,
-                Hg, Hkv, group, NQB, block, qk_scale, lo_off,
+def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, out_ptr,
+                Hg, Hkv, group, NQB, NS, block, qk_scale, lo_off,
                 sqb, sqh, sqn, sqd, D,
                 BM: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                 F32: tl.constexpr):
-    """One program per (batch row, head, query block ``I``): ``score[I, :]``. Pass 1 keeps each
-    row's running max and sum over the key tiles (online log-sum-exp, base 2); pass 2 recomputes
-    the logits, normalises them and takes the max over the valid rows. Writes all ``NQB`` entries."""
+    """One program per (batch row, head, slot): ``score[I, :]`` of query block ``I = q_lo //
+    block + slot`` from its query positions ``>= q_lo`` (``q_lo = n - qlens[b]``, position ``i``
+    at q's row ``qstarts[b] - q_lo + i``; the ordinary call passes the key rows' lengths and
+    starts: ``q_lo = 0``, slot = block). Pass 1 keeps each row's running max and sum over the key
+    tiles (online log-sum-exp, base 2); pass 2 recomputes the logits, normalises them and takes
+    the max over the valid rows. Writes all ``NQB`` entries of its slot's row (``-inf`` for a
+    block past the row or a row without queries)."""
     pid_bh = tl.program_id(0)
-    I = tl.program_id(1)
+    slot = tl.program_id(1)
     b = pid_bh // Hg
     h = tl.load(heads_ptr + pid_bh % Hg)
     n = tl.load(lens_ptr + b)
-    start = tl.load(starts_ptr + b)
+    q_lo = n - tl.load(qlens_ptr + b)
+    q_row0 = tl.load(qstarts_ptr + b) - q_lo
+    I = q_lo // block + slot
     r = tl.arange(0, BM)
     c = tl.arange(0, KT)
     d = tl.arange(0, BLOCK_D)
     i = I * block + r  # [BM] logical query positions
-    row_ok = (r < block) & (i < n)
-    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (start + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
+    row_ok = (r < block) & (i < n) & (i >= q_lo)
+    q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (q_row0 + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)  # [BM, BLOCK_D]
     if F32:
         qt = qt.to(tl.float32)
     keys = keys_ptr + (b * Hkv + h // group).to(tl.int64) * NQB * D
-    last = tl.where(I * block < n, I + 1, 0)  # key blocks scored; 0 for a query block past the row
+    # key blocks scored; 0 for a query block past the row (or a row without queries)
+    last = tl.where((I * block < n) & (q_lo < n), I + 1, 0)
     m = tl.full([BM], float("-inf"), tl.float32)
     acc = tl.zeros([BM], tl.float32)
     nan_row = tl.zeros([BM], tl.int32)
@@ -620,7 +687,7 @@ def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, starts_ptr, out_ptr,
         m = m_new
     lse = m + tl.log2(tl.where(acc > 0.0, acc, 1.0))  # [BM]; acc >= 1 on every row when last > 0
     lse = tl.where(nan_row > 0, float("nan"), lse)
-    out = out_ptr + (pid_bh.to(tl.int64) * NQB + I) * NQB
+    out = out_ptr + (pid_bh.to(tl.int64) * NS + slot) * NQB
     for j0 in range(0, last, KT):
         j = j0 + c
         s = _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale, KT, BLOCK_D, SPLIT, F32)
@@ -647,27 +714,35 @@ def _qbs_keys(k: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Ten
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
-                       heads: torch.Tensor | None = None) -> torch.Tensor:
+                       heads: torch.Tensor | None = None, q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
+                       slots=None) -> torch.Tensor:
     """Query-aware block scores (the FlashPrefill routing score): every query against the
     block-mean keys, softmaxed over its block-causal key blocks, maxed over its block's rows
     (definition: :func:`minference.reference.estimators.query_block_scores`).
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``,
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``,
             never repeated). Strides respected.
         block: block size for queries and keys, ``1..QBS_MAX_BLOCK`` (a power of two from 16 on
             wastes no rows of the query tile).
         scale: logit scale (default ``D ** -0.5``).
         seqlens, seqstarts: ragged rows ``[B]`` int (read on the device); padding is never read.
         heads: local query heads to compute (``Hg`` of them); default all.
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md, as the attention kernels take them):
+            only the query blocks that hold a query are scored, from their query positions.
+        slots: the builder's checked :class:`minference.index.QueryRows` instead of ``q_seqlens``
+            / ``q_seqstarts``; the result is then in their slot layout ``[B, Hg, S, NQB]``.
 
     Returns:
         ``scores [B, Hg, NQB, NQB]`` float32, ``NQB = ceil(N / block)``: in ``(0, 1]`` for
-        ``J <= I`` inside the row, ``-inf`` above the diagonal and for query blocks past the row.
+        ``J <= I`` inside the row, ``-inf`` above the diagonal and for query blocks past the row
+        (or, with query rows, holding no query).
 
     Launches: the key pooling (:func:`pool_blocks`), the hi/lo split (16-bit inputs) and one
-    ``(B * Hg, NQB)`` grid. No host synchronisation beyond :func:`check_ragged`'s value checks
-    (skipped under CUDA-graph capture).
+    ``(B * Hg, NQB)`` grid (with query rows ``(B * Hg, S)``, ``S = QueryRows.slots(block)``, and
+    one gather to put the rows back by query block). No host synchronisation beyond the value
+    checks of :func:`check_ragged` and :func:`~minference._checks.check_query_rows` (skipped
+    under CUDA-graph capture).
 
     Cost per head: each pass computes ``block * sum_I ceil((I + 1) / KT) * KT`` logits, about
     ``N * (NQB / 2 + KT / 2)``, at ``2 D`` FLOPs each (twice with the hi/lo split), so
@@ -685,23 +760,31 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
     that consumed the tiles in the kernel would save that write and its re-read, not the score
     work.
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= QBS_MAX_BLOCK:
         raise ValueError(f"block must be an int in [1, {QBS_MAX_BLOCK}], got {block!r}")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    qr = slots
+    if slots is None:
+        qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                        given_rows=seqlens is not None or seqstarts is not None, validate=True)
+    elif q_seqlens is not None or q_seqstarts is not None:
+        raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
     hs = heads_tensor(heads, Hq, q.device)
     Hg, nqb = hs.shape[0], math.ceil(N / block)
-    out = torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out
-    keys, split = _qbs_keys(k, block, lens, starts, q.dtype)
-    f32 = q.dtype not in (torch.float16, torch.bfloat16)
-    _qbs_kernel[(B * Hg, nqb)](q, keys, hs, lens, starts, out, Hg, Hkv, Hq // Hkv, nqb, block, scale * _LOG2E,
-                               keys[0].numel(), *q.stride(), D,
-                               BM=max(_MIN_DOT, triton.next_power_of_2(block)), KT=QBS_KEY_TILE,
-                               BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(D)), SPLIT=split,
-                               F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
+    S, q_lens, q_starts = (nqb, lens, starts) if qr is None else (qr.slots(block), qr.lens, qr.starts)
+    out = torch.empty(B, Hg, S, nqb, dtype=torch.float32, device=q.device)
+    if out.numel() > 0:
+        keys, split = _qbs_keys(k, block, lens, starts, q.dtype)
+        f32 = q.dtype not in (torch.float16, torch.bfloat16)
+        _qbs_kernel[(B * Hg, S)](q, keys, hs, lens, q_lens, q_starts, out, Hg, Hkv, Hq // Hkv, nqb, S, block,
+                                 scale * _LOG2E, keys[0].numel(), *q.stride(), D,
+                                 BM=max(_MIN_DOT, triton.next_power_of_2(block)), KT=QBS_KEY_TILE,
+                                 BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(D)), SPLIT=split,
+                                 F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
+    if qr is not None and slots is None:
+        return blocks_from_slots(out, lens, qr, block, nqb, float("-inf"))
     return out
 
 
@@ -731,9 +814,10 @@ def _block_candidates(row, pos, I, sinks, FORCE_DIAG: tl.constexpr):
 
 
 @triton.jit
-def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_ptr, mins_ptr, out_ptr,
-                         Hg, NQB, block, width, FORCE_DIAG: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per (batch row, head, query block ``I``): the block selection of
+def _block_select_kernel(s_ptr, lens_ptr, qlens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_ptr, mins_ptr, out_ptr,
+                         Hg, NQB, NS, block, width, FORCE_DIAG: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per (batch row, head, slot): query block ``I = q_lo // block + slot`` (``q_lo =
+    n - qlens[b]``; the ordinary call passes the key rows' lengths, slot = block), the block selection of
     :func:`minference.index.select_top` for the ``"top_k"`` and ``"relative"`` rules on
     query-aware scores (weights = the scores), without a sort.
 
@@ -743,13 +827,14 @@ def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_p
     ``c`` largest (forced ones as ``+inf``, ties to the lowest position) by the radix select of
     :func:`_radix_take`, written ascending, -1 after."""
     r = tl.program_id(0)  # b * Hg + g
-    I = tl.program_id(1)
+    slot = tl.program_id(1)
     g = r % Hg
     b = r // Hg
     n = tl.load(lens_ptr + b)
-    out = out_ptr + (r.to(tl.int64) * NQB + I) * width
+    I = (n - tl.load(qlens_ptr + b)) // block + slot
+    out = out_ptr + (r.to(tl.int64) * NS + slot) * width
     offs = tl.arange(0, CHUNK)
-    row = s_ptr + (r.to(tl.int64) * NQB + I) * NQB
+    row = s_ptr + (r.to(tl.int64) * NS + slot) * NQB
     sinks = tl.load(sinks_ptr + g).to(tl.int32)
     end = tl.where(I < (n + block - 1) // block, I + 1, 0)  # no candidate in a block past the row
     top = tl.full([], float("-inf"), tl.float32)
@@ -776,7 +861,8 @@ def _block_select_kernel(s_ptr, lens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_p
 
 
 def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor, budget: torch.Tensor,
-                        rule, *, block: int, force_diagonal: bool, width: int) -> torch.Tensor | None:
+                        rule, *, block: int, force_diagonal: bool, width: int,
+                        q_lens: torch.Tensor | None = None) -> torch.Tensor | None:
     """The block selection of :func:`minference.index.build_block_sparse_index` on query-aware
     scores in one launch, or ``None`` when a head may use the ``"mass"`` rule (its prefix sums
     stay with :func:`minference.index.select_top`; decided on the host from ``rule.rules``).
@@ -788,18 +874,22 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
         rule: the heads' :class:`minference.index.SelectionRule` or ``None`` (every head top-k).
         block: the routing block; force_diagonal: keep each query block's own block.
         width: output width.
+        q_lens: ``[B]`` query rows' counts (:class:`minference.index.QueryRows`): ``scores`` are
+            then ``[B, Hg, S, NQB]`` in their slot layout (slot ``s`` = query block ``(lens -
+            q_lens) // block + s``), and so is the result.
 
     Returns:
-        ``[B, Hg, NQB, width]`` int32 key blocks, ascending, -1 padded: the same sets as
-        :func:`minference.index.select_top` (ties to the lowest position). No host sync.
+        ``[B, Hg, NQB, width]`` (``[B, Hg, S, width]``) int32 key blocks, ascending, -1 padded:
+        the same sets as :func:`minference.index.select_top` (ties to the lowest position). No
+        host sync.
     """
     from minference.index import RULE_CODES
 
     assert RULE_CODES["top_k"] == _TOP_K_CODE and RULE_CODES["relative"] == _RELATIVE_CODE
     if rule is not None and not rule.rules <= {"top_k", "relative"}:
         return None
-    B, Hg, nqb, _ = scores.shape
-    out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=scores.device)
+    B, Hg, n_slots, nqb = scores.shape
+    out = torch.empty(B, Hg, n_slots, width, dtype=torch.int32, device=scores.device)
     if out.numel() == 0:
         return out
     dev = scores.device
@@ -810,8 +900,9 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
     else:
         code, alpha, mins = rule.code, rule.threshold.to(torch.float64), rule.minimum
     scores = scores.contiguous()
-    _block_select_kernel[(B * Hg, nqb)](scores, lens, sinks, budget, code, alpha, mins, out, Hg, nqb, block, width,
-                                        FORCE_DIAG=force_diagonal,
-                                        CHUNK=min(BLOCK_SELECT_CHUNK, max(16, triton.next_power_of_2(nqb))),
-                                        num_warps=BLOCK_SELECT_WARPS)
+    _block_select_kernel[(B * Hg, n_slots)](scores, lens, lens if q_lens is None else q_lens, sinks, budget, code,
+                                            alpha, mins, out, Hg, nqb, n_slots, block, width,
+                                            FORCE_DIAG=force_diagonal,
+                                            CHUNK=min(BLOCK_SELECT_CHUNK, max(16, triton.next_power_of_2(nqb))),
+                                            num_warps=BLOCK_SELECT_WARPS)
     return out

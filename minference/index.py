@@ -47,12 +47,15 @@ from minference._checks import (
     check_budget,
     check_finite_rows,
     check_int,
-    check_qkv,
+    check_qkv_rows,
+    check_query_rows,
     check_ragged,
     check_row_sampling,
     check_tensor,
     clamp_budget,
     default_scale,
+    query_rows_bound,
+    token_mask,
 )
 from minference.patterns import (
     BLOCK_ESTIMATES,
@@ -85,6 +88,9 @@ __all__ = [
     "select_vertical_slash",
     "build_block_sparse_index",
     "extra_row_positions",
+    "QueryRows",
+    "query_rows",
+    "blocks_from_slots",
     "ROUTING_CHUNK_ELEMENTS",
 ]
 
@@ -160,6 +166,59 @@ class SelectionRule:
     threshold: torch.Tensor
     minimum: torch.Tensor
     rules: frozenset[str]
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """The query rows of a builder call whose queries are part of the key rows (a chunk after a
+    cache, or a row's last tokens: docs/kernels.md, "query rows"), checked by
+    :func:`query_rows`.
+
+    Row ``b``'s queries are the logical positions ``lens[b] - q_lens[b] .. lens[b] - 1`` of its
+    key row, held in ``q`` at ``q_starts[b] ..`` (position ``p`` at row ``q_starts[b] + p -
+    q_lo[b]``, ``q_lo = lens - q_lens``).
+
+    Attributes:
+        lens: ``[B]`` int32 ``q_lens``.
+        starts: ``[B]`` int32 ``q_starts``.
+        bound: host-known upper bound of every ``q_lens[b]``
+            (:func:`minference._checks.query_rows_bound`): launch grids and the slot count follow it.
+        N: the key rows' length (k's N axis).
+    """
+
+    lens: torch.Tensor
+    starts: torch.Tensor
+    bound: int
+    N: int
+
+    def slots(self, block: int) -> int:
+        """Query blocks a row's queries can touch (the *slot* layout of the block builders: slot
+        ``s`` of row ``b`` is query block ``q_lo[b] // block + s``): ``c`` consecutive positions
+        span at most ``(c + block - 2) // block + 1`` blocks; at most ``ceil(N / block)``."""
+        return 0 if self.bound == 0 else min(-(-self.N // block), (self.bound + block - 2) // block + 1)
+
+
+def query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor, Nq: int, N: int, *,
+               given_rows: bool, validate: bool) -> QueryRows | None:
+    """:func:`minference._checks.check_query_rows` as a :class:`QueryRows`, or ``None`` for the
+    ordinary call (every key row is its own query row: ``Nq == N`` and no ``q_seqlens``)."""
+    rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N, given_rows=given_rows,
+                            values=validate)
+    if rows is None:
+        return None
+    return QueryRows(rows[0], rows[1], query_rows_bound(q_seqlens, Nq), N)
+
+
+def blocks_from_slots(x: torch.Tensor, key_lens: torch.Tensor, qrows: QueryRows, block: int, nqb: int,
+                      fill: float) -> torch.Tensor:
+    """``x [B, Hg, S, W]`` in the slot layout (:meth:`QueryRows.slots`) -> ``[B, Hg, nqb, W]`` by
+    query block, ``fill`` in the rows of query blocks no slot holds. One gather, no host sync."""
+    B, Hg, S, W = x.shape
+    first = (key_lens.long() - qrows.lens.long()) // block  # [B]
+    slot = torch.arange(nqb, device=x.device)[None, :] - first[:, None]  # [B, nqb]
+    slot = torch.where((slot >= 0) & (slot < S), slot, S)
+    padded = torch.cat([x, x.new_full((B, Hg, 1, W), fill)], dim=2)
+    return padded.gather(2, slot[:, None, :, None].expand(B, Hg, nqb, W))
 
 
 def validate_plan(plan: object, Hq: int, head_offset: int) -> tuple[Pattern, ...]:
@@ -275,9 +334,12 @@ def build_group_index(
     seqstarts: torch.Tensor | None,
     head_offset: int,
     validate: bool = False,
+    q_seqlens=None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Logical index of one group with ``builders`` (:mod:`minference.kernels.estimate` or
-    :mod:`minference.torch_backend`).
+    :mod:`minference.torch_backend`). ``q_seqlens``, ``q_seqstarts``: query rows (docs/kernels.md;
+    the builders sample only queries), forwarded.
 
     Returns:
         ``(vertical [B, Hg, NV], slash [B, Hg, NS])`` for vertical-slash groups, ``blocks
@@ -285,7 +347,8 @@ def build_group_index(
     """
     g = group.group
     common = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
-                  validate=validate, resolved=group.resolved, resolved_rules=group.rules)
+                  validate=validate, resolved=group.resolved, resolved_rules=group.rules, q_seqlens=q_seqlens,
+                  q_seqstarts=q_seqstarts)
     if g.kind == "vertical_slash":
         last_q, extra_rows, aggregation = g.key
         return builders.vertical_slash_index(q, k, last_q=last_q, extra_rows=extra_rows, aggregation=aggregation,
@@ -495,7 +558,8 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     return torch.where(keep, order[..., :width], -1).to(torch.int32)
 
 
-def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int) -> torch.Tensor:
+def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int,
+                        qrows: QueryRows | None = None) -> torch.Tensor:
     """The extra sampled query rows of each batch row (see
     :mod:`minference.reference.estimators`): ``[B, E]`` int64 logical positions, -1 for none.
 
@@ -505,7 +569,20 @@ def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int
     when they differ (``m < N``), and any count ``>= m`` samples every earlier row (the points
     are less than one apart), so the set is the same and the tensor stays ``O(N)`` wide. Tensor
     ops on the lengths' device; no host sync.
+
+    With query rows ``qrows`` the points spread over the earlier *query* positions ``[q_lo, n -
+    min(last_q, n))`` instead (``m`` their count, entries offset by ``q_lo``), and ``E =
+    min(extra_rows, N, qrows.bound)`` (no row has more than ``bound`` queries).
     """
+    if qrows is not None:
+        E = min(extra_rows, N, qrows.bound)
+        n = lens.long()
+        q_lo = n - qrows.lens.long()  # [B]
+        m = (n - n.clamp(max=last_q) - q_lo).clamp(min=0)
+        pos = torch.arange(1, E + 1, device=lens.device)[None, :] * m[:, None] // (E + 1)  # [B, E]
+        keep = pos < m[:, None]
+        keep[:, 1:] &= pos[:, 1:] != pos[:, :-1]
+        return torch.where(keep, pos + q_lo[:, None], -1)
     E = min(extra_rows, N)
     m = lens.long() - lens.long().clamp(max=last_q)  # [B]
     pos = torch.arange(1, E + 1, device=lens.device)[None, :] * m[:, None] // (E + 1)  # [B, E]
@@ -563,23 +640,29 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
                                local_diagonals, aggregation, scale, seqlens, seqstarts, heads, head_offset,
                                return_scores, vertical_width, slash_width, validate,
                                selector=select_vertical_slash, resolved=None, rule="top_k", threshold=None,
-                               min_vertical=0, min_slash=0, resolved_rules=None):
+                               min_vertical=0, min_slash=0, resolved_rules=None, q_seqlens=None, q_seqstarts=None):
     """Validation, per-head budgets and selection around ``scorer`` (which computes the
     column and diagonal scores): shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
 
-    ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation)`` gets the extra sampled
-    rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when ``extra_rows`` is 0.
+    ``scorer(q, k, heads, lens, starts, last_q, rows, scale, aggregation, qrows=None)`` gets the
+    extra sampled rows as ``rows [B, E]`` (:func:`extra_row_positions`), or ``None`` when
+    ``extra_rows`` is 0, and the query rows ``qrows`` (:class:`QueryRows`; ``None``: the ordinary
+    call, every key row its own query row): then only query positions are sampled (the last
+    ``min(last_q, q_lens)`` and the extra rows among the earlier queries), read from ``q`` at
+    their query rows; scores stay ``[B, Hg, N]`` in the key rows' positions.
     ``selector`` has the signature of :func:`select_vertical_slash` (the Triton builder passes
     its one-launch selection). ``resolved``: :func:`vertical_slash_budgets` of these budgets and
     heads, made ahead (the dispatcher keeps it per plan: no tensor op per call for budgets);
     ``resolved_rules``: :func:`vertical_slash_rules` of ``rule``, ``threshold``, ``min_vertical``,
     ``min_slash``, made ahead likewise (``None`` with ``rule="top_k"``).
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
     last_q = max(1, min(last_q, N))  # a row samples at most its own rows: work follows the prompt
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                    given_rows=seqlens is not None or seqstarts is not None, validate=validate)
     hs = heads_tensor(heads, Hq, q.device)
     total = head_offset + Hq if isinstance(head_offset, int) and not isinstance(head_offset, bool) else None
     if resolved is None:
@@ -592,25 +675,37 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     rules = _check_rules(resolved_rules, 2, hs)
     width_v = _width("vertical", vertical, nv, vertical_width, N)
     width_s = _width("slash", slash, ns, slash_width, N)
-    rows = extra_row_positions(lens, N, last_q, extra_rows) if extra_rows and N else None
+    rows = extra_row_positions(lens, N, last_q, extra_rows, qr) if extra_rows and N else None
     if validate and not capturing():
-        _check_finite_inputs(q, k, hs, lens, starts, _sampled_mask(lens, starts, N, last_q, rows))
-    col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation)
+        _check_finite_inputs(q, k, hs, lens, starts, _sampled_mask(lens, starts, N, last_q, rows, qr, Nq))
+    col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation, qrows=qr)
     v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
 def _sampled_mask(lens: torch.Tensor, starts: torch.Tensor, N: int, last_q: int,
-                  rows: torch.Tensor | None) -> torch.Tensor:
-    """``[B, N]`` bool: the positions of the N axis whose query rows a vertical-slash estimate
-    samples (the last ``min(last_q, n)`` of each row and its extra rows ``rows [B, E]``)."""
-    pos = torch.arange(N, device=lens.device)[None, :] - starts.long()[:, None]  # [B, N] logical
+                  rows: torch.Tensor | None, qrows: QueryRows | None = None, Nq: int | None = None) -> torch.Tensor:
+    """``[B, Nq]`` bool: the positions of q's N axis whose query rows a vertical-slash estimate
+    samples (the last ``min(last_q, n)`` of each row, with query rows ``qrows`` only those that
+    are queries, and its extra rows ``rows [B, E]``)."""
+    if qrows is None:
+        pos = torch.arange(N, device=lens.device)[None, :] - starts.long()[:, None]  # [B, N] logical
+        n = lens.long()[:, None]
+        mask = (pos >= n - n.clamp(max=last_q)) & (pos < n)
+        if rows is not None and rows.shape[1] > 0:  # extra rows; -1 (none) lands in a dropped column N
+            at = torch.where(rows >= 0, starts.long()[:, None] + rows, N)
+            extra = torch.zeros(mask.shape[0], N + 1, dtype=torch.bool, device=mask.device)
+            mask |= extra.scatter_(1, at, True)[:, :N]
+        return mask
     n = lens.long()[:, None]
-    mask = (pos >= n - n.clamp(max=last_q)) & (pos < n)
-    if rows is not None and rows.shape[1] > 0:  # extra rows; -1 (none) lands in a dropped column N
-        at = torch.where(rows >= 0, starts.long()[:, None] + rows, N)
-        extra = torch.zeros(mask.shape[0], N + 1, dtype=torch.bool, device=mask.device)
-        mask |= extra.scatter_(1, at, True)[:, :N]
+    q_lo = n - qrows.lens.long()[:, None]
+    row0 = qrows.starts.long()[:, None] - q_lo  # position p sits at q row q_starts + p - q_lo
+    pos = torch.arange(Nq, device=lens.device)[None, :] - row0  # [B, Nq] logical
+    mask = (pos >= torch.maximum(n - n.clamp(max=last_q), q_lo)) & (pos < n)
+    if rows is not None and rows.shape[1] > 0:
+        at = torch.where(rows >= 0, row0 + rows, Nq)
+        extra = torch.zeros(mask.shape[0], Nq + 1, dtype=torch.bool, device=mask.device)
+        mask |= extra.scatter_(1, at, True)[:, :Nq]
     return mask
 
 
@@ -653,7 +748,7 @@ def _check_rules(rules, count: int, heads: torch.Tensor) -> tuple[SelectionRule,
 def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
                              seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None,
                              rule="top_k", threshold=None, min_blocks=0, resolved_rules=None, estimate="pooled",
-                             scorer=None, selector=None):
+                             scorer=None, selector=None, q_seqlens=None, q_seqstarts=None):
     """Validation, pooled scores, masks and selection around ``pooler`` (which mean-pools blocks):
     shared by :mod:`minference.kernels.estimate` and :mod:`minference.torch_backend`.
     ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead;
@@ -661,14 +756,24 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     ``estimate="query"`` routes by ``scorer`` (the builders' ``query_block_scores``, same
     arguments) instead of the pooled logits; its scores are the selection weights. ``selector``
     (the Triton builder's ``select_query_blocks``) then takes the whole selection in one launch
-    where the heads' rules allow (``None`` from it: the chunked :func:`select_top` runs)."""
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    where the heads' rules allow (``None`` from it: the chunked :func:`select_top` runs).
+
+    Query rows (``q_seqlens``, ``q_seqstarts``; docs/kernels.md): query blocks stay in the key
+    rows' positions, but only those holding a query are scored and selected, each from its query
+    positions only; the others get no blocks (-1) and ``-inf`` scores. The work runs in the slot
+    layout (:meth:`QueryRows.slots`: ``pooler(q, ..., qrows)``, ``scorer(..., slots=qrows)`` and
+    ``selector(..., q_lens=)`` return or read ``[B, Hg, S, ...]``, slot ``s`` = query block
+    ``q_lo // block + s``), so it follows the query blocks, not ``ceil(N / block)``; one gather
+    (:func:`blocks_from_slots`) puts the result back by query block."""
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     if not isinstance(force_diagonal, bool):
         raise TypeError("force_diagonal must be a bool")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=validate)
+    qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                    given_rows=seqlens is not None or seqstarts is not None, validate=validate)
     hs = heads_tensor(heads, Hq, q.device)
     Hg = hs.shape[0]
     total = head_offset + Hq if isinstance(head_offset, int) and not isinstance(head_offset, bool) else None
@@ -686,7 +791,13 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
         raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
     query = estimate == "query"
     if validate and not capturing():
-        _check_finite_inputs(q, k, hs, lens, starts, None)
+        _check_finite_inputs(q, k, hs, lens, starts,
+                             None if qr is None else token_mask(qr.lens, qr.starts, B, Nq, q.device, values=False))
+    if qr is not None:
+        return _block_sparse_query_rows(pooler, scorer, selector, q, k, qr, lens, starts, hs, tops, sinks, rule_b,
+                                        block=block, force_diagonal=force_diagonal, scale=scale, seqlens=seqlens,
+                                        seqstarts=seqstarts, nqb=nqb, width=width, query=query,
+                                        return_scores=return_scores)
     if query:  # [B, Hg, NQB, NQB] weights, -inf where not a candidate
         weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs)
     else:
@@ -720,3 +831,54 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
             continue
         out[:, :, lo:hi] = select_top(s, forced[None], tops, width, rule_b, logits=not query)
     return (out, all_scores) if return_scores else out
+
+
+def _block_sparse_query_rows(pooler, scorer, selector, q, k, qr: QueryRows, lens, starts, hs, tops, sinks, rule_b, *,
+                             block, force_diagonal, scale, seqlens, seqstarts, nqb, width, query, return_scores):
+    """:func:`build_block_sparse_index` on query rows, in the slot layout (see there)."""
+    B, Hq, Hkv = q.shape[0], q.shape[1], k.shape[1]
+    Hg = hs.shape[0]
+    S = qr.slots(block)
+    dev = q.device
+    if query:  # [B, Hg, S, NQB] weights, -inf where not a candidate
+        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs, slots=qr)
+    else:
+        qm = pooler(q, block, lens, starts, hs, qr)  # [B, Hg, S, D]: the query positions' means
+        km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
+
+    def back(out, scores):
+        out = blocks_from_slots(out, lens, qr, block, nqb, -1)
+        if not return_scores:
+            return out
+        return out, blocks_from_slots(scores, lens, qr, block, nqb, float("-inf"))
+
+    if query and selector is not None and width > 0:
+        out = selector(weights, lens, sinks, tops, rule_b, block=block, force_diagonal=force_diagonal, width=width,
+                       q_lens=qr.lens)
+        if out is not None:
+            return back(out, weights)
+    # a query block holds a query when it lies inside the row (past q_lo // block by construction)
+    # and the row has queries at all
+    nb = torch.where(qr.lens > 0, (lens.long() + block - 1) // block, 0)  # [B]
+    first = (lens.long() - qr.lens.long()) // block  # [B] query block of slot 0
+    J = torch.arange(nqb, device=dev)
+    slots = torch.arange(S, device=dev)
+    out = torch.empty(B, Hg, S, width, dtype=torch.int32, device=dev)
+    all_scores = torch.empty(B, Hg, S, nqb, dtype=torch.float32, device=dev) if return_scores else None
+    chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))
+    for lo in range(0, S, chunk):
+        hi = min(S, lo + chunk)
+        I = first[:, None] + slots[None, lo:hi]  # [B, C] query blocks
+        if query:
+            s = weights[:, :, lo:hi]
+        else:
+            s = torch.matmul(qm[:, :, lo:hi], km.transpose(-1, -2)) * scale  # [B, Hg, C, NQB]
+        ok = (J <= I[..., None]) & (I[..., None] < nb[:, None, None])  # [B, C, NQB]
+        s = torch.where(ok[:, None], s.nan_to_num(nan=_NAN, posinf=_NAN, neginf=_NAN), float("-inf"))
+        if all_scores is not None:
+            all_scores[:, :, lo:hi] = s
+        if width == 0:
+            continue
+        forced = (J[None, None, None, :] < sinks[None, :, None, None]) | (force_diagonal & (J == I[..., None]))[:, None]
+        out[:, :, lo:hi] = select_top(s, forced, tops, width, rule_b, logits=not query)
+    return back(out, all_scores)

@@ -48,14 +48,13 @@ import torch.nn.functional as F
 
 from minference._checks import (
     check_index,
-    check_qkv,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
     check_tensor,
     default_scale,
 )
-from minference.index import build_block_sparse_index, build_vertical_slash_index
+from minference.index import blocks_from_slots, build_block_sparse_index, build_vertical_slash_index, query_rows
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 from minference.reference.attention import head_ids, per_head_budget
 from minference.reference.masks import _scatter_set, check_fill_gaps, slash_set
@@ -636,23 +635,35 @@ def block_sparse_attention(
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
-                     aggregation: str):
+                     aggregation: str, qrows=None):
     """Column and diagonal scores ``[B, Hg, N]`` float32 from the materialised sampled rows (the
-    last ``last_q`` of each batch row plus its extra rows ``rows [B, E]``, -1 = none)."""
-    B, Hq, N, _ = q.shape
+    last ``last_q`` of each batch row plus its extra rows ``rows [B, E]``, -1 = none). Query rows
+    ``qrows`` (:class:`minference.index.QueryRows`): only positions from the row's first query
+    ``q_lo`` on are sampled, position ``p`` read at q's row ``q_starts + p - q_lo``."""
+    B, Hq, _, _ = q.shape
+    N = k.shape[2]
     hq = hs.long()
     hk = hq // (Hq // k.shape[1])
     col = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
     diag = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
     reduce = "sum" if aggregation == "sum" else "amax"
+    q_lens, q_starts = (None, None) if qrows is None else (qrows.lens.tolist(), qrows.starts.tolist())
     for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         if n == 0:
             continue
-        sampled = torch.arange(n - min(last_q, n), n, device=q.device)
+        if qrows is None:
+            sampled = torch.arange(n - min(last_q, n), n, device=q.device)
+            row0 = s
+        else:
+            q_lo = n - q_lens[b]
+            sampled = torch.arange(max(n - last_q, q_lo), n, device=q.device)
+            row0 = q_starts[b] - q_lo
         if rows is not None:
             sampled = torch.cat([rows[b][rows[b] >= 0].to(q.device), sampled])
         R = sampled.shape[0]
-        qs = q[b, :, s + sampled].index_select(0, hq).float()  # [Hg, R, D]
+        if R == 0:  # a row without queries samples nothing: zero scores
+            continue
+        qs = q[b, :, row0 + sampled].index_select(0, hq).float()  # [Hg, R, D]
         ks = k[b, :, s : s + n].index_select(0, hk).float()  # [Hg, n, D]
         i = sampled[:, None]
         j = torch.arange(n, device=q.device)[None, :]
@@ -665,8 +676,12 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
 
 
 def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Tensor,
-                heads: torch.Tensor | None) -> torch.Tensor:
-    """Mean of the valid tokens of each block: ``[B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]`` fp32."""
+                heads: torch.Tensor | None, qrows=None) -> torch.Tensor:
+    """Mean of the valid tokens of each block: ``[B, H, N, D]`` -> ``[B, Hs, ceil(N/block), D]`` fp32.
+    Query rows ``qrows`` (``x`` is q): the means of each block's query positions in the slot
+    layout ``[B, Hs, S, D]`` (:meth:`minference.index.QueryRows.slots`)."""
+    if qrows is not None:
+        return _pool_query_rows(x, block, lens, heads, qrows)
     B, H, N, D = x.shape
     hs = torch.arange(H, device=x.device) if heads is None else heads.long()
     nqb = -(-N // block)
@@ -682,6 +697,39 @@ def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
     return out
 
 
+def _query_blocks(n: int, c: int, block: int) -> tuple[int, int, int]:
+    """A row of length ``n`` whose last ``c`` positions are queries: ``(q_lo, first, count)``,
+    its first query, the query block of slot 0 and how many query blocks it has."""
+    q_lo = n - c
+    first = q_lo // block
+    return q_lo, first, (0 if c == 0 else (n - 1) // block - first + 1)
+
+
+def _query_block_rows(x: torch.Tensor, b: int, hs: torch.Tensor, n: int, c: int, q_start: int, block: int):
+    """The query rows of batch row ``b`` (heads ``hs``; ``c > 0`` of them) as ``[Hs, count, block,
+    D]`` float32 query blocks (zeros outside the queries) and the ``[count, block]`` mask of the
+    query positions."""
+    q_lo, first, count = _query_blocks(n, c, block)
+    rows = x[b, :, q_start : q_start + c].index_select(0, hs).float()  # positions q_lo .. n - 1
+    rows = F.pad(rows, (0, 0, q_lo - first * block, (first + count) * block - n))
+    pos = first * block + torch.arange(count * block, device=x.device)
+    return rows.view(len(hs), count, block, x.shape[-1]), ((pos >= q_lo) & (pos < n)).view(count, block)
+
+
+def _pool_query_rows(x: torch.Tensor, block: int, lens: torch.Tensor, heads: torch.Tensor | None,
+                     qrows) -> torch.Tensor:
+    """:func:`_pool_torch` on query rows: ``[B, Hs, S, D]`` means of the query positions."""
+    B, H, _, D = x.shape
+    hs = torch.arange(H, device=x.device) if heads is None else heads.long()
+    out = torch.zeros(B, len(hs), qrows.slots(block), D, dtype=torch.float32, device=x.device)
+    for b, (n, c, qs) in enumerate(zip(lens.tolist(), qrows.lens.tolist(), qrows.starts.tolist())):
+        if c == 0:
+            continue
+        rows, ok = _query_block_rows(x, b, hs, n, c, qs, block)
+        out[b, :, : ok.shape[0]] = rows.sum(2) / ok.sum(1).float()[:, None]
+    return out
+
+
 def vertical_slash_index(
     q: torch.Tensor, k: torch.Tensor, vertical: int | torch.Tensor, slash: int | torch.Tensor, *,
     last_q: int = DEFAULT_LAST_Q, extra_rows: int = 0, sink_columns: int | torch.Tensor = 0,
@@ -691,16 +739,18 @@ def vertical_slash_index(
     return_scores: bool = False, vertical_width: int | None = None, slash_width: int | None = None,
     validate: bool = True, resolved: tuple | None = None, rule: str | torch.Tensor = "top_k",
     threshold: float | torch.Tensor | None = None, min_vertical: int | torch.Tensor = 0,
-    min_slash: int | torch.Tensor = 0, resolved_rules: tuple | None = None,
+    min_slash: int | torch.Tensor = 0, resolved_rules: tuple | None = None, q_seqlens=None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
-    """Vertical-slash index in plain PyTorch; same arguments and result as
-    :func:`minference.kernels.estimate.vertical_slash_index`."""
+    """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
+    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.vertical_slash_index`."""
     return build_vertical_slash_index(
         _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
         local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
         seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
         vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
-        threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules)
+        threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
+        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def block_sparse_index(
@@ -711,36 +761,48 @@ def block_sparse_index(
     top_k_width: int | None = None, validate: bool = True, resolved: tuple | None = None,
     rule: str | torch.Tensor = "top_k", threshold: float | torch.Tensor | None = None,
     min_blocks: int | torch.Tensor = 0, resolved_rules: tuple | None = None, estimate: str = "pooled",
+    q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
 ):
-    """Block-sparse routing in plain PyTorch; same arguments and result as
-    :func:`minference.kernels.estimate.block_sparse_index`."""
+    """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
+    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.block_sparse_index`."""
     return build_block_sparse_index(
         _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
         scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
         return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
         threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
-        scorer=query_block_scores)
+        scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
-                       heads: torch.Tensor | None = None) -> torch.Tensor:
+                       heads: torch.Tensor | None = None, q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
+                       slots=None) -> torch.Tensor:
     """Query-aware block scores in plain PyTorch (float32): every query against the block-mean
     keys, softmaxed over its block-causal key blocks, maxed over the query block's rows. Same
     arguments and result as :func:`minference.kernels.estimate.query_block_scores` (definition:
-    :func:`minference.reference.estimators.query_block_scores`).
+    :func:`minference.reference.estimators.query_block_scores`; query rows ``q_seqlens``,
+    ``q_seqstarts`` or the builder's ``slots`` included).
 
     ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` -> ``scores [B, Hg, NQB, NQB]`` float32 (``-inf``
     above the diagonal and outside the row). Query blocks are taken in chunks so that one
     chunk's ``[Hg, C, block, keys]`` probabilities stay within :data:`CHUNK_ELEMENTS`.
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
+    qr = slots
+    if slots is None:
+        qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                        given_rows=seqlens is not None or seqstarts is not None, validate=True)
+    elif q_seqlens is not None or q_seqstarts is not None:
+        raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
     ids = _ids(heads, Hq)
     nqb = -(-N // block)
+    if qr is not None:
+        out = _query_block_scores_rows(q, k, block, scale, lens, starts, ids, qr)
+        return out if slots is not None else blocks_from_slots(out, lens, qr, block, nqb, float("-inf"))
     out = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float32, device=q.device)
     if not ids:
         return out
@@ -764,4 +826,34 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
             probs = torch.softmax(logits.masked_fill_(~causal[None, :, None], float("-inf")), dim=-1)
             best = probs.masked_fill_(~row_ok[None, lo:hi, :, None], float("-inf")).amax(2)  # [Hg, C, hi]
             out[b, :, lo:hi, :hi] = best.masked_fill_(~causal[None], float("-inf"))
+    return out
+
+
+def _query_block_scores_rows(q, k, block: int, scale: float, lens, starts, ids: list[int], qr) -> torch.Tensor:
+    """:func:`query_block_scores` on query rows ``qr``, in their slot layout ``[B, Hg, S, NQB]``
+    (slot ``s`` = query block ``q_lo // block + s``): each query block from its query positions."""
+    B, Hq, Hkv, N = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    nqb = -(-N // block)
+    out = torch.full((B, len(ids), qr.slots(block), nqb), float("-inf"), dtype=torch.float32, device=q.device)
+    if not ids:
+        return out
+    hq = torch.tensor(ids, device=q.device)
+    hk = hq // (Hq // Hkv)
+    km_all = _pool_torch(k, block, lens, starts, None)  # [B, Hkv, NQB, D]
+    for b, (n, c, qs) in enumerate(zip(lens.tolist(), qr.lens.tolist(), qr.starts.tolist())):
+        _, first, count = _query_blocks(n, c, block)
+        if count == 0:
+            continue
+        nb = first + count  # the row's blocks
+        km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
+        qb, row_ok = _query_block_rows(q, b, hq, n, c, qs, block)  # [Hg, count, block, D], [count, block]
+        J = torch.arange(nb, device=q.device)
+        chunk = max(1, CHUNK_ELEMENTS // (len(ids) * block * nb))
+        for lo in range(0, count, chunk):
+            hi = min(count, lo + chunk)
+            causal = J[None, : first + hi] <= J[first + lo : first + hi, None]  # [C, first + hi]
+            logits = torch.matmul(qb[:, lo:hi], km[:, None, : first + hi].transpose(-1, -2)) * scale
+            probs = torch.softmax(logits.masked_fill_(~causal[None, :, None], float("-inf")), dim=-1)
+            best = probs.masked_fill_(~row_ok[None, lo:hi, :, None], float("-inf")).amax(2)  # [Hg, C, first + hi]
+            out[b, :, lo:hi, : first + hi] = best.masked_fill_(~causal[None], float("-inf"))
     return out

@@ -78,6 +78,28 @@ row of length ``n``, ``nb = ceil(n / block)`` valid blocks and a head:
 A single query that needs a far block (a needle) keeps that block's score high, where the mean
 of the block's queries dilutes it; the score lies in ``(0, 1]`` and is comparable across rows.
 
+Query rows (``q_seqlens``, ``q_seqstarts``; docs/kernels.md, "query rows": a chunk after a
+cache, or a row's last tokens). ``q [B, Hq, Nq, D]`` holds, for row ``b`` of length ``n``, the
+queries of its last ``c = q_lens[b]`` positions ``q_lo = n - c .. n - 1``; position ``p`` is q's
+row ``q_starts[b] + p - q_lo``. Keys, columns, offsets, key and query blocks and the output
+shapes stay in the key row's positions; only query positions are ever read from ``q``:
+
+* vertical-slash: the sampled positions are the last ``min(last_q, n)`` positions that are
+  queries, ``max(n - last_q, q_lo) .. n - 1`` (fewer than ``last_q`` when ``c < last_q``), and
+  the extra rows spread the same way over the earlier queries ``[q_lo, n - min(last_q, n))``:
+  ``m = max(0, n - min(last_q, n) - q_lo)`` of them, ``i_k = q_lo + floor((k + 1) * m / (E +
+  1))``. Each is scored against every key ``j <= i`` of the row (the cache included), exactly as
+  above; forced entries are unchanged. A row without queries (``c = 0``) samples nothing: its
+  scores are 0, selected by the same rules (ties to the lowest positions);
+* block-sparse (both estimates): only the query blocks holding a query, ``q_lo // block .. nb -
+  1`` (none when ``c = 0``), are scored and selected as above, ``q̄_I`` the mean over the
+  block's query positions only (``>= q_lo``: a partial first block) and the query-aware score
+  the max over those positions only; every other query block gets no blocks (-1) and ``-inf``
+  scores.
+
+The ordinary call (``Nq = N``, no ``q_seqlens``) is the case ``c = n``, ``q_lo = 0``; with
+``q_seqlens = n`` in place it builds the same index, bit for bit.
+
 Output widths: ``NV = min(max vertical, N)``, ``NS = min(max slash, N)``,
 ``K = min(max top_k, ceil(N / block))`` over the computed heads; unused entries are -1. The
 order of entries inside a row is unspecified (a set).
@@ -90,24 +112,34 @@ import math
 import torch
 from minference.reference.attention import head_ids, per_head_budget
 
-from minference._checks import check_qkv, check_ragged, check_row_sampling, default_scale
+from minference._checks import check_qkv_rows, check_query_rows, check_ragged, check_row_sampling, default_scale
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "query_block_scores", "select_row"]
 
 
-def _rows(q, k, seqlens, seqstarts) -> list[tuple[int, int, int]]:
-    B, _, _, N, _ = check_qkv(q, k, k)
+def _rows(q, k, seqlens, seqstarts, q_seqlens=None, q_seqstarts=None) -> list[tuple[int, int, int, int, int]]:
+    """Per batch row ``(b, start, n, q_lo, q_row0)``: the key row, its first query position and
+    the q row of position 0 (position ``p``'s query is ``q[b, :, q_row0 + p]``); the ordinary call
+    has ``q_lo = 0``, ``q_row0 = start``."""
+    B, _, _, Nq, N, _ = check_qkv_rows(q, k, k)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
-    return [(b, int(s), int(n)) for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist()))]
+    rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
+                            given_rows=seqlens is not None or seqstarts is not None)
+    q_lens, q_starts = rows if rows is not None else (lens, starts)
+    out = []
+    for b, (s, n, c, qs) in enumerate(zip(starts.tolist(), lens.tolist(), q_lens.tolist(), q_starts.tolist())):
+        out.append((b, int(s), int(n), int(n - c), int(qs - (n - c))))
+    return out
 
 
-def _sampled_rows(n: int, last_q: int, extra_rows: int) -> list[int]:
-    """Sampled query positions of a row of length ``n`` (see the module docstring), ascending."""
-    m = n - min(last_q, n)
+def _sampled_rows(n: int, last_q: int, extra_rows: int, q_lo: int = 0) -> list[int]:
+    """Sampled query positions of a row of length ``n`` whose queries start at ``q_lo`` (see the
+    module docstring), ascending."""
+    m = max(0, n - min(last_q, n) - q_lo)  # the earlier query positions q_lo .. q_lo + m - 1
     e = min(extra_rows, m)  # any count >= m samples every earlier row: the same set, O(n) work
-    extra = {(k + 1) * m // (e + 1) for k in range(e)}
-    return sorted(i for i in extra if i < m) + list(range(m, n))
+    extra = {q_lo + (k + 1) * m // (e + 1) for k in range(e)}
+    return sorted(i for i in extra if i < q_lo + m) + list(range(max(n - last_q, q_lo), n))
 
 
 def select_row(scores, forced, budget: int, *, rule: str = "top_k", threshold: float | None = None,
@@ -199,12 +231,14 @@ def vertical_slash_index(
     threshold: float | torch.Tensor | None = None,
     min_vertical: int | torch.Tensor = 0,
     min_slash: int | torch.Tensor = 0,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Naive vertical-slash index from the last ``last_q`` queries of each row (and
     ``extra_rows`` earlier ones).
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (``Nq = N`` but for query rows).
         vertical, slash: column / offset budgets (forced ones included), per global head.
         last_q: sampled query rows per batch row (the last ones).
         extra_rows: further sampled rows spread evenly over the earlier part of each row.
@@ -213,13 +247,15 @@ def vertical_slash_index(
         rule, threshold: budget rule of columns and diagonals (a name and a float, or per global
             head rule codes and thresholds); ``vertical`` / ``slash`` are the maxima.
         min_vertical, min_slash: the adaptive rules' minima, per global head.
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md; the module docstring says what is
+            sampled then); default: every key row is its own query row.
 
     Returns:
         ``(vertical_idx [B, Hg, NV], slash_idx [B, Hg, NS])`` int32 on q's device, -1 padded;
         with ``return_scores`` also ``(col [B, Hg, N], diag [B, Hg, N])`` float64 (0 outside
         the row).
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, _, N, D = check_qkv_rows(q, k, k)
     check_row_sampling(last_q, extra_rows, aggregation)
     scale = default_scale(D, scale)
     ids = head_ids(heads, Hq)
@@ -237,22 +273,23 @@ def vertical_slash_index(
     diag = torch.zeros(B, len(ids), N, dtype=torch.float64, device=q.device)
     v_rows: list[list[int]] = [[] for _ in range(B * len(ids))]
     s_rows: list[list[int]] = [[] for _ in range(B * len(ids))]
-    for b, s, n in _rows(q, k, seqlens, seqstarts):
+    for b, s, n, q_lo, q_row0 in _rows(q, k, seqlens, seqstarts, q_seqlens, q_seqstarts):
         if n == 0:
             continue
-        sampled = torch.tensor(_sampled_rows(n, last_q, extra_rows), device=q.device)
+        sampled = torch.tensor(_sampled_rows(n, last_q, extra_rows, q_lo), dtype=torch.long, device=q.device)
         for g, h in enumerate(ids):
-            qs = q[b, h, s + sampled].double()  # [R, D]
-            ks = k[b, h // group, s : s + n].double()  # [n, D]
-            logits = (qs @ ks.T) * scale  # [R, n]
-            i = sampled[:, None]
-            j = torch.arange(n, device=q.device)[None, :]
-            probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [R, n]
-            delta = i - j  # [R, n]
-            col[b, g, :n] = probs.sum(0) if aggregation == "sum" else probs.amax(0)
-            for d in range(n):
-                on = probs[delta == d]
-                diag[b, g, d] = on.sum() if aggregation == "sum" else on.max()
+            if sampled.numel():  # a row without queries samples nothing: zero scores
+                qs = q[b, h, q_row0 + sampled].double()  # [R, D]
+                ks = k[b, h // group, s : s + n].double()  # [n, D]
+                logits = (qs @ ks.T) * scale  # [R, n]
+                i = sampled[:, None]
+                j = torch.arange(n, device=q.device)[None, :]
+                probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)  # [R, n]
+                delta = i - j  # [R, n]
+                col[b, g, :n] = probs.sum(0) if aggregation == "sum" else probs.amax(0)
+                for d in range(n):
+                    on = probs[delta == d]
+                    diag[b, g, d] = on.sum() if aggregation == "sum" else on.max()
             rule_g = dict(rule=rules[g], threshold=thresholds[g])
             v_rows[b * len(ids) + g] = select_row(col[b, g, :n], range(min(sinks[g], nv[g])), nv[g],
                                                   minimum=min_v[g], **rule_g)
@@ -282,12 +319,14 @@ def block_sparse_index(
     threshold: float | torch.Tensor | None = None,
     min_blocks: int | torch.Tensor = 0,
     estimate: str = "pooled",
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
 ):
     """Naive block-sparse routing by mean-pooled queries and keys (``estimate="pooled"``) or by
     :func:`query_block_scores` (``"query"``: those scores are the selection weights).
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]``.
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (``Nq = N`` but for query rows).
         top_k: key blocks per query block (forced ones included), per global head.
         block: block size for queries and keys.
         sink_blocks: forced leading key blocks, per global head.
@@ -295,12 +334,14 @@ def block_sparse_index(
         rule, threshold: budget rule per query block (as for :func:`vertical_slash_index`);
             ``top_k`` is the maximum.
         min_blocks: the adaptive rules' minimum, per global head.
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md): only the query blocks holding a
+            query are routed, by their query positions (module docstring).
 
     Returns:
         ``blocks [B, Hg, NQB, K]`` int32 on q's device, -1 padded; with ``return_scores`` also
         ``scores [B, Hg, NQB, NQB]`` float64 (``-inf`` above the diagonal and outside the row).
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, _, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     if not isinstance(force_diagonal, bool):
@@ -316,19 +357,22 @@ def block_sparse_index(
     group = Hq // Hkv
     if estimate not in ("pooled", "query"):
         raise ValueError(f"estimate must be 'pooled' or 'query', got {estimate!r}")
-    query = query_block_scores(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                               heads=heads) if estimate == "query" else None
+    query = query_block_scores(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads,
+                               q_seqlens=q_seqlens, q_seqstarts=q_seqstarts) if estimate == "query" else None
     scores = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float64, device=q.device)
     out = torch.full((B, len(ids), nqb, width), -1, dtype=torch.int32)
-    for b, s, n in _rows(q, k, seqlens, seqstarts):
+    for b, s, n, q_lo, q_row0 in _rows(q, k, seqlens, seqstarts, q_seqlens, q_seqstarts):
         nb = math.ceil(n / block)
+        first = q_lo // block if q_lo < n else nb  # the query blocks: first .. nb - 1
         for g, h in enumerate(ids):
-            qm = torch.stack([q[b, h, s + I * block : s + min((I + 1) * block, n)].double().mean(0)
-                              for I in range(nb)]) if nb else None
+            # pooled queries: the mean over each query block's query positions (all its valid
+            # tokens for the ordinary call)
+            qm = {I: q[b, h, q_row0 + max(I * block, q_lo) : q_row0 + min((I + 1) * block, n)].double().mean(0)
+                  for I in range(first, nb)}
             km = torch.stack([k[b, h // group, s + J * block : s + min((J + 1) * block, n)].double().mean(0)
                               for J in range(nb)]) if nb else None
             n_sink = min(sinks[g], tops[g] - int(force_diagonal))
-            for I in range(nb):
+            for I in range(first, nb):
                 sc = query[b, g, I, : I + 1] if query is not None else (km[: I + 1] @ qm[I]) * scale  # [I + 1]
                 scores[b, g, I, : I + 1] = sc
                 forced = {J for J in range(min(n_sink, I + 1))}
@@ -343,20 +387,24 @@ def block_sparse_index(
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
-                       heads: torch.Tensor | None = None) -> torch.Tensor:
+                       heads: torch.Tensor | None = None, q_seqlens: int | torch.Tensor | None = None,
+                       q_seqstarts: torch.Tensor | None = None) -> torch.Tensor:
     """Naive query-aware block scores (see the module docstring), every query row softmaxed on
     its own, in float64.
 
     Args:
-        q: ``[B, Hq, N, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``).
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, N, D]`` (GQA: head ``h`` reads ``h // (Hq // Hkv)``;
+            ``Nq = N`` but for query rows).
         block: block size for queries and keys.
         heads: local query heads to compute (``Hg`` of them); default all.
+        q_seqlens, q_seqstarts: query rows (docs/kernels.md): only query blocks holding a query
+            are scored, maxed over their query positions.
 
     Returns:
         ``scores [B, Hg, NQB, NQB]`` float64, ``NQB = ceil(N / block)``: in ``(0, 1]`` for
-        ``J <= I`` inside the row, ``-inf`` elsewhere.
+        ``J <= I`` inside the row (with query rows: ``I`` a query block), ``-inf`` elsewhere.
     """
-    B, Hq, Hkv, N, D = check_qkv(q, k, k)
+    B, Hq, Hkv, _, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     scale = default_scale(D, scale)
@@ -364,13 +412,15 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
     nqb = math.ceil(N / block)
     group = Hq // Hkv
     scores = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float64, device=q.device)
-    for b, s, n in _rows(q, k, seqlens, seqstarts):
+    for b, s, n, q_lo, q_row0 in _rows(q, k, seqlens, seqstarts, q_seqlens, q_seqstarts):
         nb = math.ceil(n / block)
+        first = q_lo // block if q_lo < n else nb  # the query blocks: first .. nb - 1
         for g, h in enumerate(ids):
             ks = k[b, h // group, s : s + n].double()  # [n, D]
             km = torch.stack([ks[J * block : (J + 1) * block].mean(0) for J in range(nb)]) if nb else None
-            for I in range(nb):
-                qs = q[b, h, s + I * block : s + min((I + 1) * block, n)].double()  # [rows, D]
+            for I in range(first, nb):
+                # the block's query positions max(I * block, q_lo) .. min((I + 1) * block, n) - 1
+                qs = q[b, h, q_row0 + max(I * block, q_lo) : q_row0 + min((I + 1) * block, n)].double()  # [rows, D]
                 probs = torch.softmax((qs @ km[: I + 1].T) * scale, dim=-1)  # [rows, I + 1]
                 scores[b, g, I, : I + 1] = probs.amax(0)
     return scores
