@@ -46,6 +46,8 @@ LN2 = math.log(2.0)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 
 _INT_DTYPES = (torch.int32, torch.int64)
+#: Next power of two of every head dim up to 256.
+_POW2 = [1] + [1 << (n - 1).bit_length() for n in range(1, 257)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +314,9 @@ class Prepared:
 
     @property
     def block_d(self) -> int:
-        return triton.next_power_of_2(self.D)
+        """``D`` padded to a power of two (a table lookup: this runs several times per launch, and
+        ``triton.next_power_of_2`` costs microseconds of host time each)."""
+        return _POW2[self.D] if self.D < len(_POW2) else triton.next_power_of_2(self.D)
 
     @property
     def qk_scale(self) -> float:
