@@ -56,7 +56,7 @@ from minference.index import (
     build_block_sparse_index,
     build_vertical_slash_index,
     heads_tensor,
-    query_rows,
+    scorer_rows,
     select_vertical_slash,
 )
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
@@ -765,12 +765,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         raise ValueError(f"block must be an int in [1, {QBS_MAX_BLOCK}], got {block!r}")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
-    qr = slots
-    if slots is None:
-        qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
-                        given_rows=seqlens is not None or seqstarts is not None, validate=True)
-    elif q_seqlens is not None or q_seqstarts is not None:
-        raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
+    qr = scorer_rows(slots, q_seqlens, q_seqstarts, lens, starts, Nq, N, seqlens is not None or seqstarts is not None)
     hs = heads_tensor(heads, Hq, q.device)
     Hg, nqb = hs.shape[0], math.ceil(N / block)
     S, q_lens, q_starts = (nqb, lens, starts) if qr is None else (qr.slots(block), qr.lens, qr.starts)

@@ -209,6 +209,17 @@ def query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor,
     return QueryRows(rows[0], rows[1], query_rows_bound(q_seqlens, Nq), N)
 
 
+def scorer_rows(slots: QueryRows | None, q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor,
+                Nq: int, N: int, given_rows: bool) -> QueryRows | None:
+    """The query rows of a block scorer (``query_block_scores``, Triton and torch): the builder's
+    already checked ``slots``, or ``q_seqlens`` / ``q_seqstarts`` checked here (not both)."""
+    if slots is None:
+        return query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N, given_rows=given_rows, validate=True)
+    if q_seqlens is not None or q_seqstarts is not None:
+        raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
+    return slots
+
+
 def blocks_from_slots(x: torch.Tensor, key_lens: torch.Tensor, qrows: QueryRows, block: int, nqb: int,
                       fill: float) -> torch.Tensor:
     """``x [B, Hg, S, W]`` in the slot layout (:meth:`QueryRows.slots`) -> ``[B, Hg, nqb, W]`` by

@@ -54,7 +54,7 @@ from minference._checks import (
     check_tensor,
     default_scale,
 )
-from minference.index import blocks_from_slots, build_block_sparse_index, build_vertical_slash_index, query_rows
+from minference.index import blocks_from_slots, build_block_sparse_index, build_vertical_slash_index, scorer_rows
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 from minference.reference.attention import head_ids, per_head_budget
 from minference.reference.masks import _scatter_set, check_fill_gaps, slash_set
@@ -792,12 +792,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         raise ValueError(f"block must be a positive int, got {block!r}")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
-    qr = slots
-    if slots is None:
-        qr = query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
-                        given_rows=seqlens is not None or seqstarts is not None, validate=True)
-    elif q_seqlens is not None or q_seqstarts is not None:
-        raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
+    qr = scorer_rows(slots, q_seqlens, q_seqstarts, lens, starts, Nq, N, seqlens is not None or seqstarts is not None)
     ids = _ids(heads, Hq)
     nqb = -(-N // block)
     if qr is not None:

@@ -340,15 +340,23 @@ def test_block_sparse_builders_keep_the_rule(fast, estimate, data) -> None:
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
               seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=offset, return_scores=True,
               estimate=estimate, **_rule_kw(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
+    check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate)
+
+
+def check_block_rule(fast, q, k, top_k: int, kw: dict, heads, offset: int, Hq: int, estimate: str,
+                     rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast.block_sparse_index`` against the float64 twin: the same finite scores, and per query
+    block the set the head's rule picks from them (``rows``: only the query blocks that hold a
+    query, :func:`test_index_query_rows`). Returns the fast ``(blocks, scores)``."""
     fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
     _, nscores = naive.block_sparse_index(q, k, top_k, **kw)
     fin = torch.isfinite(nscores)
     assert torch.equal(torch.isfinite(fscores), fin)
     torch.testing.assert_close(fscores.double()[fin], nscores[fin], rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    ids = heads.tolist() if heads is not None else list(range(shape.Hq))
+    ids = heads.tolist() if heads is not None else list(range(Hq))
     codes, thresholds = _per_head(kw, ids, offset)
     n_sink = min(kw["sink_blocks"], top_k - kw["force_diagonal"])
-    for b in range(shape.B):
+    for b in range(fb.shape[0]):
         for g in range(len(ids)):
             for I in range(fb.shape[2]):
                 forced = set(range(min(n_sink, I + 1))) | ({I} if kw["force_diagonal"] else set())
@@ -357,8 +365,9 @@ def test_block_sparse_builders_keep_the_rule(fast, estimate, data) -> None:
                               estimate == "pooled", fb.shape[-1])
                 _assert_selection(got, want, fscores[b, g, I], _adaptive_call(kw),
                                   (b, g, I, RULES[codes[g]], thresholds[g]))
-                if want and codes[g]:
+                if want and codes[g] and rows is None:
                     assert min(max(kw["min_blocks"], len(forced)), I + 1) <= len(got) <= min(top_k, I + 1)
+    return fb, fscores
 
 
 def _planted(N=96, D=64, hot=(3, 41), lag=7):

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
-from test_budget_rules import _adaptive_call, _assert_selection, _naive, _per_head, _picked, _rule_kw
+from test_budget_rules import _adaptive_call, _assert_selection, _naive, _per_head, _picked, _rule_kw, check_block_rule
 from test_estimators import SCORE_ATOL, SCORE_RTOL, _budget, assert_same_selection
 
 import minference.torch_backend as portable
@@ -193,23 +193,7 @@ def test_block_sparse_query_rows_keep_the_rule(fast, estimate, data) -> None:
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
               heads=heads, head_offset=offset, return_scores=True, estimate=estimate, **rows_kw,
               **_rule_kw(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
-    fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
-    _, nscores = naive.block_sparse_index(q, k, top_k, **kw)
-    fin = torch.isfinite(nscores)
-    assert torch.equal(torch.isfinite(fscores), fin)
-    torch.testing.assert_close(fscores.double()[fin], nscores[fin], rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    ids = heads.tolist() if heads is not None else list(range(shape.Hq))
-    codes, thresholds = _per_head(kw, ids, offset)
-    n_sink = min(kw["sink_blocks"], top_k - kw["force_diagonal"])
-    for b in range(shape.B):
-        for g in range(len(ids)):
-            for I in range(fb.shape[2]):
-                forced = set(range(min(n_sink, I + 1))) | ({I} if kw["force_diagonal"] else set())
-                got = set(_picked(fb[b, g, I].tolist()))
-                want = _naive(fscores[b, g, I], forced, top_k, codes[g], thresholds[g], kw["min_blocks"],
-                              estimate == "pooled", fb.shape[-1])
-                _assert_selection(got, want, fscores[b, g, I], _adaptive_call(kw),
-                                  (b, g, I, RULES[codes[g]], thresholds[g]))
+    fb, fscores = check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate, rows=rows)
     _check_block_rows(fb, fscores, rows, block)
 
 
