@@ -104,8 +104,16 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
     with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile), \
             mock.patch.object(triton_builders, "SELECT_CHUNK", chunk), \
             mock.patch.object(triton_builders, "SELECT_MAX_N", max_n):
-        fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
-    nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
+        fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    assert_same_vs_index(fast_out, naive.vertical_slash_index(q, k, vertical, slash, **kw))
+
+
+def assert_same_vs_index(fast_out, naive_out) -> None:
+    """A builder's ``(vertical, slash, col, diag)`` (``return_scores=True``) against the float64
+    twin's: scores within rounding, int32 indices, the same selections."""
+    fv, fs, fcol, fdiag = fast_out
+    nv, ns, ncol, ndiag = naive_out
+    assert fcol.shape == ncol.shape and fdiag.shape == ndiag.shape
     torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
     torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
     assert fv.dtype == torch.int32 and fs.dtype == torch.int32

@@ -21,13 +21,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
-from test_budget_rules import _adaptive_call, _assert_selection, _naive, _per_head, _picked, _rule_kw, check_block_rule
-from test_estimators import SCORE_ATOL, SCORE_RTOL, _budget, assert_same_selection
+from test_budget_rules import (
+    _rule_kw,
+    check_block_rule,
+    check_vertical_slash_rule,
+)
+from test_estimators import SCORE_ATOL, SCORE_RTOL, _budget, assert_same_selection, assert_same_vs_index
 
 import minference.torch_backend as portable
 from minference._checks import check_query_rows, check_ragged
 from minference.index import QueryRows, build_group_index, extra_row_positions, prepare_plan
-from minference.patterns import RULES, BlockSparse, VerticalSlash
+from minference.patterns import BlockSparse, VerticalSlash
 from minference.testing.strategies import (
     AttnShape,
     attention_shapes,
@@ -111,14 +115,10 @@ def test_vertical_slash_query_rows_match_naive(fast, data) -> None:
     vertical, slash = _budget(data, H_global, 0, 24), _budget(data, H_global, 1, 24)
     key_tile = data.draw(st.sampled_from((16, triton_builders.VS_KEY_TILE)), label="key tile")
     with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile):
-        fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
-    nv, ns, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
-    assert fcol.shape == ncol.shape == (shape.B, ncol.shape[1], shape.N)
-    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    assert fv.dtype == torch.int32 and fs.dtype == torch.int32
-    assert_same_selection(fv, nv, ncol, "vertical")
-    assert_same_selection(fs, ns, ndiag, "slash")
+        fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    naive_out = naive.vertical_slash_index(q, k, vertical, slash, **kw)
+    assert fast_out[2].shape == (shape.B, naive_out[2].shape[1], shape.N)  # scores over the key rows
+    assert_same_vs_index(fast_out, naive_out)
 
 
 @pytest.mark.parametrize("fast", IMPLS)
@@ -137,21 +137,7 @@ def test_vertical_slash_query_rows_keep_the_rule(fast, data) -> None:
               aggregation=data.draw(st.sampled_from(("sum", "max"))), heads=heads, head_offset=offset,
               return_scores=True, **rows_kw, **_rule_kw(data, offset + shape.Hq, ("min_vertical", "min_slash"),
                                                         {"min_vertical": vertical, "min_slash": slash}))
-    fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
-    _, _, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
-    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    ids = heads.tolist() if heads is not None else list(range(shape.Hq))
-    codes, thresholds = _per_head(kw, ids, offset)
-    for b, n in enumerate(rows[0]):
-        for g in range(len(ids)):
-            for idx, sc, forced, budget, minimum in (
-                    (fv, fcol, min(kw["sink_columns"], vertical), vertical, kw["min_vertical"]),
-                    (fs, fdiag, min(max(kw["local_diagonals"], 1), slash), slash, kw["min_slash"])):
-                got = set(_picked(idx[b, g].tolist()))
-                want = _naive(sc[b, g, :n], range(forced), budget, codes[g], thresholds[g], minimum, False,
-                              idx.shape[-1])
-                _assert_selection(got, want, sc[b, g], _adaptive_call(kw), (b, g, RULES[codes[g]], thresholds[g]))
+    check_vertical_slash_rule(fast, q, k, vertical, slash, kw, heads, offset, shape.Hq, list(rows[0]), bounds=False)
 
 
 @pytest.mark.parametrize("estimate", ["pooled", "query"])
