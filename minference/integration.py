@@ -155,12 +155,7 @@ def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch
     if mask is None:
         return None
     rows = query_rows(mask, n, n)
-    if rows is False or rows is None:
-        return False
-    lens, starts, q_lens, q_starts = rows
-    if not (torch.equal(q_lens, lens) and torch.equal(torch.where(lens > 0, q_starts, starts), starts)):
-        return False  # queries that are not the row's own tokens: not a plain padded prefill
-    return lens, starts
+    return False if rows is False else rows[:2]
 
 
 def query_rows(mask: torch.Tensor, L: int, S: int):
@@ -168,7 +163,8 @@ def query_rows(mask: torch.Tensor, L: int, S: int):
     query-row terms (docs/kernels.md): int32 ``(seqlens, seqstarts, q_seqlens, q_seqstarts)``
     ``[B]``; ``None`` after a cache (``L < S``) when every row is the plain case (all ``S`` keys,
     the ``L`` queries their last tokens: the kernels' defaults); ``False`` when the mask is not
-    that shape.
+    that shape. A square mask (``L == S``) must be a padded prefill: every row's queries are its
+    own tokens (``q_seqlens == seqlens``, ``q_seqstarts == seqstarts``).
 
     A query's own position is the last key it reads. The query rows of a batch row are the ones
     whose own position is ``i + d`` for the row's offset ``d`` (that of its first query that
@@ -221,8 +217,10 @@ def _query_rows(mask: torch.Tensor, L: int, S: int):
     # which the mask alone cannot tell apart) is refused: the caller runs dense.
     if L == S:
         inside = token_mask(lens, key_start, B, S, dev, values=False)
-        if bool((~is_query & inside).any()):
-            return False
+        own_rows = torch.equal(q_lens.to(torch.int32), lens) and torch.equal(
+            torch.where(lens > 0, q_starts, key_start), key_start)
+        if bool((~is_query & inside).any()) or not own_rows:
+            return False  # queries that are not the row's own tokens: not a plain padded prefill
     elif bool((~is_query & reads).any()):
         return False
     elif bool((lens == S).all()) and bool((q_lens == L).all()):
