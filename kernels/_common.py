@@ -201,11 +201,15 @@ _FITTED: dict = {}
 _DEVICE_SMEM: dict = {}
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def smem_limit(device: torch.device) -> int:
     """Bytes of shared memory one program may use on ``device``: the device's opt-in per-block
     limit, or :data:`SMEM_LIMIT_ENV` when that is lower (read at every call, so tests may set it;
     the device query is made once per device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     limit = _DEVICE_SMEM.get(index)
     if limit is None:
         props = torch.cuda.get_device_properties(index)
@@ -235,7 +239,7 @@ def fit_tiles(name: str, key: tuple, device: torch.device, candidates, compiled_
     if device.type != "cuda" or interpreting():
         return candidates[0]
     limit = smem_limit(device)
-    cache_key = (name, key, device.index if device.index is not None else torch.cuda.current_device(), limit)
+    cache_key = (name, key, _device_index(device), limit)
     hit = _FITTED.get(cache_key)
     if hit is not None:
         return hit
@@ -304,10 +308,8 @@ class Prepared:
     out: torch.Tensor
     lse: torch.Tensor | None
     tiles: Tiles
-    #: query rows (docs/kernels.md): ``q``'s length, the most query rows of a batch row, and the
-    #: int32 ``[B]`` first query position and q row of position 0 (``None``: every key row is
-    #: its own query row)
-    Nq: int = 0
+    #: query rows (docs/kernels.md): the most query rows of a batch row, and the int32 ``[B]``
+    #: first query position and q row of position 0 (``None``: every key row is its own query row)
     q_bound: int = 0
     q_los: torch.Tensor | None = None
     q_row0s: torch.Tensor | None = None
@@ -437,7 +439,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
             lse = torch.full((B, Hq, Nq), float("-inf"), dtype=torch.float32, device=q.device)
         else:
             lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    prep = Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q), Nq=Nq)
+    prep = Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q))
     if rows is not None:
         q_los = (lens - q_lens).contiguous()
         prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
