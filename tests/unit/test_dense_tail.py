@@ -36,13 +36,17 @@ def _tail_rows(B: int, N: int, T: int, seqlens, seqstarts) -> torch.Tensor:
 @pytest.mark.parametrize("ragged", [False, True])
 def test_tail_rows_are_dense_and_the_rest_unchanged(backend: str, ragged: bool) -> None:
     shape = AttnShape(B=3, Hq=4, Hkv=2, N=70, D=16)
-    q, k, v = qkv(shape, torch.float32, "cpu", seed=5, sharpness=2.0)
+    # the Triton backend on CUDA where there is one (the interpreter otherwise); checked on the CPU
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v = qkv(shape, torch.float32, device, seed=5, sharpness=2.0)
     T = 9
     seqlens = torch.tensor([70, 5, 0], dtype=torch.int32) if ragged else None  # shorter than T; empty
     seqstarts = torch.tensor([0, 40, 10], dtype=torch.int32) if ragged else None
-    kw = dict(seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend=backend)
-    base = sparse_prefill(q, k, v, PLAN, **kw)
-    out = sparse_prefill(q, k, v, PLAN, dense_tail=T, **kw)
+    kw = dict(seqlens=None if seqlens is None else seqlens.to(device),
+              seqstarts=None if seqstarts is None else seqstarts.to(device), dense_threshold=0, backend=backend)
+    base = sparse_prefill(q, k, v, PLAN, **kw).cpu()
+    out = sparse_prefill(q, k, v, PLAN, dense_tail=T, **kw).cpu()
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
     tail = _tail_rows(shape.B, shape.N, T, seqlens, seqstarts).expand_as(out)
     assert torch.equal(out[~tail], base[~tail]), "the tail must write nothing but its rows"
     rows = dict(seqlens=seqlens, seqstarts=seqstarts)

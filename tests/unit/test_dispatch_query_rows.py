@@ -15,6 +15,11 @@ from minference.testing import assert_close_to_reference
 from minference.testing.strategies import AttnShape, qkv
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
+
+
+def _device(backend: str) -> str:
+    """The Triton backend runs on CUDA where there is one (the interpreter otherwise)."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 #: one head per pattern kind (and both block-sparse estimates), GQA 2
 PLAN = [AShape(sink=2, window=9), VerticalSlash(vertical=6, slash=5, last_q=8),
         BlockSparse(top_k=2, block=16, sink_blocks=1), Dense(),
@@ -27,7 +32,7 @@ PLAN = [AShape(sink=2, window=9), VerticalSlash(vertical=6, slash=5, last_q=8),
                                                                                       marks=pytest.mark.triton)])
 def test_a_chunk_ending_the_prompt_gives_the_one_shot_rows(backend, C):
     shape = AttnShape(B=2, Hq=6, Hkv=3, N=144, D=16)
-    q, k, v = qkv(shape, torch.float32, "cpu", seed=11, sharpness=2.0)
+    q, k, v = qkv(shape, torch.float32, _device(backend), seed=11, sharpness=2.0)
     full = sparse_prefill(q, k, v, PLAN, dense_threshold=0, backend=backend)
     chunk = sparse_prefill(q[:, :, -C:], k, v, PLAN, dense_threshold=0, backend=backend)
     assert chunk.shape == (2, 6, C, 16)
@@ -44,11 +49,11 @@ def test_ragged_query_rows_follow_each_row(backend):
     """Left-padded key rows, each row's chunk at its own place in q: row by row, the same as the
     unpadded single-row call (the definition of a ragged batch)."""
     shape = AttnShape(B=2, Hq=6, Hkv=3, N=144, D=16)
-    q, k, v = qkv(shape, torch.float32, "cpu", seed=12)
-    lens = torch.tensor([144, 100], dtype=torch.int32)
-    starts = torch.tensor([0, 44], dtype=torch.int32)
-    q_lens = torch.tensor([48, 32], dtype=torch.int32)
-    q_starts = torch.tensor([0, 16], dtype=torch.int32)
+    q, k, v = qkv(shape, torch.float32, _device(backend), seed=12)
+    lens = torch.tensor([144, 100], dtype=torch.int32, device=q.device)
+    starts = torch.tensor([0, 44], dtype=torch.int32, device=q.device)
+    q_lens = torch.tensor([48, 32], dtype=torch.int32, device=q.device)
+    q_starts = torch.tensor([0, 16], dtype=torch.int32, device=q.device)
     qc = q[:, :, :48].clone()
     out = sparse_prefill(qc, k, v, PLAN, seqlens=lens, seqstarts=starts, q_seqlens=q_lens, q_seqstarts=q_starts,
                          dense_threshold=0, backend=backend)
@@ -57,7 +62,7 @@ def test_ragged_query_rows_follow_each_row(backend):
         alone = sparse_prefill(qc[b : b + 1, :, qs : qs + c], k[b : b + 1, :, s : s + n], v[b : b + 1, :, s : s + n],
                                PLAN, dense_threshold=0, backend=backend)
         torch.testing.assert_close(out[b : b + 1, :, qs : qs + c], alone, atol=2e-6, rtol=0)
-        rest = torch.ones(48, dtype=torch.bool)
+        rest = torch.ones(48, dtype=torch.bool, device=q.device)
         rest[qs : qs + c] = False
         assert (out[b, :, rest] == 0).all(), "rows of q that are not queries come out as zeros"
 

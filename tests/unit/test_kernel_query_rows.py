@@ -52,7 +52,8 @@ def _run(p, kernel, twin, *args, **kwargs):
         x.masked_fill_(~k_rows[:, None, :, None].to(x.device), float("nan"))
     out = poison(torch.empty(s.B, s.Hq, p["Nq"], s.D, dtype=dtype, device=DEVICE))
     dev_args = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
-    res, lse = kernel(q, k, v, *dev_args, heads=p["heads"], out=out, return_lse=True, **dev, **kwargs)
+    heads = None if p["heads"] is None else p["heads"].to(DEVICE)
+    res, lse = kernel(q, k, v, *dev_args, heads=heads, out=out, return_lse=True, **dev, **kwargs)
     assert res.data_ptr() == out.data_ptr() and res.shape == q.shape and lse.shape == q.shape[:3]
     cpu = [x.cpu() for x in (q, k, v)]
     ref64, lse64 = query_rows_attention(twin, *cpu, *args, heads=p["heads"], **rows, **kwargs)
