@@ -85,6 +85,7 @@ __all__ = [
     "padding_rows",
     "query_rows",
     "observe_attention",
+    "prompt_continues",
     "attention_modules",
     "tensor_parallel_kwargs",
 ]
@@ -669,6 +670,26 @@ def reset_counts(model: torch.nn.Module) -> None:
     """Zero every layer's call counters."""
     for state in layer_states(model).values():
         state.calls = dict.fromkeys(PATHS, 0)
+
+
+@contextmanager
+def prompt_continues(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Inside, the patched layers run no dense tail: for the chunks of a chunked prefill before
+    the prompt's last one. The tail (``patch(dense_tail=T)``) is for the rows that make the first
+    generated token, the last ``T`` of the prompt; a chunk that a later chunk follows does not end
+    the prompt, so a tail there is work the one-shot prefill does not do (s12: 10 chunked calls at
+    120K, each with its own tail). A serving loop that knows its last chunk wraps the others in
+    this; :func:`minference.app.models.forward_chunks` does. No-op on a model that is not patched
+    or has no tail; the tails are restored on exit, also after an error."""
+    states = list(layer_states(model).values())
+    saved = [state.dense_tail for state in states]
+    for state in states:
+        state.dense_tail = 0
+    try:
+        yield model
+    finally:
+        for state, tail in zip(states, saved, strict=True):
+            state.dense_tail = tail
 
 
 #: Name of the observing (dense) attention implementation used by :func:`observe_attention`.

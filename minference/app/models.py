@@ -31,10 +31,13 @@ import hashlib
 import importlib.util
 import inspect
 import os
+from contextlib import nullcontext
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from minference.integration import prompt_continues
 
 __all__ = [
     "SMOLLM2_PACKAGE",
@@ -327,7 +330,9 @@ def forward_chunks(module, ids: torch.Tensor, chunk: int = 0, *, each=None, **kw
     """``module(ids, use_cache=True, **kwargs)`` for a prompt ``ids [B, n]`` fed in chunks of
     ``chunk`` tokens through the KV cache, as serving engines prefill (``0`` or ``chunk >= n``:
     one call). Returns the last chunk's output, whose cache holds every token. ``each(start,
-    out)``, if given, sees every chunk's output (its first position is ``start``)."""
+    out)``, if given, sees every chunk's output (its first position is ``start``). A patched
+    model's dense tail runs on the last chunk only (:func:`minference.integration.prompt_continues`
+    around the others): the rows that end the prompt, as in a one-shot prefill."""
     n = ids.shape[1]
     if not chunk or chunk >= n:
         out = module(ids, use_cache=True, **kwargs)
@@ -336,8 +341,10 @@ def forward_chunks(module, ids: torch.Tensor, chunk: int = 0, *, each=None, **kw
         return out
     cache, name = None, cache_keyword(module)
     for start in range(0, n, chunk):
-        out = module(ids[:, start : start + chunk], use_cache=True, **({name: cache} if cache is not None else {}),
-                     **kwargs)
+        last = start + chunk >= n
+        with nullcontext() if last else prompt_continues(module):
+            out = module(ids[:, start : start + chunk], use_cache=True,
+                         **({name: cache} if cache is not None else {}), **kwargs)
         if each is not None:
             each(start, out)
         cache = output_cache(out)

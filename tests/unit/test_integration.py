@@ -231,6 +231,36 @@ def test_chunked_prefill_continues_sparse():
     assert (got - dense).abs().max() > 100 * LOGIT_ATOL, "the plan must differ from dense for the test to see it"
 
 
+def test_chunked_prefill_runs_the_dense_tail_on_the_last_chunk_only():
+    """``forward_chunks`` on a model patched with a dense tail: the last chunk's logits equal the
+    one-shot prefill's (A-shape: no online index), so the earlier chunk ran no tail (a tail at its
+    end would change those rows' keys and values in the later layers); ``prompt_continues``
+    restores every layer's tail on exit, after an error too."""
+    from minference.app.models import forward_chunks
+
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(9))
+    I.patch(model, ashape_config(model), dense_threshold=0, dense_tail=5)
+    try:
+        one_shot = logits(model, ids)[:, N // 2 :]
+        with torch.no_grad():
+            got = forward_chunks(model, ids, N // 2).logits
+        assert I.call_counts(model)["sparse_continue"] == LAYERS
+        with pytest.raises(RuntimeError, match="inside"), I.prompt_continues(model):
+            assert {st.dense_tail for st in I.layer_states(model).values()} == {0}
+            raise RuntimeError("inside")
+        assert {st.dense_tail for st in I.layer_states(model).values()} == {5}
+    finally:
+        I.unpatch(model)
+    torch.testing.assert_close(got, one_shot, atol=LOGIT_ATOL, rtol=0)
+    with torch.no_grad():
+        I.patch(model, ashape_config(model), dense_threshold=0, dense_tail=5)
+        first = model(ids[:, : N // 2], use_cache=True)  # a tail at the first chunk's end
+        tailed = model(ids[:, N // 2 :], use_cache=True, cache=first.cache).logits
+        I.unpatch(model)
+    assert (tailed - one_shot).abs().max() > 100 * LOGIT_ATOL, "a tail on the first chunk must show"
+
+
 def _ref_run(model, cfg, ids, **kw):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
