@@ -45,7 +45,7 @@ sanitize() {
     log "compute-sanitizer memcheck on benchmarks/sanitize_fuzz.py"
     local cs
     cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SAN:-45}" "$cs" --tool memcheck --print-limit 20 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SAN:-200}" "$cs" --tool memcheck --print-limit 20 \
         python benchmarks/sanitize_fuzz.py 2>&1 | tee "$OUT/sanitize.log" | tail -4
     log "sanitize rc=$?"
 }
