@@ -96,3 +96,10 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
     esac
 done
 cat "$OUT/summary.txt"
+# a device call returns at most 8 files from $OUT (s12: the rest are left out, "(count)"): past 8,
+# pack everything into one archive (tar -xzf results.tgz here). PACK=0 for all but the last of
+# several runs of this script in one call
+if [ "${PACK:-1}" = 1 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    tar -czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/"
+    echo "more than 8 files: packed into \$OUT/results.tgz"
+fi
