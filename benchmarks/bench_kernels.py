@@ -520,6 +520,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global HQ, HEAD_DIM, BS_BLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--hkv", type=int, nargs="+", default=[32, 8])
@@ -530,7 +531,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--sweep", nargs="*", choices=SWEEP_PARTS, default=None,
                     help="first compare configurations at the first length (all parts when none named)")
+    ap.add_argument("--hq", type=int, default=HQ, help=f"query heads (default {HQ}; the Qwen testbed: 14)")
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, choices=kernels.SUPPORTED_HEAD_DIMS,
+                    help=f"head dim (default {HEAD_DIM}; the Qwen testbed: 64)")
+    ap.add_argument("--bs-block", type=int, default=BS_BLOCK, choices=(64, 128),
+                    help=f"block-sparse routing block (default {BS_BLOCK}; the bundled Qwen config: 128)")
     args = ap.parse_args(argv)
+    if args.hq < 1 or any(args.hq % h for h in args.hkv):
+        ap.error(f"--hq {args.hq} must be a positive multiple of every --hkv {args.hkv}")
+    HQ, HEAD_DIM, BS_BLOCK = args.hq, args.head_dim, args.bs_block
     if args.sweep is not None:
         print(sweep(args.lengths[0], args.hkv[0], args.seed, args.sweep or SWEEP_PARTS), flush=True)
     rows = run(args.lengths, args.hkv, args.methods, args.seed, flex=not args.no_flex)
