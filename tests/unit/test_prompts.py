@@ -128,8 +128,8 @@ def test_calibration_prompts_differ_from_eval(tok) -> None:
 
 @pytest.mark.model
 @needs_model
-def test_dense_smollm2_retrieves_the_passkey() -> None:
-    model, tok = models.load_smollm2()
+def test_dense_smollm2_retrieves_the_passkey(smollm2) -> None:
+    model, tok = smollm2  # models.load_smollm2(), once per session (tests/conftest.py)
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
     assert cfg.hidden_size // cfg.num_attention_heads == 64
