@@ -48,34 +48,53 @@ def _builders(backend: str):
     return estimate if backend == "triton" else tb
 
 
-def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders, compute_dtype,
-              fill_gaps=dispatch.FILL_GAPS):
-    """Head by head, independently of the dispatcher's grouping: the pattern's index from the
-    builder for that head alone, then the float64 (or same-dtype) reference twin."""
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+def _head_indices(q, k, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders) -> list:
+    """Head by head, independently of the dispatcher's grouping: each pattern's index from the
+    builder for that head alone (``None`` for the static patterns)."""
     rows = dict(seqlens=seqlens, seqstarts=seqstarts)
+    indices = []
     for h in range(q.shape[1]):
         p = plan[head_offset + h]
         one = torch.tensor([h], dtype=torch.int32, device=q.device)
-        kw = dict(heads=one, compute_dtype=compute_dtype, **rows)
-        if isinstance(p, AShape):
-            o = ref.ashape_attention(q, k, v, p.sink, p.window, **kw)
-        elif isinstance(p, VerticalSlash):
-            vi, si = builders.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q,
-                                                   sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
-                                                   aggregation=p.aggregation, extra_rows=p.extra_rows,
-                                                   rule=p.rule, threshold=p.threshold, min_vertical=p.min_vertical,
-                                                   min_slash=p.min_slash, heads=one, **rows)
-            o = ref.vertical_slash_attention(q, k, v, vi, si, fill_gaps=fill_gaps, **kw)
+        if isinstance(p, VerticalSlash):
+            indices.append(builders.vertical_slash_index(
+                q, k, p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
+                local_diagonals=p.local_diagonals, aggregation=p.aggregation, extra_rows=p.extra_rows, rule=p.rule,
+                threshold=p.threshold, min_vertical=p.min_vertical, min_slash=p.min_slash, heads=one, **rows))
         elif isinstance(p, BlockSparse):
-            bi = builders.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks,
-                                             force_diagonal=p.force_diagonal, rule=p.rule, threshold=p.threshold,
-                                             min_blocks=p.min_blocks, estimate=p.estimate, heads=one, **rows)
-            o = ref.block_sparse_attention(q, k, v, bi, block=p.block, **kw)
+            indices.append(builders.block_sparse_index(
+                q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
+                rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate, heads=one, **rows))
         else:
-            o = ref.dense_attention(q, k, v, **kw)
-        out[:, h] = o[:, h]
-    return out
+            indices.append(None)
+    return indices
+
+
+def _expected(q, k, v, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders, compute_dtype,
+              fill_gaps=dispatch.FILL_GAPS, indices=None):
+    """Head by head, on each head's own index (:func:`_head_indices`, built once; or ``indices``
+    built so before), the float64 and the ``compute_dtype`` reference twins: ``(r64, rsame)``."""
+    if indices is None:
+        indices = _head_indices(q, k, plan, head_offset=head_offset, seqlens=seqlens, seqstarts=seqstarts,
+                                builders=builders)
+    outs = []
+    for dtype in (torch.float64, compute_dtype):
+        out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+        for h in range(q.shape[1]):
+            p = plan[head_offset + h]
+            one = torch.tensor([h], dtype=torch.int32, device=q.device)
+            kw = dict(heads=one, compute_dtype=dtype, seqlens=seqlens, seqstarts=seqstarts)
+            if isinstance(p, AShape):
+                o = ref.ashape_attention(q, k, v, p.sink, p.window, **kw)
+            elif isinstance(p, VerticalSlash):
+                o = ref.vertical_slash_attention(q, k, v, *indices[h], fill_gaps=fill_gaps, **kw)
+            elif isinstance(p, BlockSparse):
+                o = ref.block_sparse_attention(q, k, v, indices[h], block=p.block, **kw)
+            else:
+                o = ref.dense_attention(q, k, v, **kw)
+            out[:, h] = o[:, h]
+        outs.append(out)
+    return tuple(outs)
 
 
 def _valid(B, N, seqlens, seqstarts) -> torch.Tensor:
@@ -93,8 +112,7 @@ def test_mixed_plan_matches_per_head_reference(backend: str, ragged: bool, plan)
     out = sparse_prefill(q, k, v, plan, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
     kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=_builders(backend))
-    r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, **kw)
-    rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, **kw)
+    r64, rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, **kw)
     valid = _valid(shape.B, shape.N, seqlens, seqstarts)
     assert_close_to_reference(out, r64, rsame, where=valid)
     assert bool((out[~valid.expand_as(out)] == 0).all()), "padding rows must be zeros"
@@ -107,8 +125,7 @@ def test_tensor_parallel_offset_selects_the_rank_patterns(backend: str) -> None:
     q, k, v = qkv(shape, torch.float32, "cpu", seed=5)
     plan = [Dense()] * 9 + list(reversed(PLAN))
     out = sparse_prefill(q, k, v, plan, head_offset=9, dense_threshold=0, backend=backend)
-    r64 = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float64)
-    rsame = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float32)
+    r64, rsame = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float32)
     assert_close_to_reference(out, r64, rsame)
 
 
@@ -144,11 +161,11 @@ def test_fill_gaps_is_the_same_set_on_both_backends(backend: str) -> None:
     q, k, v = qkv(shape, torch.float32, "cpu", seed=5)
     plan = [VerticalSlash(vertical=3, slash=9, last_q=8, sink_columns=1, local_diagonals=1)] * 4
     kw = dict(builders=_builders(backend))
+    indices = _head_indices(q, k, plan, **kw)  # the index does not depend on fill_gaps
     outs = []
     for fill in (0, 6):
         out = sparse_prefill(q, k, v, plan, dense_threshold=0, backend=backend, fill_gaps=fill)
-        r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, fill_gaps=fill, **kw)
-        rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, fill_gaps=fill, **kw)
+        r64, rsame = _expected(q, k, v, plan, compute_dtype=torch.float32, fill_gaps=fill, indices=indices, **kw)
         assert_close_to_reference(out, r64, rsame)
         outs.append(out)
     assert not torch.allclose(outs[0], outs[1]), "filling changed nothing: the test does not exercise it"
@@ -315,6 +332,5 @@ def test_gpu_mixed_plan_bf16_matches_per_head_reference() -> None:
     q, k, v, plan, seqlens, seqstarts = _gpu_case(1000)
     out = sparse_prefill(q, k, v, plan, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend="triton")
     kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=estimate)
-    r64 = _expected(q, k, v, plan, compute_dtype=torch.float64, **kw)
-    rsame = _expected(q, k, v, plan, compute_dtype=torch.bfloat16, **kw)
+    r64, rsame = _expected(q, k, v, plan, compute_dtype=torch.bfloat16, **kw)
     assert_close_to_reference(out.cpu(), r64.cpu(), rsame.cpu(), where=_valid(2, 1000, seqlens.cpu(), seqstarts.cpu()))
