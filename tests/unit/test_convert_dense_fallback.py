@@ -9,17 +9,15 @@ plain conversion, and the kernel's output from the fp64 reference on the expecte
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from minference.kernels import convert
 from minference.kernels._common import default_tiles
 from minference.kernels.convert import DENSE_OVER, VSIndex, convert_vertical_slash
-from test_kernel_common import CUDA, DEVICE, MAX_N, problem, run_and_check
+from test_kernel_common import CUDA, DEVICE, MAX_N, problem, run_and_check, torch_converter
 
 from minference import kernels
 from minference import reference as ref
@@ -43,15 +41,6 @@ def scattered(n: int, block_m: int, count: int) -> torch.Tensor:
 
 def pad(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return torch.stack([torch.cat([r, torch.full((width - r.numel(),), -1, dtype=torch.int32)]) for r in rows])
-
-
-def torch_converter():
-    """CPU indices through the converter's torch ops, as on a GPU runner, also under the
-    interpreter (where CPU tensors would take the three Triton launches, about 1.3 s a call). The
-    fallback decision and replacement are torch ops after either converter; the Triton converter
-    is held to the torch ops field by field by ``test_kernel_vertical_slash.py``'s converter tests,
-    and with the fallback by :func:`test_kernel_on_the_dense_fallback_index` (device indices)."""
-    return mock.patch.object(convert, "interpreting", lambda: False)
 
 
 def check_dense_heads(index: VSIndex, plain: VSIndex, expect_dense: torch.Tensor) -> None:
@@ -127,6 +116,8 @@ def test_decision_follows_the_tile_counts(data):
             if data.draw(st.booleans(), label=f"scatter ({b}, {h})"):
                 slash[b, h] = -1
                 slash[b, h, : far.numel()] = far
+    # the fallback decides and replaces with torch ops after either converter: its CPU indices
+    # take the torch one (as on a GPU runner); the kernel test below runs the Triton one with it
     with torch_converter():
         plain = convert_vertical_slash(vertical, slash, n, block_m=bm)
         index = convert_vertical_slash(vertical, slash, n, block_m=bm, dense_over=dense_over, block_n=bn)

@@ -62,6 +62,19 @@ def problem(data, *, max_n: int = MAX_N, combo: tuple[torch.dtype | None, int | 
                 q=q, k=k, v=v)
 
 
+def torch_converter():
+    """The vertical-slash converter on CPU indices through its torch ops, as on a GPU runner, also
+    under the interpreter (where CPU indices would take the three Triton launches, seconds a call
+    there): for tests whose subject is not the conversion. The Triton converter is held to the
+    torch ops field by field (``test_kernel_vertical_slash.py``'s converter tests), and it converts
+    the indices of the whole-row kernel tests; on a GPU runner, CUDA indices still take it."""
+    from unittest import mock
+
+    from minference.kernels import convert
+
+    return mock.patch.object(convert, "interpreting", lambda: False)
+
+
 def _dev(x):
     return None if x is None else x.to(DEVICE)
 
