@@ -19,9 +19,15 @@ CAPTURE_IMPLEMENTATION = "minference_layer_capture"
 REGIONS = ("start", "middle", "end")
 
 
+class _AllCaptured(Exception):
+    """Raised by the capturing attention once the last asked-for layer is captured."""
+
+
 def capture_layers(model, input_ids: torch.Tensor, layers: tuple[int, ...]) -> dict[int, tuple]:
     """Run ``model`` densely on ``input_ids [1, n]`` and return ``{layer: (q, k, v, scale)}`` with
-    ``q [1, Hq, n, D]``, ``k, v [1, Hkv, n, D]`` as the attention saw them (after RoPE)."""
+    ``q [1, Hq, n, D]``, ``k, v [1, Hkv, n, D]`` as the attention saw them (after RoPE). The
+    forward pass stops at the last asked-for layer's attention (the later layers cannot change
+    what the earlier ones saw)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -32,6 +38,8 @@ def capture_layers(model, input_ids: torch.Tensor, layers: tuple[int, ...]) -> d
         if module.layer_idx in layers:
             captured[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone(),
                                           float(scaling))
+            if len(captured) == len(set(layers)):
+                raise _AllCaptured
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
 
@@ -42,8 +50,11 @@ def capture_layers(model, input_ids: torch.Tensor, layers: tuple[int, ...]) -> d
     try:
         with torch.no_grad():
             model(input_ids)
+    except _AllCaptured:
+        pass
     finally:
         model.set_attn_implementation(previous)
+    assert sorted(captured) == sorted(set(layers)), f"captured layers {sorted(captured)}, asked for {layers}"
     return captured
 
 
@@ -135,16 +146,19 @@ def region_mass(probs: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     return [per_row[:, a:b].mean(-1) for a, b in zip(cuts, cuts[1:])]
 
 
-def measure_layer(layer: int, q, k, v, scale: float, pattern: Pattern, name: str) -> list[HeadRow]:
+def measure_layer(layer: int, q, k, v, scale: float, pattern: Pattern, name: str, *,
+                  probs: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> list[HeadRow]:
     """Per-head quality of ``pattern`` on one captured layer (torch backend, float32). The sets
     are the builders' exact ones (``fill_gaps=0``), so mass, oracle gap and output error all
-    describe the same candidates; the dispatcher's default gap filling only adds to them."""
+    describe the same candidates; the dispatcher's default gap filling only adds to them.
+    ``probs`` (:func:`dense_probs`) and ``dense`` (the dense output) of the layer may be given,
+    to compute them once for several patterns."""
     n, Hq = q.shape[2], q.shape[1]
-    probs = dense_probs(q, k, scale)
+    probs = dense_probs(q, k, scale) if probs is None else probs
     online = online_mask(pattern, q, k, scale)
     oracle = oracle_mask(pattern, probs)
     causal = n * (n + 1) / 2
-    dense = tb.dense_attention(q, k, v, scale=scale)
+    dense = tb.dense_attention(q, k, v, scale=scale) if dense is None else dense
     sparse = sparse_prefill(q, k, v, [pattern] * Hq, scale=scale, dense_threshold=0, backend="torch", fill_gaps=0)
     masses = region_mass(probs, online)
     oracle_mass = torch.stack(region_mass(probs, oracle)).mean(0)

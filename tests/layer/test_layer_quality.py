@@ -68,10 +68,13 @@ def captured(smollm2):
 @pytest.fixture(scope="module")
 def rows(captured):
     out = []
+    import minference.torch_backend as tb
+
     for layer in LAYERS:
         q, k, v, scale = captured[layer]
+        shared = dict(probs=dense_probs(q, k, scale), dense=tb.dense_attention(q, k, v, scale=scale))  # per layer
         for name, pattern in PATTERNS.items():
-            out += measure_layer(layer, q, k, v, scale, pattern, name)
+            out += measure_layer(layer, q, k, v, scale, pattern, name, **shared)
     print("\n" + table(out))
     return out
 
