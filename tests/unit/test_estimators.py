@@ -106,6 +106,7 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
             mock.patch.object(triton_builders, "SELECT_MAX_N", max_n):
         fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     assert_same_vs_index(fast_out, naive.vertical_slash_index(q, k, vertical, slash, **kw))
+    check_vs_invariants(shape, fast_out[0], fast_out[1], vertical, slash, kw)
 
 
 def assert_same_vs_index(fast_out, naive_out) -> None:
@@ -121,12 +122,25 @@ def assert_same_vs_index(fast_out, naive_out) -> None:
     assert_same_selection(fs, ns, ndiag, "slash")
 
 
-@pytest.mark.parametrize("fast", IMPLS)
+#: The invariant tests' implementations: the torch builders and the float64 twin itself. The Triton
+#: builders (seconds an example in the interpreter) are held to the same invariants on every
+#: example of their ``*_matches_naive`` test, which also compares them with the twin.
+INVARIANT_IMPLS = [pytest.param(portable, id="torch"), pytest.param(naive, id="naive")]
+
+
+@pytest.mark.parametrize("fast", INVARIANT_IMPLS)
 @given(st.data())
 def test_vertical_slash_invariants(fast, data) -> None:
     """Properties straight from the definition, independent of either implementation."""
     shape, q, k, vertical, slash, kw = _vs_case(data, torch.float32)
     fv, fs, _, _ = fast.vertical_slash_index(q, k, vertical, slash, **kw)
+    check_vs_invariants(shape, fv, fs, vertical, slash, kw)
+
+
+def check_vs_invariants(shape, fv, fs, vertical, slash, kw) -> None:
+    """The definition's properties of a vertical-slash index ``fv, fs`` built with ``kw``: per row
+    of length ``n``, ``min(budget, n)`` distinct entries below ``n``, the forced sink columns,
+    offset 0 and the forced local diagonals among them."""
     lens = kw["seqlens"] if kw["seqlens"] is not None else torch.full((shape.B,), shape.N)
     ids = kw["heads"].tolist() if kw["heads"] is not None else list(range(shape.Hq))
     off = kw["head_offset"]
@@ -222,13 +236,20 @@ def test_block_sparse_matches_naive(fast, data) -> None:
     torch.testing.assert_close(fscores.double()[fin], nscores[fin], rtol=SCORE_RTOL, atol=SCORE_ATOL)
     assert fb.dtype == torch.int32
     assert_same_selection(fb, nb, nscores, "blocks")
+    check_bs_invariants(shape, fb, top_k, kw)
 
 
-@pytest.mark.parametrize("fast", IMPLS)
+@pytest.mark.parametrize("fast", INVARIANT_IMPLS)
 @given(st.data())
 def test_block_sparse_invariants(fast, data) -> None:
     shape, q, k, top_k, kw = _bs_case(data, torch.float32)
-    blocks = fast.block_sparse_index(q, k, top_k, **kw)[0]
+    check_bs_invariants(shape, fast.block_sparse_index(q, k, top_k, **kw)[0], top_k, kw)
+
+
+def check_bs_invariants(shape, blocks, top_k, kw) -> None:
+    """The definition's properties of a block-sparse index: per query block inside its row,
+    ``min(top_k, I + 1)`` causal blocks, the diagonal when forced, the sink blocks; none past the
+    row."""
     lens = kw["seqlens"] if kw["seqlens"] is not None else torch.full((shape.B,), shape.N)
     ids = kw["heads"].tolist() if kw["heads"] is not None else list(range(shape.Hq))
     tops = _values(top_k, ids, kw["head_offset"])
