@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from minference.reference import attention as ref
+from test_kernel_common import backend_device
 
 from minference._checks import token_mask
 from minference.dispatch import dense_tail_attention, sparse_prefill
@@ -36,8 +37,8 @@ def _tail_rows(B: int, N: int, T: int, seqlens, seqstarts) -> torch.Tensor:
 @pytest.mark.parametrize("ragged", [False, True])
 def test_tail_rows_are_dense_and_the_rest_unchanged(backend: str, ragged: bool) -> None:
     shape = AttnShape(B=3, Hq=4, Hkv=2, N=70, D=16)
-    # the Triton backend on CUDA where there is one (the interpreter otherwise); checked on the CPU
-    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    # compared on the CPU
+    device = backend_device(backend)
     q, k, v = qkv(shape, torch.float32, device, seed=5, sharpness=2.0)
     T = 9
     seqlens = torch.tensor([70, 5, 0], dtype=torch.int32) if ragged else None  # shorter than T; empty

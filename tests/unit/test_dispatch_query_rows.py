@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernel_common import backend_device
 
 from minference.dispatch import MIN_SPARSE_QUERIES, sparse_prefill
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
@@ -15,11 +16,6 @@ from minference.testing import assert_close_to_reference
 from minference.testing.strategies import AttnShape, qkv
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
-
-
-def _device(backend: str) -> str:
-    """The Triton backend runs on CUDA where there is one (the interpreter otherwise)."""
-    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 #: one head per pattern kind (and both block-sparse estimates), GQA 2
 PLAN = [AShape(sink=2, window=9), VerticalSlash(vertical=6, slash=5, last_q=8),
         BlockSparse(top_k=2, block=16, sink_blocks=1), Dense(),
@@ -32,7 +28,7 @@ PLAN = [AShape(sink=2, window=9), VerticalSlash(vertical=6, slash=5, last_q=8),
                                                                                       marks=pytest.mark.triton)])
 def test_a_chunk_ending_the_prompt_gives_the_one_shot_rows(backend, C):
     shape = AttnShape(B=2, Hq=6, Hkv=3, N=144, D=16)
-    q, k, v = qkv(shape, torch.float32, _device(backend), seed=11, sharpness=2.0)
+    q, k, v = qkv(shape, torch.float32, backend_device(backend), seed=11, sharpness=2.0)
     full = sparse_prefill(q, k, v, PLAN, dense_threshold=0, backend=backend)
     chunk = sparse_prefill(q[:, :, -C:], k, v, PLAN, dense_threshold=0, backend=backend)
     assert chunk.shape == (2, 6, C, 16)
@@ -49,7 +45,7 @@ def test_ragged_query_rows_follow_each_row(backend):
     """Left-padded key rows, each row's chunk at its own place in q: row by row, the same as the
     unpadded single-row call (the definition of a ragged batch)."""
     shape = AttnShape(B=2, Hq=6, Hkv=3, N=144, D=16)
-    q, k, v = qkv(shape, torch.float32, _device(backend), seed=12)
+    q, k, v = qkv(shape, torch.float32, backend_device(backend), seed=12)
     lens = torch.tensor([144, 100], dtype=torch.int32, device=q.device)
     starts = torch.tensor([0, 44], dtype=torch.int32, device=q.device)
     q_lens = torch.tensor([48, 32], dtype=torch.int32, device=q.device)

@@ -30,6 +30,13 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.triton
 
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+def backend_device(backend: str) -> str:
+    """Where a dispatcher test of ``backend`` puts its tensors: the Triton backend on CUDA where
+    there is one (the interpreter otherwise), the torch backend on the CPU."""
+    return DEVICE if backend == "triton" else "cpu"
+
 #: The interpreter computes bf16 wrongly without raising: bf16 is a GPU-only dtype here.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32) if CUDA else (torch.float16, torch.float32)
 #: Head dims drawn: every supported one on the GPU; on CPU the cheapest plus a padded one.
