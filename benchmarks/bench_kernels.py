@@ -23,6 +23,10 @@ Index geometries (documented, reproducible from ``--seed``):
 * ``bs-top100``: per query block of 64, the diagonal, block 0 and random earlier blocks, 100
   in all (fewer near the start).
 * ``ashape``: 128 sinks, 4096 window, every head.
+* ``dense-triton``: our dense causal attention (the A-shape kernel with a window as long as the
+  row), to compare per pair with cuDNN at the same shape.
+* ``tail``: the dispatcher's dense tail, the last 128 rows against every key (not in the default
+  methods).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ BS_TOP_K = 100
 BS_BLOCK = 64
 A_SINK = 128
 A_WINDOW = 4096
+#: Rows of the dense tail (``patch(dense_tail=...)``) the ``tail`` method times: the testbed's.
+TAIL = 128
 #: The kernels' GPU tiles (for physical tile counts): minference.kernels._common.GPU_TILES for
 #: vertical-slash, the A-shape kernel's own 2-byte tiles.
 VS_BLOCK_N = GPU_TILES.block_n
@@ -379,6 +385,18 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
         rows.append(Row(N, Hkv, "minference block-sparse top-100", ms, pairs // HQ, tiles * BS_BLOCK**2 // HQ))
         flex_row("block-sparse top-100", lambda BM: flex_bs_mask(BM, blocks, N), pairs // HQ, BS_BLOCK)
 
+    if "dense-triton" in methods:  # our dense kernel: A-shape with a window as long as the row
+        ms = _bench(lambda: kernels.ashape_attention(q, k, v, 0, N, out=out, validate=False))
+        phys = ashape_tiles(N, 0, N, A_BLOCK_M, A_BLOCK_N) * A_BLOCK_M * A_BLOCK_N
+        rows.append(Row(N, Hkv, "minference dense (A-shape kernel, window N)", ms, dense_pairs(N), phys))
+
+    if "tail" in methods:  # the dispatcher's dense tail: the last TAIL rows against every key
+        from minference.dispatch import dense_tail_attention
+
+        pairs = dense_pairs(N) - dense_pairs(N - TAIL)
+        ms = _bench(lambda: dense_tail_attention(q, k, v, TAIL, out=out, backend="triton"))
+        rows.append(Row(N, Hkv, f"minference dense tail, last {TAIL} rows", ms, pairs, None))
+
     if "ashape" in methods:
         pairs = ashape_pairs(N, A_SINK, A_WINDOW)
         ms = _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, out=out, validate=False))
@@ -389,11 +407,12 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
 
 
 #: Tile configurations the ``--sweep`` mode compares (block_m, block_n, warps, stages).
-SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)]
+SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 128, 8, 4),
+         (128, 128, 4, 3), (64, 64, 4, 4)]
 #: Stages of the vertical-slash gathered column loops compared by ``--sweep``.
 COL_SWEEP = [1, 2, 4, 5]
 #: Block-sparse (warps, stages) compared by ``--sweep`` (its tile is the routing block).
-BS_SWEEP = [(4, 3), (4, 5), (4, 6), (8, 5)]
+BS_SWEEP = [(4, 2), (4, 3), (4, 5), (4, 6), (8, 2), (8, 3), (8, 4), (8, 5)]
 
 
 SWEEP_PARTS = ("tiles", "columns", "bs", "paths")
