@@ -430,19 +430,23 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
     v = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     vertical, slash = vs_indices("local", N, HQ, torch.Generator().manual_seed(seed), "cuda")
     default, default_a = _common.GPU_TILES, _ashape._GPU_TILES_2BYTE
-    lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | VS local kernel ms |", "|---|---|---|"]
+    lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | dense (A-shape kernel) ms | VS local kernel ms |",
+             "|---|---|---|---|"]
     try:
         for bm, bn, warps, stages in SWEEP if "tiles" in parts else []:
             _common.GPU_TILES = _ashape._GPU_TILES_2BYTE = _common.Tiles(bm, bn, warps, stages)
+            _common._FITTED.clear()  # the fitted tiles are remembered per kernel key, not per preference
             index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
             a, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, validate=False)))
+            d, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, 0, N, validate=False)))
             b, note = _try(lambda: _bench(  # noqa: B023
                 lambda: kernels.vertical_slash_attention_physical(q, k, v, index, validate=False)))  # noqa: B023
             fmt = lambda x: "failed" if x is None else f"{x:.2f}"  # noqa: E731
-            lines.append(f"| {bm}x{bn} w{warps} s{stages} | {fmt(a)} | {fmt(b)} {note} |")
+            lines.append(f"| {bm}x{bn} w{warps} s{stages} | {fmt(a)} | {fmt(d)} | {fmt(b)} {note[:60]} |")
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
         _common.GPU_TILES, _ashape._GPU_TILES_2BYTE = default, default_a
+        _common._FITTED.clear()
     if "columns" in parts:
         lines += _column_sweep(q, k, v, vertical, slash, N, default)
     if "bs" in parts:
@@ -507,14 +511,15 @@ def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
 
 def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
     """Block-sparse top-100 under each (warps, stages) of :data:`BS_SWEEP`."""
-    from minference.kernels import block_sparse
+    from minference.kernels import _common, block_sparse
 
     blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")
     warps0, stages0 = dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES)
-    lines = ["", f"| block-sparse 64 (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
+    lines = ["", f"| block-sparse {BS_BLOCK} (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
     try:
         for warps, stages in BS_SWEEP:
             block_sparse._GPU_WARPS[BS_BLOCK], block_sparse._GPU_STAGES[BS_BLOCK] = warps, stages
+            _common._FITTED.clear()
             c, note = _try(lambda: _bench(lambda: kernels.block_sparse_attention(q, k, v, blocks, block=BS_BLOCK,
                                                                                validate=False)))
             lines.append(f"| w{warps} s{stages} | {'failed' if c is None else f'{c:.2f}'} {note} |")
@@ -522,6 +527,7 @@ def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
     finally:
         block_sparse._GPU_WARPS.update(warps0)
         block_sparse._GPU_STAGES.update(stages0)
+        _common._FITTED.clear()
     return lines
 
 
