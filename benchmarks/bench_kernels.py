@@ -63,10 +63,8 @@ A_WINDOW = 4096
 #: Rows of the dense tail (``patch(dense_tail=...)``) the ``tail`` method times: the testbed's.
 TAIL = 128
 #: The kernels' GPU tiles (for physical tile counts): minference.kernels._common.GPU_TILES for
-#: vertical-slash, the A-shape kernel's own 2-byte tiles.
+#: vertical-slash, the A-shape kernel's own 2-byte tiles for the head dim (``_a_tiles``).
 VS_BLOCK_N = GPU_TILES.block_n
-A_BLOCK_M = _ashape._GPU_TILES_2BYTE.block_m
-A_BLOCK_N = _ashape._GPU_TILES_2BYTE.block_n
 #: FlexAttention's block size for the vertical-slash and A-shape masks (its default).
 FLEX_BLOCK = 128
 #: do_bench budgets (milliseconds of warm-up and of timed repetitions).
@@ -387,7 +385,8 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
 
     if "dense-triton" in methods:  # our dense kernel: A-shape with a window as long as the row
         ms = _bench(lambda: kernels.ashape_attention(q, k, v, 0, N, out=out, validate=False))
-        phys = ashape_tiles(N, 0, N, A_BLOCK_M, A_BLOCK_N) * A_BLOCK_M * A_BLOCK_N
+        t = _ashape.gpu_tiles_2byte(HEAD_DIM)
+        phys = ashape_tiles(N, 0, N, t.block_m, t.block_n) * t.block_m * t.block_n
         rows.append(Row(N, Hkv, "minference dense (A-shape kernel, window N)", ms, dense_pairs(N), phys))
 
     if "tail" in methods:  # the dispatcher's dense tail: the last TAIL rows against every key
@@ -400,7 +399,8 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
     if "ashape" in methods:
         pairs = ashape_pairs(N, A_SINK, A_WINDOW)
         ms = _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, out=out, validate=False))
-        phys = ashape_tiles(N, A_SINK, A_WINDOW, A_BLOCK_M, A_BLOCK_N) * A_BLOCK_M * A_BLOCK_N
+        t = _ashape.gpu_tiles_2byte(HEAD_DIM)
+        phys = ashape_tiles(N, A_SINK, A_WINDOW, t.block_m, t.block_n) * t.block_m * t.block_n
         rows.append(Row(N, Hkv, "minference A-shape", ms, pairs, phys))
         flex_row("A-shape", lambda BM: flex_ashape_mask(BM, N, A_SINK, A_WINDOW, dev), pairs)
     return rows
@@ -429,12 +429,13 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
     k = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, Hkv, N, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     vertical, slash = vs_indices("local", N, HQ, torch.Generator().manual_seed(seed), "cuda")
-    default, default_a = _common.GPU_TILES, _ashape._GPU_TILES_2BYTE
+    default, default_a = _common.GPU_TILES, dict(_ashape._GPU_TILES_2BYTE)
     lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | dense (A-shape kernel) ms | VS local kernel ms |",
              "|---|---|---|---|"]
     try:
         for bm, bn, warps, stages in SWEEP if "tiles" in parts else []:
-            _common.GPU_TILES = _ashape._GPU_TILES_2BYTE = _common.Tiles(bm, bn, warps, stages)
+            _common.GPU_TILES = _common.Tiles(bm, bn, warps, stages)
+            _ashape._GPU_TILES_2BYTE.update({d: _common.GPU_TILES for d in default_a})
             _common._FITTED.clear()  # the fitted tiles are remembered per kernel key, not per preference
             index = kernels.convert_vertical_slash(vertical, slash, N, block_m=bm)
             a, _ = _try(lambda: _bench(lambda: kernels.ashape_attention(q, k, v, A_SINK, A_WINDOW, validate=False)))
@@ -445,7 +446,8 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
             lines.append(f"| {bm}x{bn} w{warps} s{stages} | {fmt(a)} | {fmt(d)} | {fmt(b)} {note[:60]} |")
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
-        _common.GPU_TILES, _ashape._GPU_TILES_2BYTE = default, default_a
+        _common.GPU_TILES = default
+        _ashape._GPU_TILES_2BYTE.update(default_a)
         _common._FITTED.clear()
     if "columns" in parts:
         lines += _column_sweep(q, k, v, vertical, slash, N, default)
@@ -515,6 +517,8 @@ def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
 
     blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")
     warps0, stages0 = dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES)
+    small0 = dict(block_sparse._GPU_SMALL_D)
+    block_sparse._GPU_SMALL_D.clear()  # the sweep's (warps, stages) at every head dim
     lines = ["", f"| block-sparse {BS_BLOCK} (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
     try:
         for warps, stages in BS_SWEEP:
@@ -527,6 +531,7 @@ def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
     finally:
         block_sparse._GPU_WARPS.update(warps0)
         block_sparse._GPU_STAGES.update(stages0)
+        block_sparse._GPU_SMALL_D.update(small0)
         _common._FITTED.clear()
     return lines
 

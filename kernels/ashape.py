@@ -138,9 +138,13 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, h
     _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
 
 
-#: GPU tiles for 2-byte inputs: the window interior is long runs of contiguous unmasked tiles, where
-#: 128-key tiles beat 64 (H200 loop-ceiling run: 511 vs 501 TFLOP/s with descriptor loads).
-_GPU_TILES_2BYTE = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
+#: GPU tiles for 2-byte inputs by padded head dim (``BLOCK_D``). The window interior is long runs of
+#: contiguous unmasked tiles. ``BLOCK_D = 128``: 128-key tiles beat 64 (H200 loop-ceiling run: 511
+#: vs 501 TFLOP/s with descriptor loads). ``BLOCK_D <= 64`` (Qwen2.5's D = 64): 128x64 tiles in 4
+#: warps and 4 stages; H200, s13, 120K, Hq 14, Hkv 2: dense (window N) 65.1 ms against 79.0 with
+#: 128x128/8 warps/3 stages, A-shape 128/4096 4.73 against 5.97 (``bench_kernels.py --sweep tiles``).
+_GPU_TILES_2BYTE = {64: Tiles(block_m=128, block_n=64, num_warps=4, num_stages=4),
+                    128: Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)}
 
 
 #: Smaller tiles, tried in order where the preferred ones exceed the device's shared memory
@@ -148,12 +152,17 @@ _GPU_TILES_2BYTE = Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)
 #: 64-row blocks. At D = 128 the preferred 2-byte tiles take ~229 KB (more than an A100's 164 KB).
 _GPU_FALLBACK_2BYTE = (Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 2),
                        Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1))
-_GPU_FALLBACK_FP32 = (Tiles(64, 32, 4, 1), Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1))
+_GPU_FALLBACK_FP32 = (Tiles(32, 32, 4, 1), Tiles(32, 16, 4, 1))
+
+
+def gpu_tiles_2byte(head_dim: int) -> Tiles:
+    """The preferred GPU tiles for 2-byte inputs of head dim ``head_dim`` (:data:`_GPU_TILES_2BYTE`)."""
+    return _GPU_TILES_2BYTE[64 if head_dim <= 64 else 128]
 
 
 def _tiles(q: torch.Tensor) -> Tiles | None:
     if q.device.type == "cuda" and q.element_size() == 2:
-        return _GPU_TILES_2BYTE
+        return gpu_tiles_2byte(q.shape[-1])
     return None  # the shared defaults (fp32 on the GPU, the interpreter)
 
 

@@ -44,6 +44,10 @@ _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 #: 64: 5 stages, 28.44 ms against 31.89 with 3 at 128K, top-100, bf16, Hkv=8 (H200, s3 run 3,
 #: ``bench_kernels.py --sweep``): each block is a random jump, so deeper prefetch hides it.
 _GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 2}
+#: ``(warps, stages)`` for 2-byte inputs at head dims up to 64 (half the K/V bytes of D = 128 per
+#: stage), where they differ from the tables above. Block 128: 4 warps, 5 stages, 11.23 ms against
+#: 15.84 with 8 warps and 2 (H200, s13, 120K, Hq 14, Hkv 2, D 64, top-100, ``--sweep bs``).
+_GPU_SMALL_D = {128: (4, 5)}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 
 
@@ -112,8 +116,13 @@ def _tiles(q: torch.Tensor, block: int) -> Tiles:
     if q.device.type != "cuda":
         return Tiles(block_m=block, block_n=block, num_warps=INTERPRET_TILES.num_warps,
                      num_stages=INTERPRET_TILES.num_stages)
-    stages = (_GPU_STAGES_FP32 if q.dtype == torch.float32 else _GPU_STAGES)[block]
-    return Tiles(block_m=block, block_n=block, num_warps=_GPU_WARPS[block], num_stages=stages)
+    if q.dtype == torch.float32:
+        warps, stages = _GPU_WARPS[block], _GPU_STAGES_FP32[block]
+    elif q.shape[-1] <= 64 and block in _GPU_SMALL_D:
+        warps, stages = _GPU_SMALL_D[block]
+    else:
+        warps, stages = _GPU_WARPS[block], _GPU_STAGES[block]
+    return Tiles(block_m=block, block_n=block, num_warps=warps, num_stages=stages)
 
 
 def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
