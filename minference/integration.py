@@ -20,7 +20,9 @@ path                 when                                                       
 ``dense_decode``     one query token (decode)                                             dense
 ``dense_continue``   a chunk after a cache that is too short (or too few keys), or whose  dense
                      mask is not causal with contiguous rows (right padding after a
-                     cache, custom masks), or a sliding-window / non-causal module
+                     cache, custom masks), or a sliding-window / non-causal module. On
+                     the Triton backend a short causal chunk with contiguous rows runs
+                     our dense kernel on its query rows (no mask); otherwise SDPA
 ``dense_short``      prompt shorter than ``dense_threshold`` tokens                        dense
 ``dense_mask``       a mask that is not causal + contiguous padding (packed sequences,     dense
                      sliding windows, custom masks), a sliding-window layer, or a call or
@@ -261,14 +263,16 @@ def minference_attention(
     if state is None:
         return dense()
     rows = None
+    chunk_rows = False  # the query rows of a short chunk after a cache, where dense_continue can take them
     if L == 1:
         path = "dense_decode"
     elif not state.sparse or dropout:
         path = "dense_layer"
     elif S < _threshold(state) or (L != S and state.dense_threshold != 0 and L < _min_queries()):
         path = "dense_short" if L == S else "dense_continue"
-    elif (getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None
-          or kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False):
+        if L != S and attention_mask is not None and _plain_causal(module, kwargs):
+            chunk_rows = query_rows(attention_mask, L, S)  # None (plain) or rows: our dense kernel may run it
+    elif not _plain_causal(module, kwargs):
         path = "dense_mask" if L == S else "dense_continue"  # not causal self-attention: the module's own masking
     elif L == S:
         rows = padding_rows(attention_mask, L)
@@ -277,6 +281,15 @@ def minference_attention(
         rows = False if attention_mask is None else query_rows(attention_mask, L, S)
         path = "dense_continue" if rows is False else "sparse_continue"
     state.calls[path] += 1
+    if chunk_rows is not False:
+        from minference.dispatch import resolve_backend
+
+        if resolve_backend(state.backend, query.device) == "triton":
+            # a short chunk after a cache, causal with contiguous rows: our dense kernel on its query
+            # rows needs no mask (transformers' SDPA takes a boolean mask here, ~2x slower per FLOP
+            # on the H200 at 120K in 8K chunks, s12)
+            with profile_range(ATTENTION_RANGE):
+                return _dense_rows(query, key, value, chunk_rows, scaling), None
     if not path.startswith("sparse"):
         with profile_range(ATTENTION_RANGE):
             return dense()
@@ -306,6 +319,23 @@ def minference_attention(
             **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
         )  # [B, Hq, L, D], zeros at padding positions; the thresholds were applied above
     return out.transpose(1, 2), None
+
+
+def _plain_causal(module: torch.nn.Module, kwargs: dict) -> bool:
+    """True for causal self-attention without a window or packed sequences (what the kernels run)."""
+    return not (getattr(module, "sliding_window", None) is not None or kwargs.get("cu_seq_lens_q") is not None
+                or kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False)
+
+
+def _dense_rows(query, key, value, rows, scaling) -> torch.Tensor:
+    """Dense causal attention of a chunk's query rows (:func:`query_rows`: ``None`` for the plain
+    case) on the Triton backend, ``[B, L, Hq, D]``; rows that are not queries come out as zeros."""
+    from minference.dispatch import dense_prefill
+
+    seqlens, seqstarts, q_seqlens, q_seqstarts = (None,) * 4 if rows is None else rows
+    out = dense_prefill(query, key, value, scale=scaling, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                        q_seqstarts=q_seqstarts, backend="triton", validate=False)
+    return out.transpose(1, 2)
 
 
 def register() -> None:

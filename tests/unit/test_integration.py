@@ -261,6 +261,40 @@ def test_chunked_prefill_runs_the_dense_tail_on_the_last_chunk_only():
     assert (tailed - one_shot).abs().max() > 100 * LOGIT_ATOL, "a tail on the first chunk must show"
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("padded", [False, True])
+def test_short_chunk_after_a_cache_runs_the_dense_kernel_on_query_rows(padded: bool):
+    """A chunk under the dense threshold after a cache (``dense_continue``): on the Triton backend
+    (here the interpreter) it runs our dense kernel on its query rows with no mask, on the torch
+    backend transformers' SDPA; both give the unpatched model's logits (left padding included)."""
+    from unittest import mock
+
+    model = tiny_model("qwen2")
+    ids = torch.randint(2, VOCAB, (2, N), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones(2, N, dtype=torch.long)
+    if padded:
+        mask[1, :5] = 0
+    half = N // 2
+
+    def chunked():
+        with torch.no_grad():
+            first = model(ids[:, :half], attention_mask=mask[:, :half], use_cache=True)
+            return model(ids[:, half:], attention_mask=mask, use_cache=True, cache=first.cache).logits
+
+    want = chunked()
+    for backend, kernel_calls in (("triton", LAYERS), ("torch", 0)):
+        I.patch(model, ashape_config(model), dense_threshold=4 * N, backend=backend)
+        try:
+            with mock.patch.object(I, "_dense_rows", wraps=I._dense_rows) as spy:
+                got = chunked()
+            counts = I.call_counts(model)
+        finally:
+            I.unpatch(model)
+        assert counts["dense_continue"] == LAYERS and counts["dense_short"] == LAYERS, counts
+        assert spy.call_count == kernel_calls, backend
+        torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+
+
 def _ref_run(model, cfg, ids, **kw):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
