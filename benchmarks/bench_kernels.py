@@ -26,7 +26,8 @@ Index geometries (documented, reproducible from ``--seed``):
 * ``dense-triton``: our dense causal attention (the A-shape kernel with a window as long as the
   row), to compare per pair with cuDNN at the same shape.
 * ``tail``: the dispatcher's dense tail, the last 128 rows against every key (not in the default
-  methods).
+  methods), twice: with the automatic key split (its count in the label) and unsplit
+  (``key_split=1``, the A-shape kernel's one program per query block and head).
 """
 
 from __future__ import annotations
@@ -393,8 +394,12 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
         from minference.dispatch import dense_tail_attention
 
         pairs = dense_pairs(N) - dense_pairs(N - TAIL)
+        split = _ashape._auto_key_split(q, k, None, TAIL, None)
         ms = _bench(lambda: dense_tail_attention(q, k, v, TAIL, out=out, backend="triton"))
-        rows.append(Row(N, Hkv, f"minference dense tail, last {TAIL} rows", ms, pairs, None))
+        rows.append(Row(N, Hkv, f"minference dense tail, last {TAIL} rows (key split auto: {split})", ms, pairs,
+                        None))
+        ms = _bench(lambda: dense_tail_attention(q, k, v, TAIL, out=out, backend="triton", key_split=1))
+        rows.append(Row(N, Hkv, f"minference dense tail, last {TAIL} rows (unsplit, key_split=1)", ms, pairs, None))
 
     if "ashape" in methods:
         pairs = ashape_pairs(N, A_SINK, A_WINDOW)

@@ -5,7 +5,7 @@ kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` set before triton'
 """
 
 from minference.kernels._common import SUPPORTED_HEAD_DIMS
-from minference.kernels.ashape import ashape_attention
+from minference.kernels.ashape import ashape_attention, dense_attention
 from minference.kernels.block_sparse import BLOCK_SIZES, block_sparse_attention
 from minference.kernels.convert import VSIndex, convert_vertical_slash, vs_index_to_dense, vs_physical_tiles
 from minference.kernels.vertical_slash import (
@@ -23,6 +23,7 @@ __all__ = [
     "VSIndex",
     "ashape_attention",
     "convert_vertical_slash",
+    "dense_attention",
     "vertical_slash_attention",
     "vertical_slash_attention_physical",
     "vertical_slash_block_m",

@@ -24,17 +24,26 @@ from minference.kernels._common import (
     _scores,
     _softmax_update,
     _store_rows,
+    default_tiles,
     descriptors_ok,
     finish,
+    interpreting,
     kv_descriptors,
     launch_fitted,
     prepare,
     qkv_strides,
 )
 
-from minference._checks import check_budget, check_head_offset, clamp_budget, int32_constant, same_device
+from minference._checks import (
+    check_budget,
+    check_head_offset,
+    clamp_budget,
+    int32_constant,
+    query_rows_bound,
+    same_device,
+)
 
-__all__ = ["ashape_attention"]
+__all__ = ["ashape_attention", "dense_attention", "key_split_count"]
 
 
 @triton.jit
@@ -245,3 +254,248 @@ def ashape_attention(
         key = (q.dtype, prep.D, return_lse, prep.qrows, descriptors_ok(k, v, prep.block_d))
         launch_fitted("ashape", _ashape_fwd, q.device, key, _candidates(q, prep.tiles), call)
     return finish(prep, return_lse)
+
+
+# --------------------------------------------------------------------------------------------
+# dense attention with a key split (flash-decoding style): few query rows against long key rows
+# --------------------------------------------------------------------------------------------
+#
+# Dense causal attention is the A-shape kernel's dense case (sink 0, a window as long as the row),
+# one program per (query block, head, batch row). With few query rows (the dispatcher's dense tail:
+# 128 rows against 120K keys) that grid is a handful of programs each walking every key tile in
+# turn: latency-bound. The split runs ``n_split`` programs per (query block, head, batch row), each
+# over a disjoint contiguous range of the block's key tiles through the same tile loop
+# (:func:`_ashape_tiles`), writing its unnormalised output and softmax statistics (running max in
+# the log2 domain, denominator) to float32 scratch; :func:`_dense_split_merge` then joins the
+# splits exactly by log-sum-exp and writes the rows through the shared epilogue
+# (:func:`minference.kernels._common._store_rows`). A split whose key range is empty writes
+# ``m = -inf, l = 0`` and weighs nothing in the merge.
+
+#: The automatic split fills the GPU with at most this many programs per SM: a whole number of
+#: waves when two programs fit an SM (the 2-byte tiles at D <= 64), two equal waves when one does;
+#: rounding down keeps a last, nearly empty wave from doubling the time ...
+KEY_SPLIT_PROGRAMS_PER_SM = 2
+#: ... gives every split at least this many key tiles (the merge and the scratch traffic are paid
+#: once per split) ...
+KEY_SPLIT_MIN_TILES = 8
+#: ... and never more than this many splits (bounds the scratch).
+KEY_SPLIT_MAX = 64
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """``multi_processor_count`` of a CUDA device (one query per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNT.get(index)
+    if count is None:
+        count = _SM_COUNT[index] = int(torch.cuda.get_device_properties(index).multi_processor_count)
+    return count
+
+
+def key_split_count(programs: int, key_tiles: int, sms: int) -> int:
+    """The automatic key split of a dense call whose unsplit grid has ``programs`` programs
+    (query blocks x computed heads x batch rows) over rows of at most ``key_tiles`` key tiles, on
+    ``sms`` SMs: ``(KEY_SPLIT_PROGRAMS_PER_SM * sms) // programs``, at most ``key_tiles //
+    KEY_SPLIT_MIN_TILES`` and :data:`KEY_SPLIT_MAX`; 1 (no split) when that is below 2. Plain
+    ints: shapes, never tensor values, so a CUDA graph replays the launch it captured."""
+    if programs <= 0 or sms <= 0:
+        return 1
+    split = min(KEY_SPLIT_PROGRAMS_PER_SM * sms // programs, key_tiles // KEY_SPLIT_MIN_TILES, KEY_SPLIT_MAX)
+    return split if split >= 2 else 1
+
+
+def _auto_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqstarts) -> int:
+    """The automatic key split of a call: :func:`shape_key_split` with the preferred tiles and the
+    device's SM count on CUDA; 1 elsewhere (the interpreter)."""
+    if q.device.type != "cuda" or interpreting():
+        return 1
+    return shape_key_split(q, k, heads, q_seqlens, q_seqstarts, _tiles(q) or default_tiles(q), _sm_count(q.device))
+
+
+def shape_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqstarts, tiles: Tiles, sms: int) -> int:
+    """:func:`key_split_count` for a call's arguments from their shapes alone: the unsplit grid
+    (:meth:`minference.kernels._common.Prepared.grid`: with query rows ``ceil(bound / block_m) +
+    1`` blocks, an int ``q_seqlens`` bounding them; a tensor's values are never read) and the key
+    tiles of ``N``."""
+    B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
+    N = k.shape[2]
+    if q_seqlens is not None or q_seqstarts is not None or Nq != N:
+        bound = query_rows_bound(q_seqlens, Nq)
+        blocks = -(-bound // tiles.block_m) + 1 if bound else 0
+    else:
+        blocks = -(-N // tiles.block_m)
+    Hg = Hq if heads is None else heads.shape[0]
+    return key_split_count(blocks * Hg * B, -(-N // tiles.block_n), sms)
+
+
+@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph"])
+def _dense_split_fwd(Q, K, V, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, n_split, qk_scale,
+                     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sps, spb, sph,
+                     group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr,
+                     QROWS: tl.constexpr):
+    """One key split of one (query block, computed head, batch row): grid ``(blocks * n_split, Hg,
+    B)``, axis 0 ``= j * n_split + split`` with ``j`` the block's place in the unsplit grid (last
+    blocks first, as :func:`_program_ids`). Writes the rows' unnormalised output ``PO [S, B, Hg, R,
+    BLOCK_D]`` and statistics ``PM, PL [S, B, Hg, R]`` (scratch row ``j * BLOCK_M + r``) for the
+    block's query rows only."""
+    b, g, h, kvh, _, _, row_len, row_start, q_lo, q_row0 = _program_ids(
+        lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
+    split = tl.program_id(0) % n_split
+    blk = tl.num_programs(0) // n_split - 1 - tl.program_id(0) // n_split
+    m0 = (q_lo // BLOCK_M + blk) * BLOCK_M  # q_lo = 0 without query rows
+    first = tl.maximum(m0, q_lo)  # the block's first query row
+    if first >= row_len:  # past the row, or a row without queries
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m  # [BM] logical
+    row_ok = (rows >= q_lo) & (rows < row_len)
+    b64 = b.to(tl.int64)
+    s64 = row_start.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqn
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    hi = tl.minimum(m0 + BLOCK_M, row_len)  # keys 0 .. hi - 1 (causal: up to the block's last row)
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    # tiles of keys at or before the first query row: every query row reads all of them (no window
+    # edge in the dense case), and they lie inside the row, so they run unmasked even in a block
+    # with rows that are not queries (those rows read q = 0 and are never stored)
+    k_b = (first + 1) // BLOCK_N
+    per = tl.cdiv(n_tiles, n_split)
+    t0 = split * per
+    t1 = tl.minimum(t0 + per, n_tiles)  # this split's tiles t0 .. t1 - 1 (none when t0 >= n_tiles)
+    # the window part of the A-shape loop with a window of hi keys: ``j > i - hi`` holds for every
+    # key of every query row, so only the causal edge and the row bounds mask
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
+                                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+                                  tl.minimum(t0, k_b) * BLOCK_N, tl.minimum(t1, k_b) * BLOCK_N, hi, 0, hi,
+                                  False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
+                                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+                                  tl.maximum(t0, k_b) * BLOCK_N, tl.minimum(t1 * BLOCK_N, hi), hi, 0, hi,
+                                  True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+
+    stat = split.to(tl.int64) * sps + b64 * spb + g.to(tl.int64) * sph + blk * BLOCK_M + offs_m  # [BM]
+    tl.store(PM + stat, m_i, mask=row_ok)
+    tl.store(PL + stat, l_i, mask=row_ok)
+    tl.store(PO + stat[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph", "slb", "slh"])
+def _dense_split_merge(O, LSE, PO, PM, PL, lens, starts, q_los, q_row0s, heads, n_split, sps, spb, sph,
+                       sob, soh, son, sod, slb, slh, sln,
+                       group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       RETURN_LSE: tl.constexpr, QROWS: tl.constexpr):
+    """Join the ``n_split`` partial results of one (query block, computed head, batch row) by
+    log-sum-exp and write its query rows (grid: the unsplit one, ``(blocks, Hg, B)``)."""
+    b, g, h, kvh, qblk, m0, row_len, row_start, q_lo, q_row0 = _program_ids(
+        lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
+    if tl.maximum(m0, q_lo) >= row_len:
+        return
+    blk = tl.num_programs(0) - 1 - tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m
+    row_ok = (rows >= q_lo) & (rows < row_len)
+    b64 = b.to(tl.int64)
+    stat = b64 * spb + g.to(tl.int64) * sph + blk * BLOCK_M + offs_m  # [BM] split 0's
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(0, n_split):
+        m = tl.maximum(m, tl.load(PM + s * sps + stat, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # rows no split saw a key of: weights 0, not NaN
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(0, n_split):
+        at = s * sps + stat
+        w = tl.math.exp2(tl.load(PM + at, mask=row_ok, other=float("-inf")) - m_use)  # empty split: 0
+        l_i += w * tl.load(PL + at, mask=row_ok, other=0.0)
+        part = tl.load(PO + at[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * part
+    q64 = q_row0.to(tl.int64)
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
+    _store_rows(acc, m, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    seqlens: torch.Tensor | None = None,
+    seqstarts: torch.Tensor | None = None,
+    q_seqlens: int | torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+    key_split: int | None = None,
+):
+    """Causal dense attention (float64 twin: :func:`minference.reference.attention.dense_attention`),
+    on whole rows or query rows, with an optional key split for calls of few query rows.
+
+    Arguments as :func:`ashape_attention` (no budgets). ``key_split``: programs per (query block,
+    computed head, batch row), each over a disjoint contiguous range of the block's key tiles,
+    joined exactly by log-sum-exp (docs/kernels.md, "dense tail"). ``None`` (default): chosen from
+    the shapes and the device's SM count (:func:`key_split_count`; always 1 off CUDA); 1: the
+    unsplit call, exactly ``ashape_attention(q, k, v, 0, max(1, N), ...)``; any ``n >= 1`` is
+    computed as given, splits without keys included (tests force it under the interpreter).
+    Sync-free with ``validate=False``: the split and the float32 scratch (``torch.empty``) follow
+    the shapes only, so the call can be captured in a CUDA graph.
+    """
+    if key_split is not None and (isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 1):
+        raise ValueError(f"key_split must be None or a positive int, got {key_split!r}")
+    split = _auto_key_split(q, k, heads, q_seqlens, q_seqstarts) if key_split is None else key_split
+    if split == 1:
+        return ashape_attention(q, k, v, 0, max(1, k.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                                q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, heads=heads, out=out,
+                                return_lse=return_lse, validate=validate)
+    prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts, heads=heads, out=out,
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q))
+    if prep.launches():
+        _launch_split(prep, q, k, v, split, return_lse)
+    return finish(prep, return_lse)
+
+
+def _launch_split(prep, q, k, v, split: int, return_lse: bool) -> None:
+    """The split launch (fitted tiles, float32 scratch for them) and the merge."""
+    scratch = {}
+
+    def call(tiles: Tiles):
+        prep.tiles = tiles
+        blocks, Hg, B = prep.grid()
+        R = blocks * tiles.block_m
+        f32 = dict(dtype=torch.float32, device=q.device)
+        po = torch.empty(split, B, Hg, R, prep.block_d, **f32)
+        pm = torch.empty(split, B, Hg, R, **f32)
+        pl = torch.empty(split, B, Hg, R, **f32)
+        scratch.update(po=po, pm=pm, pl=pl, strides=(B * Hg * R, Hg * R, R))
+        desc_k, desc_v = kv_descriptors(k, v, tiles.block_n, prep.block_d)
+        args = (q, k, v, po, pm, pl, desc_k, desc_v, *prep.row_args(), prep.head_ids(), split, prep.qk_scale,
+                *q.stride(), *k.stride(), *v.stride(), *scratch["strides"])
+        meta = prep.meta(q, False)
+        del meta["RETURN_LSE"]
+        return (blocks * split, Hg, B), args, dict(meta, DESC=desc_k is not None)
+
+    key = (q.dtype, prep.D, prep.qrows, descriptors_ok(k, v, prep.block_d))
+    launch_fitted("dense_split", _dense_split_fwd, q.device, key, _candidates(q, prep.tiles), call)
+    lse, sln = prep.lse_arg()
+    slb, slh = prep.lse_strides()
+    meta = prep.meta(q, return_lse)
+    _dense_split_merge[prep.grid()](
+        prep.out, lse, scratch["po"], scratch["pm"], scratch["pl"], *prep.row_args(), prep.head_ids(), split,
+        *scratch["strides"], *prep.out.stride(), slb, slh, sln,
+        group=meta["group"], HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_M=meta["BLOCK_M"],
+        RETURN_LSE=return_lse, QROWS=meta["QROWS"], num_warps=4)

@@ -112,23 +112,27 @@ def _ops(backend: str) -> SimpleNamespace:
                                vertical_slash=kernels.vertical_slash_attention,
                                convert=kernels.convert_vertical_slash, tiles=default_tiles,
                                vertical_slash_physical=kernels.vertical_slash_attention_physical,
-                               block_sparse=kernels.block_sparse_attention, dense=None)
+                               block_sparse=kernels.block_sparse_attention, dense=None,
+                               dense_rows=kernels.dense_attention)
     import minference.torch_backend as tb
 
     return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
                            convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
 
 
-def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None):
+def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
+                 key_split: int | None = 1):
     """Causal dense attention on ``heads`` (the whole row, or its query rows) into ``out``: the
-    torch backend's dense path, or on Triton the A-shape kernel with no sink and a window as long
-    as the key rows."""
+    torch backend's dense path, or on Triton :func:`minference.kernels.dense_attention` (the
+    A-shape kernel with no sink and a window as long as the key rows). ``key_split`` (Triton):
+    1 (default) is that kernel unsplit; ``None`` splits the keys when the grid is small against
+    the GPU (chosen from the shapes), what the dense tail takes."""
     rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if q_seqlens is not None or q_seqstarts is not None:
         rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
     if ops.dense is not None:
         return ops.dense(q, k, v, heads=heads, out=out, validate=False, **rows)
-    return ops.ashape(q, k, v, 0, max(1, k.shape[2]), heads=heads, out=out, validate=False, **rows)
+    return ops.dense_rows(q, k, v, heads=heads, out=out, validate=False, key_split=key_split, **rows)
 
 
 def dense_prefill(
@@ -280,19 +284,25 @@ def sparse_prefill(
 def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, *, out: torch.Tensor,
                          scale: float | None = None, seqlens: torch.Tensor | None = None,
                          seqstarts: torch.Tensor | None = None, q_seqlens: int | torch.Tensor | None = None,
-                         q_seqstarts: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                         q_seqstarts: torch.Tensor | None = None, backend: str = "auto",
+                         key_split: int | None = None) -> torch.Tensor:
     """Causal dense attention of the last ``rows`` query rows of each batch row (all of a row
     shorter than that), written into ``out`` (other rows untouched); returns ``out``.
 
     One dense call on query rows (docs/kernels.md): the row's last ``rows`` tokens in place, or
     with query rows (``q_seqlens`` / ``q_seqstarts``, ``q`` shorter than ``k``) the last ``rows``
-    of them; the work is ``rows * N`` pairs per head. On Triton it is the A-shape kernel with a
-    window as long as the row over those rows (no mask but the causal edge), on the torch backend
-    its dense path. Device ops only (no host sync: CUDA-graph capturable); a row without queries
+    of them; the work is ``rows * N`` pairs per head. On Triton it is
+    :func:`minference.kernels.dense_attention` over those rows (the A-shape kernel's dense case,
+    no mask but the causal edge), split over the keys when its grid is small against the GPU's
+    SMs (``key_split``: ``None`` chooses from the shapes, 1 is the unsplit kernel, ``n`` forces
+    ``n``; docs/kernels.md, "dense tail"); on the torch backend its dense path (``key_split`` is
+    ignored there). Device ops only (no host sync: CUDA-graph capturable); a row without queries
     is left untouched."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"dense_tail rows must be a non-negative int, got {rows!r}")
+    if key_split is not None and (isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 1):
+        raise ValueError(f"key_split must be None or a positive int, got {key_split!r}")
     if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
@@ -311,7 +321,8 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
         last = torch.clamp(q_lens, max=rows)
         tail = dict(q_seqlens=last, q_seqstarts=q_starts + q_lens - last)
     ops = _ops(resolve_backend(backend, q.device))
-    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, **tail)
+    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
+                        key_split=key_split, **tail)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
