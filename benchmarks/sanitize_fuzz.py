@@ -1,4 +1,4 @@
-"""Fuzz each kernel (on whole rows and on query rows) and both index builders on small random
+"""Fuzz each kernel (the key-split dense kernel included; on whole rows and on query rows) and both index builders on small random
 shapes once (meant to run under ``compute-sanitizer --tool memcheck`` with
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so every tensor is its own allocation and an out-of-bounds
 read or write is caught). Also checks each result
@@ -16,6 +16,11 @@ from minference import kernels
 from minference import reference as ref
 
 CASES = 4
+
+
+def dense_attention_split3(q, k, v, **kw):
+    """The key-split dense kernel with 3 splits forced (split and merge kernels, scratch rows)."""
+    return kernels.dense_attention(q, k, v, key_split=3, **kw)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: run with TRITON_INTERPRET=1
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
@@ -54,6 +59,7 @@ def main(seed: int = 0) -> None:
             (kernels.vertical_slash_attention, ref.vertical_slash_attention, (vert, slash), {}),
             (kernels.vertical_slash_attention, ref.vertical_slash_attention, (many, slash), {"fill_gaps": 127}),
             (kernels.block_sparse_attention, ref.block_sparse_attention, (blocks,), {}),
+            (dense_attention_split3, ref.dense_attention, (), {}),
         ]
         for fast, twin, args, extra in runs:
             out = fast(q, k, v, *[a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args], **kw_dev, **extra)
