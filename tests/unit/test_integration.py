@@ -261,13 +261,15 @@ def test_chunked_prefill_runs_the_dense_tail_on_the_last_chunk_only():
     assert (tailed - one_shot).abs().max() > 100 * LOGIT_ATOL, "a tail on the first chunk must show"
 
 
-@pytest.mark.triton
 @pytest.mark.parametrize("padded", [False, True])
 def test_short_chunk_after_a_cache_runs_the_dense_kernel_on_query_rows(padded: bool):
     """A chunk under the dense threshold after a cache (``dense_continue``): on the Triton backend
-    (here the interpreter) it runs our dense kernel on its query rows with no mask, on the torch
-    backend transformers' SDPA; both give the unpatched model's logits (left padding included)."""
+    (here the interpreter, on CPU tensors: not a GPU-tier test) it runs our dense kernel on its
+    query rows with no mask, on the torch backend transformers' SDPA; both give the unpatched
+    model's logits (left padding included)."""
     from unittest import mock
+
+    from minference.app.models import cache_keyword, output_cache
 
     model = tiny_model("qwen2")
     ids = torch.randint(2, VOCAB, (2, N), generator=torch.Generator().manual_seed(11))
@@ -279,7 +281,8 @@ def test_short_chunk_after_a_cache_runs_the_dense_kernel_on_query_rows(padded: b
     def chunked():
         with torch.no_grad():
             first = model(ids[:, :half], attention_mask=mask[:, :half], use_cache=True)
-            return model(ids[:, half:], attention_mask=mask, use_cache=True, cache=first.cache).logits
+            return model(ids[:, half:], attention_mask=mask, use_cache=True,
+                         **{cache_keyword(model): output_cache(first)}).logits
 
     want = chunked()
     for backend, kernel_calls in (("triton", LAYERS), ("torch", 0)):
