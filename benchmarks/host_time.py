@@ -8,7 +8,7 @@ Qwen config's 24 layers (14 q / 2 kv heads, D = 64, dense tail 128) ``--rounds``
 the minimum and median per forward; ``--profile`` adds a cProfile of one forward (our functions,
 by cumulative time).
 
-    python benchmarks/host_time.py [--rounds 15] [--profile]
+    python benchmarks/host_time.py [--rounds 15] [--tokens 256] [--chunk 128] [--profile]
 """
 
 from __future__ import annotations
@@ -38,18 +38,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=256, help="prompt length of the tiny tensors")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="time a chunk of this many queries after a cache (query rows, no dense tail: a "
+                         "chunk that a later one follows); 0: the whole prompt (default)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    if not 0 <= args.chunk < args.tokens:
+        ap.error(f"--chunk must be in [0, --tokens {args.tokens})")
     config = PatternConfig.from_dict(json.loads(CONFIG.read_text()))
     interpreter.InterpretedFunction.run = lambda self, *a, **kw: None  # kernels cost nothing: host work only
     torch.set_num_threads(1)
     n = args.tokens
-    q, k, v = torch.randn(1, 14, n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
+    q, k, v = torch.randn(1, 14, args.chunk or n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
     plans = [config.plan(layer) for layer in range(len(config.layers))]
+    tail = 0 if args.chunk else 128
 
     def forward() -> None:
         for plan in plans:
-            sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", validate=False, dense_tail=128)
+            sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", validate=False, dense_tail=tail)
 
     forward()  # fill the plan and constant caches
     times = []
@@ -57,7 +63,8 @@ def main() -> None:
         start = time.perf_counter()
         forward()
         times.append(time.perf_counter() - start)
-    print(f"host per forward ({len(plans)} layers): min {min(times) * 1e3:.1f} ms, "
+    what = f"a {args.chunk}-query chunk after {n - args.chunk} cached tokens" if args.chunk else f"{n} tokens"
+    print(f"host per forward ({len(plans)} layers, {what}): min {min(times) * 1e3:.1f} ms, "
           f"median {statistics.median(times) * 1e3:.1f} ms ({args.rounds} rounds)")
     if args.profile:
         prof = cProfile.Profile()

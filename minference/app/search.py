@@ -251,10 +251,19 @@ def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, dev
 
 #: Key and query tile of the physical cost model (the kernels' 64-wide tiles).
 COST_TILE = 64
-#: Relative cost of one 64 x 64 tile by pattern kind, from the kernels' share of cuDNN's
-#: throughput on the same tiles (H200, s8 run 2, 128K, bf16: A-shape 94%, vertical-slash 92%,
-#: block-sparse 82% of cuDNN's logical throughput): cost ~ 1 / share, dense = 1.
-TILE_COST = {"dense": 1.0, "a_shape": 1 / 0.94, "vertical_slash": 1 / 0.92, "block_sparse": 1 / 0.82}
+#: Relative cost of one 64 x 64 tile by head dim (64: ``D <= 64``, 128: the rest) and pattern
+#: kind, from each kernel's share of cuDNN's logical throughput at that head dim (H200, bf16):
+#: cost ~ 1 / share. ``D = 128``: s8 run 2, 128K, Hq 32: A-shape 94%, vertical-slash 92%,
+#: block-sparse 82%, dense = 1. ``D <= 64`` (the Qwen testbed's shape, s13 runs 1-2, 120K, Hq 14,
+#: Hkv 2, with the s13 tiles): A-shape 83%, vertical-slash 68%, block-sparse (block 128) 90%, and
+#: dense heads, which a sparse plan runs through the A-shape kernel, 90%.
+TILE_COST = {128: {"dense": 1.0, "a_shape": 1 / 0.94, "vertical_slash": 1 / 0.92, "block_sparse": 1 / 0.82},
+             64: {"dense": 1 / 0.90, "a_shape": 1 / 0.83, "vertical_slash": 1 / 0.68, "block_sparse": 1 / 0.90}}
+
+
+def tile_cost(kind: str, head_dim: int) -> float:
+    """:data:`TILE_COST` of ``kind`` at ``head_dim``."""
+    return TILE_COST[64 if head_dim <= 64 else 128][kind]
 
 
 def tile_density(pattern: Pattern, sets, H: int, n: int, device) -> torch.Tensor:
@@ -398,7 +407,7 @@ class SearchResult:
         mass: ``[L, H, C]`` mean captured mass per layer, global head, candidate.
         density: ``[L, H, C]`` mean density likewise.
         worst_mass: ``[L, H, C]`` the smallest captured mass over the calibration prompts.
-        cost: ``[L, H, C]`` mean :func:`tile_density` times the kind's :data:`TILE_COST`.
+        cost: ``[L, H, C]`` mean :func:`tile_density` times the kind's :func:`tile_cost` at the head dim.
     """
 
     config: PatternConfig
@@ -458,7 +467,7 @@ def search(
         select: ``"best_mass"`` (the candidate with the highest mean mass; heads below
             ``min_mass`` stay dense) or ``"cheapest"`` (among the candidates whose captured mass
             on the WORST calibration prompt is at least ``min_mass``, the one of least
-            :func:`tile_density` times :data:`TILE_COST`; a head none satisfies stays dense) —
+            :func:`tile_density` times :func:`tile_cost`; a head none satisfies stays dense) —
             the rule for adaptive candidates, whose density differs per head and per input.
     """
     from tqdm.auto import tqdm
@@ -479,7 +488,6 @@ def search(
     density = torch.zeros(L, H, len(cands), dtype=torch.float64)
     worst = torch.ones(L, H, len(cands), dtype=torch.float64)
     cost = torch.zeros(L, H, len(cands), dtype=torch.float64)
-    weights = torch.tensor([TILE_COST[c.kind] for c in cands], dtype=torch.float64)
     device = next(model.parameters()).device
     bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
 
@@ -489,7 +497,7 @@ def search(
         mass[layer] += m
         density[layer] += d
         worst[layer] = torch.minimum(worst[layer], m)
-        cost[layer] += t * weights
+        cost[layer] += t * torch.tensor([tile_cost(c.kind, query.shape[-1]) for c in cands], dtype=torch.float64)
         bar.update(1)
 
     from minference.integration import attention_modules
