@@ -121,12 +121,13 @@ def _ops(backend: str) -> SimpleNamespace:
 
 
 def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
-                 key_split: int | None = 1):
+                 key_split: int | None = None):
     """Causal dense attention on ``heads`` (the whole row, or its query rows) into ``out``: the
     torch backend's dense path, or on Triton :func:`minference.kernels.dense_attention` (the
     A-shape kernel with no sink and a window as long as the key rows). ``key_split`` (Triton):
-    1 (default) is that kernel unsplit; ``None`` splits the keys when the grid is small against
-    the GPU (chosen from the shapes), what the dense tail takes."""
+    ``None`` (default) splits the keys when the grid is small against the GPU (chosen from the
+    shapes: the dense tail, a short chunk after a long cache; whole prompts keep 1, the unsplit
+    kernel); an int forces that count."""
     rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if q_seqlens is not None or q_seqstarts is not None:
         rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
