@@ -16,6 +16,7 @@ from minference.reference.attention import masked_attention, query_rows_attentio
 from minference.reference.masks import ashape_mask
 
 import minference.integration as I
+from minference.app.models import cache_keyword, output_cache
 from minference.config import ConfigMismatchError, PatternConfig, Provenance, model_signature
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
@@ -167,14 +168,14 @@ def test_decode_is_dense_and_the_cache_is_full(arch):
     model = tiny_model(arch)
     ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        dense_cache = model(ids, use_cache=True).cache
+        dense_cache = output_cache(model(ids, use_cache=True))
     cfg = ashape_config(model)
     I.patch(model, cfg, dense_threshold=0)
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        cache = out.cache
+        cache = output_cache(out)
         step = out.logits[:, -1:].argmax(-1)
-        nxt = model(step, cache=cache, use_cache=True)
+        nxt = model(step, **{cache_keyword(model): cache}, use_cache=True)
     counts = I.call_counts(model)
     I.unpatch(model)
     assert counts["sparse"] == LAYERS and counts["dense_decode"] == LAYERS
@@ -199,7 +200,7 @@ def test_dense_equivalent_plan_reproduces_dense_prefill_and_cache():
     assert I.call_counts(model)["sparse"] == LAYERS
     I.unpatch(model)
     torch.testing.assert_close(sparse.logits, dense.logits, atol=LOGIT_ATOL, rtol=0)
-    for a, b in zip(sparse.cache.layers, dense.cache.layers):
+    for a, b in zip(output_cache(sparse).layers, output_cache(dense).layers):
         torch.testing.assert_close(a.keys, b.keys, atol=LOGIT_ATOL, rtol=0)
         torch.testing.assert_close(a.values, b.values, atol=LOGIT_ATOL, rtol=0)
 
@@ -216,7 +217,7 @@ def test_chunked_prefill_continues_sparse():
     def chunked(run):
         with torch.no_grad():
             out = run(first)
-            return run(second, cache=out.cache).logits
+            return run(second, **{cache_keyword(model): output_cache(out)}).logits
 
     want = chunked(lambda x, **kw: _ref_run(model, cfg, x, **kw))
     I.patch(model, cfg, dense_threshold=0)
@@ -256,7 +257,7 @@ def test_chunked_prefill_runs_the_dense_tail_on_the_last_chunk_only():
     with torch.no_grad():
         I.patch(model, ashape_config(model), dense_threshold=0, dense_tail=5)
         first = model(ids[:, : N // 2], use_cache=True)  # a tail at the first chunk's end
-        tailed = model(ids[:, N // 2 :], use_cache=True, cache=first.cache).logits
+        tailed = model(ids[:, N // 2 :], use_cache=True, **{cache_keyword(model): output_cache(first)}).logits
         I.unpatch(model)
     assert (tailed - one_shot).abs().max() > 100 * LOGIT_ATOL, "a tail on the first chunk must show"
 
@@ -268,8 +269,6 @@ def test_short_chunk_after_a_cache_runs_the_dense_kernel_on_query_rows(padded: b
     query rows with no mask, on the torch backend transformers' SDPA; both give the unpatched
     model's logits (left padding included)."""
     from unittest import mock
-
-    from minference.app.models import cache_keyword, output_cache
 
     model = tiny_model("qwen2")
     ids = torch.randint(2, VOCAB, (2, N), generator=torch.Generator().manual_seed(11))
