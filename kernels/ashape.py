@@ -37,6 +37,7 @@ from minference.kernels._common import (
 from minference._checks import (
     check_budget,
     check_head_offset,
+    check_key_split,
     clamp_budget,
     int32_constant,
     query_rows_bound,
@@ -454,8 +455,7 @@ def dense_attention(
     Sync-free with ``validate=False``: the split and the float32 scratch (``torch.empty``) follow
     the shapes only, so the call can be captured in a CUDA graph.
     """
-    if key_split is not None and (isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 1):
-        raise ValueError(f"key_split must be None or a positive int, got {key_split!r}")
+    check_key_split(key_split)
     split = _auto_key_split(q, k, heads, q_seqlens, q_seqstarts) if key_split is None else key_split
     if split == 1:
         return ashape_attention(q, k, v, 0, max(1, k.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,

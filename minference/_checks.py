@@ -36,6 +36,13 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def check_key_split(key_split: object) -> int | None:
+    """``key_split`` of the dense kernel: ``None`` (chosen from the shapes) or a positive int."""
+    if key_split is not None and (isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 1):
+        raise ValueError(f"key_split must be None or a positive int, got {key_split!r}")
+    return key_split
+
+
 def same_device(a, b) -> bool:
     a, b = torch.device(a), torch.device(b)
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

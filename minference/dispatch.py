@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from minference._checks import (
     capturing,
     check_finite_rows,
+    check_key_split,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
@@ -302,8 +303,7 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"dense_tail rows must be a non-negative int, got {rows!r}")
-    if key_split is not None and (isinstance(key_split, bool) or not isinstance(key_split, int) or key_split < 1):
-        raise ValueError(f"key_split must be None or a positive int, got {key_split!r}")
+    check_key_split(key_split)  # here too: the torch backend ignores it, bad values fail on every backend
     if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
