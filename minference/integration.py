@@ -270,7 +270,7 @@ def minference_attention(
         path = "dense_layer"
     elif S < _threshold(state) or (L != S and state.dense_threshold != 0 and L < _min_queries()):
         path = "dense_short" if L == S else "dense_continue"
-        if L != S and attention_mask is not None and _plain_causal(module, kwargs):
+        if L != S and attention_mask is not None and _plain_causal(module, kwargs) and _triton(state, query):
             chunk_rows = query_rows(attention_mask, L, S)  # None (plain) or rows: our dense kernel may run it
     elif not _plain_causal(module, kwargs):
         path = "dense_mask" if L == S else "dense_continue"  # not causal self-attention: the module's own masking
@@ -282,14 +282,11 @@ def minference_attention(
         path = "dense_continue" if rows is False else "sparse_continue"
     state.calls[path] += 1
     if chunk_rows is not False:
-        from minference.dispatch import resolve_backend
-
-        if resolve_backend(state.backend, query.device) == "triton":
-            # a short chunk after a cache, causal with contiguous rows: our dense kernel on its query
-            # rows needs no mask (transformers' SDPA takes a boolean mask here, ~2x slower per FLOP
-            # on the H200 at 120K in 8K chunks, s12)
-            with profile_range(ATTENTION_RANGE):
-                return _dense_rows(query, key, value, chunk_rows, scaling), None
+        # a short chunk after a cache, causal with contiguous rows, on the Triton backend: our dense
+        # kernel on its query rows needs no mask (transformers' SDPA takes a boolean mask here, ~2x
+        # slower per FLOP on the H200 at 120K in 8K chunks, s12)
+        with profile_range(ATTENTION_RANGE):
+            return _dense_rows(query, key, value, chunk_rows, scaling), None
     if not path.startswith("sparse"):
         with profile_range(ATTENTION_RANGE):
             return dense()
@@ -319,6 +316,13 @@ def minference_attention(
             **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
         )  # [B, Hq, L, D], zeros at padding positions; the thresholds were applied above
     return out.transpose(1, 2), None
+
+
+def _triton(state: LayerState, query: torch.Tensor) -> bool:
+    """True when the layer's backend resolves to Triton for ``query``'s device."""
+    from minference.dispatch import resolve_backend
+
+    return resolve_backend(state.backend, query.device) == "triton"
 
 
 def _plain_causal(module: torch.nn.Module, kwargs: dict) -> bool:
