@@ -14,8 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernel_common import COMBOS, CUDA, DEVICE, MAX_N, SEED, problem, run_and_check
-from test_kernel_query_rows import _run
+from test_kernel_common import COMBOS, CUDA, DEVICE, MAX_N, problem, run_and_check
+from test_kernel_query_rows import _query_problem, _run
 
 from minference import kernels
 from minference import reference as ref
@@ -23,7 +23,7 @@ from minference._checks import token_mask
 from minference.kernels import ashape as A
 from minference.kernels._common import INTERPRET_TILES, Tiles
 from minference.testing import assert_close_to_reference, assert_not_written, poison
-from minference.testing.strategies import AttnShape, qkv, query_rows
+from minference.testing.strategies import AttnShape, qkv
 
 pytestmark = pytest.mark.triton
 
@@ -58,15 +58,8 @@ def test_split_whole_rows_match_reference(data, combo):
 def test_split_query_rows_match_reference(data, combo):
     """Query rows (a chunk after a cache with negative q row offsets, a row's last tokens in
     place, int or tensor q_seqlens, rows without queries) on ragged key rows."""
-    p = problem(data, max_n=SPLIT_MAX_N, combo=combo)
-    s = p["shape"]
-    Nq, q_seqlens, q_seqstarts, q_lens, q_starts = data.draw(query_rows(s.B, s.N, p["seqlens"], p["seqstarts"]),
-                                                             label="query rows")
-    g = torch.Generator().manual_seed(data.draw(SEED, label="q seed"))
-    q = torch.randn(s.B, s.Hq, Nq, s.D, generator=g, dtype=torch.float64).to(p["dtype"]).to(DEVICE)
-    p = dict(p, q=q, Nq=Nq, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, q_lens=torch.tensor(q_lens),
-             q_starts=torch.tensor(q_starts))
-    split = data.draw(_splits(s.N), label="key_split")
+    p = _query_problem(data, combo, max_n=SPLIT_MAX_N)
+    split = data.draw(_splits(p["shape"].N), label="key_split")
     _run(p, _split(split), ref.dense_attention)
 
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.reference.attention import merge_attention, query_rows_attention
-from test_kernel_common import COMBOS, DEVICE, SEED, problem, torch_converter
+from test_kernel_common import COMBOS, DEVICE, MAX_N, SEED, problem, torch_converter
 
 from minference import kernels
 from minference import reference as ref
@@ -27,9 +27,9 @@ from minference.testing.strategies import (
 pytestmark = pytest.mark.triton
 
 
-def _query_problem(data, combo):
+def _query_problem(data, combo, max_n: int = MAX_N):
     """A kernel problem (keys, values, ragged rows, heads) plus query rows and their q."""
-    p = problem(data, combo=combo)
+    p = problem(data, max_n=max_n, combo=combo)
     s = p["shape"]
     Nq, q_seqlens, q_seqstarts, q_lens, q_starts = data.draw(query_rows(s.B, s.N, p["seqlens"], p["seqstarts"]),
                                                              label="query rows")
