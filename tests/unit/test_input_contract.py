@@ -183,9 +183,6 @@ def test_dispatcher_refuses_non_finite_and_validate_off_keeps_forced_entries():
     torch.testing.assert_close(out[0, 0, : N - 1].double(), want[0, 0, : N - 1], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="kernel bodies: a NaN value row inside a loaded key tile reaches rows "
-                                       "that mask it out (p = 0 times NaN in the p @ v product); owned by the "
-                                       "kernel owner (docs/contract.md)")
 def test_kernels_keep_a_non_finite_value_to_the_rows_that_read_it():
     """Validation off, v[token 0] = NaN: only the rows whose candidate set holds token 0 may be
     non-finite (A-shape window 4: rows 0..3; vertical-slash δ = 0 only: row 0)."""
@@ -196,6 +193,52 @@ def test_kernels_keep_a_non_finite_value_to_the_rows_that_read_it():
     vs = kernels.vertical_slash_attention(q, k, v, -self_only - 1, self_only, validate=False)
     for out, rows in ((a, [0, 1, 2, 3]), (vs, [0])):
         assert (~torch.isfinite(out[0, 0])).any(-1).nonzero().flatten().tolist() == rows
+
+
+def _bad_rows(out: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N]`` bool: the output rows with a non-finite element."""
+    return (~torch.isfinite(out)).any(-1)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_every_kernel_keeps_non_finite_values_to_the_rows_whose_set_holds_them(bad):
+    """Validation off, non-finite values planted in a few value rows (inside masked and unmasked
+    tiles of every kind: the A-shape window edge and sinks, vertical-slash diagonals, gathered
+    columns and masked column tiles, the block-sparse diagonal block, the dense kernel's causal
+    tile with and without a key split): the non-finite output rows are exactly the rows whose
+    candidate set (``reference.masks``) holds one of them; every other row equals the finite
+    reference computed with those value rows zeroed (which no such row reads)."""
+    from minference.reference import masks
+
+    q, k, v = _qkv(3)
+    planted = [1, 21, 37, 50]  # interpreter tiles are 16 keys wide: several tiles, several kinds
+    vb = v.clone()
+    for n in planted:
+        vb[:, :, n, n % D] = bad
+    v0 = v.clone()
+    v0[:, :, planted] = 0.0
+    hit = torch.zeros(N, dtype=torch.bool)
+    hit[planted] = True
+
+    vertical = torch.tensor([[[1, 21, 40, -1]] * H], dtype=torch.int32)
+    slash = torch.tensor([[[0, 3, 13, 29]] * H], dtype=torch.int32)
+    blocks = torch.tensor([[[[0, -1], [0, 1], [1, 2], [0, 3]]] * H], dtype=torch.int32)
+    cases = {
+        "ashape": (lambda vv: kernels.ashape_attention(q, k, vv, 2, 9, validate=False), masks.ashape_mask(N, 2, 9)),
+        "vertical_slash": (lambda vv: kernels.vertical_slash_attention(q, k, vv, vertical, slash, validate=False),
+                           masks.vertical_slash_mask(N, vertical, slash)),
+        "block_sparse": (lambda vv: kernels.block_sparse_attention(q, k, vv, blocks, block=16, validate=False),
+                         masks.block_sparse_mask(N, blocks, 16)),
+        "dense": (lambda vv: kernels.dense_attention(q, k, vv, validate=False), masks.causal_mask(N)),
+        "dense split": (lambda vv: kernels.dense_attention(q, k, vv, key_split=3, validate=False),
+                        masks.causal_mask(N)),
+    }
+    for name, (call, mask) in cases.items():
+        want_bad = (mask.expand(B, H, N, N) & hit).any(-1)
+        out = call(vb)
+        assert torch.equal(_bad_rows(out), want_bad), name
+        ok = ~want_bad
+        torch.testing.assert_close(out[ok], call(v0)[ok], rtol=0, atol=0, msg=name)
 
 
 # --------------------------------------------------------------------------------------------
