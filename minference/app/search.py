@@ -155,7 +155,9 @@ ADAPTIVE_MAX_SLASH = 8192
 #: query-routed blocks. Block-sparse candidates take the relative rule only: its selection runs in
 #: one launch (:func:`minference.kernels.estimate.select_query_blocks`); the mass rule's sort and
 #: prefix sums made most of the 168 ms index time of the first searched Qwen config at 120K (s9).
-ADAPTIVE_GAMMAS = (0.9, 0.95)
+#: γ 0.8 joined in s14, for searches below min_mass 0.9 (a head that needs 0.85 could only take
+#: γ 0.9 or a denser pattern before).
+ADAPTIVE_GAMMAS = (0.8, 0.9, 0.95)
 ADAPTIVE_ALPHAS = (0.3, 0.1, 0.03, 0.01)
 #: A-shape candidates (sink, window) next to the adaptive ones.
 ADAPTIVE_ASHAPES = ((64, 1024), (128, 4096))
