@@ -6,9 +6,10 @@ aten op's dispatch: a proxy for the host time a GPU prefill spends per layer (on
 sparse prefill of Qwen at 16K took 149 ms TTFT for 79 ms of device time, s10). Runs the bundled
 Qwen config's 24 layers (14 q / 2 kv heads, D = 64, dense tail 128) ``--rounds`` times and prints
 the minimum and median per forward; ``--profile`` adds a cProfile of one forward (our functions,
-by cumulative time).
+by cumulative time); ``--count`` adds, per layer of one forward, the aten ops dispatched (views
+apart: a view launches no device kernel) and the Triton launches, and their means.
 
-    python benchmarks/host_time.py [--rounds 15] [--tokens 256] [--chunk 128] [--profile]
+    python benchmarks/host_time.py [--rounds 15] [--tokens 256] [--chunk 128] [--profile] [--count]
 """
 
 from __future__ import annotations
@@ -23,13 +24,30 @@ import json  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from minference.config import PatternConfig  # noqa: E402
 from minference.dispatch import sparse_prefill  # noqa: E402
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched (``views``: those that only alias their input) by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        self.views += bool(func.is_view)
+        return func(*args, **(kwargs or {}))
+
 
 CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "configs" / "qwen2.5-coder-0.5b.json"
 
@@ -42,11 +60,17 @@ def main() -> None:
                     help="time a chunk of this many queries after a cache (query rows, no dense tail: a "
                          "chunk that a later one follows); 0: the whole prompt (default)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--count", action="store_true", help="aten ops and Triton launches per layer")
     args = ap.parse_args()
     if not 0 <= args.chunk < args.tokens:
         ap.error(f"--chunk must be in [0, --tokens {args.tokens})")
     config = PatternConfig.from_dict(json.loads(CONFIG.read_text()))
-    interpreter.InterpretedFunction.run = lambda self, *a, **kw: None  # kernels cost nothing: host work only
+    launches = Counter()
+
+    def stub(self, *a, **kw) -> None:  # kernels cost nothing: host work only
+        launches[self.fn.__name__] += 1
+
+    interpreter.InterpretedFunction.run = stub
     torch.set_num_threads(1)
     n = args.tokens
     q, k, v = torch.randn(1, 14, args.chunk or n, 64), torch.randn(1, 2, n, 64), torch.randn(1, 2, n, 64)
@@ -66,6 +90,26 @@ def main() -> None:
     what = f"a {args.chunk}-query chunk after {n - args.chunk} cached tokens" if args.chunk else f"{n} tokens"
     print(f"host per forward ({len(plans)} layers, {what}): min {min(times) * 1e3:.1f} ms, "
           f"median {statistics.median(times) * 1e3:.1f} ms ({args.rounds} rounds)")
+    if args.count:
+        ops_total, views_total, launch_total = Counter(), 0, Counter()
+        rows = []
+        for layer, plan in enumerate(plans):
+            launches.clear()
+            with _OpCounter() as counter:
+                sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", validate=False, dense_tail=tail)
+            ops_total.update(counter.ops)
+            views_total += counter.views
+            launch_total.update(launches)
+            kinds = Counter(p.kind for p in plan)
+            rows.append((layer, sum(counter.ops.values()), counter.views, sum(launches.values()),
+                         " ".join(f"{kind} {c}" for kind, c in sorted(kinds.items()))))
+        for layer, ops, views, n_launch, kinds in rows:
+            print(f"layer {layer:2d}: {ops:4d} aten ops ({views:3d} views), {n_launch:2d} Triton launches  [{kinds}]")
+        L = len(plans)
+        print(f"mean per layer: {sum(ops_total.values()) / L:.1f} aten ops ({views_total / L:.1f} views), "
+              f"{sum(launch_total.values()) / L:.1f} Triton launches")
+        print("aten ops per forward:", ", ".join(f"{name} {c}" for name, c in ops_total.most_common()))
+        print("Triton launches per forward:", ", ".join(f"{name} {c}" for name, c in launch_total.most_common()))
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from minference._checks import (
+    arange_constant,
     capturing,
     check_finite_rows,
     check_qkv_rows,
@@ -34,8 +35,10 @@ from minference._checks import (
     check_ragged,
     check_tensor,
     default_scale,
+    int32_constant,
     query_rows_bound,
     same_device,
+    uniform_query_rows,
 )
 
 LOG2E = math.log2(math.e)
@@ -48,6 +51,19 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 _INT_DTYPES = (torch.int32, torch.int64)
 #: Next power of two of every head dim up to 256.
 _POW2 = [1] + [1 << (n - 1).bit_length() for n in range(1, 257)]
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2(n)`` for a host int (0 for ``n <= 0``), in plain Python: the
+    Triton helper is a ``constexpr_function`` that costs microseconds of host time a call, and
+    the launchers call it several times per launch."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv(a, b)`` (``ceil(a / b)`` for ``b > 0``) for host ints, in plain Python
+    (:func:`next_pow2` says why)."""
+    return -(-a // b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,7 +355,7 @@ class Prepared:
     def block_d(self) -> int:
         """``D`` padded to a power of two (a table lookup: this runs several times per launch, and
         ``triton.next_power_of_2`` costs microseconds of host time each)."""
-        return _POW2[self.D] if self.D < len(_POW2) else triton.next_power_of_2(self.D)
+        return _POW2[self.D] if self.D < len(_POW2) else next_pow2(self.D)
 
     @property
     def qk_scale(self) -> float:
@@ -353,8 +369,8 @@ class Prepared:
         """``(query blocks, computed heads, B)``: with query rows, the blocks that ``q_bound``
         rows starting anywhere can touch (one more than they fill)."""
         if self.qrows:
-            return (triton.cdiv(self.q_bound, self.tiles.block_m) + 1 if self.q_bound else 0, self.Hg, self.B)
-        return (triton.cdiv(self.N, self.tiles.block_m), self.Hg, self.B)
+            return (cdiv(self.q_bound, self.tiles.block_m) + 1 if self.q_bound else 0, self.Hg, self.B)
+        return (cdiv(self.N, self.tiles.block_m), self.Hg, self.B)
 
     def launches(self) -> bool:
         """Whether a kernel has anything to compute."""
@@ -387,7 +403,7 @@ class Prepared:
         """The computed local heads as the kernels read them (all heads when none were given)."""
         if self.heads is not None:
             return self.heads
-        return torch.arange(self.Hq, dtype=torch.int32, device=self.out.device)
+        return arange_constant(self.Hq, self.out.device, torch.int32)
 
     def lse_arg(self) -> tuple[torch.Tensor, int]:
         """LSE pointer and its row stride (the output itself stands in when no LSE is asked)."""
@@ -462,8 +478,15 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
             lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     prep = Prepared(B, Hq, Hkv, N, D, Hg, scale, lens, starts, heads, out, lse, tiles or default_tiles(q))
     if rows is not None:
-        q_los = (lens - q_lens).contiguous()
-        prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
+        uniform = uniform_query_rows(q_seqlens, q_seqstarts, Nq, N, given_rows=seqlens is not None
+                                     or seqstarts is not None)
+        if uniform is not None:  # every row's first query and q row of position 0 known on the host
+            count, start = uniform
+            prep.q_los = int32_constant(B, N - count, q.device)
+            prep.q_row0s = int32_constant(B, start - (N - count), q.device)
+        else:
+            q_los = (lens - q_lens).contiguous()
+            prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
         prep.q_bound = query_rows_bound(q_seqlens, Nq)
     return prep
 

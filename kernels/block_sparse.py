@@ -24,6 +24,7 @@ from minference.kernels._common import (
     _masked_update,
     _softmax_update,
     _store_rows,
+    cdiv,
     finish,
     fitted_stages,
     kv_descriptors,
@@ -183,7 +184,7 @@ def block_sparse_attention(
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
                    return_lse=return_lse, validate=validate, tiles=_tiles(q, block))
-    nqb = triton.cdiv(prep.N, block)
+    nqb = cdiv(prep.N, block)
     check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
                 values=validate)
     lse, sln = prep.lse_arg()

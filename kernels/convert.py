@@ -107,7 +107,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from minference.kernels._common import interpreting
+from minference.kernels._common import cdiv, interpreting, next_pow2
 from minference.reference.masks import check_fill_gaps
 
 from minference._checks import check_int, check_tensor, same_device
@@ -358,8 +358,8 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
     BH = B * H
     dev = slash.device
     nqb = -(-n // block_m)
-    NSP = triton.next_power_of_2(R)
-    NVP = triton.next_power_of_2(max(NV, 1))
+    NSP = next_pow2(R)
+    NVP = next_pow2(max(NV, 1))
     NW = BITS_PAD_WORDS + -(-n // _WORD) + 1
     i32 = dict(dtype=torch.int32, device=dev)
     run_start, run_end = torch.empty(B, H, R, **i32), torch.empty(B, H, R, **i32)
@@ -381,7 +381,7 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
         _vs_lists_kernel[(BH, 2)](slash.contiguous(), vertical.contiguous(), NS, NV, n, merge, fill, R, W,
                                 run_start, run_end, run_count, run_solid, cols, col_mask, work,
                                 NSP=NSP, NVP=NVP, num_warps=LISTS_WARPS)
-        _vs_diag_kernel[(triton.cdiv(NW, _DIAG_WORDS), BH)](work, diag_mask, diag_bits, n, NW, W, NSP=NSP, NVP=NVP,
+        _vs_diag_kernel[(cdiv(NW, _DIAG_WORDS), BH)](work, diag_mask, diag_bits, n, NW, W, NSP=NSP, NVP=NVP,
                                                              WORDS=_DIAG_WORDS, PAD=BITS_PAD_WORDS, num_warps=4)
         _block_columns_kernel[(nqb, BH)](cols, run_start, run_end, run_count, col_index, col_count, col_before,
                                          col_lead, NV, R, nqb, block_m, NVP=NVP, num_warps=4)

@@ -49,6 +49,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from minference.kernels._common import next_pow2
 
 from minference._checks import check_qkv_rows, check_ragged, default_scale
 from minference.index import (
@@ -264,12 +265,12 @@ def _vs_passes(q, k, hs, lens, starts, pos, last_q: int, scale: float, use_max: 
     ``q_starts``: the query rows (``lens``, ``starts`` for the ordinary call)."""
     B, Hq, Hkv, N, D = q.shape[0], q.shape[1], k.shape[1], k.shape[2], q.shape[3]
     Hg = hs.shape[0]
-    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, triton.next_power_of_2(n_rows)))
+    rc = max(_MIN_DOT, min(VS_ROW_CHUNK, next_pow2(n_rows)))
     kt = max(VS_KEY_TILE, rc)  # the roll needs every row's shift below the tile width
     n_chunks = math.ceil(n_rows / rc)
     r_total = rc * n_chunks
     n_tiles = max(1, math.ceil(N / kt))
-    block_d = max(_MIN_DOT, triton.next_power_of_2(D))
+    block_d = max(_MIN_DOT, next_pow2(D))
     if spread:
         pos = torch.nn.functional.pad(pos.to(torch.int32), (0, r_total - pos.shape[1]), value=-1).contiguous()
     else:
@@ -534,9 +535,9 @@ def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
         nqb, q_lens, q_starts = qrows.slots(block), qrows.lens, qrows.starts
     out = torch.zeros(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)
     if out.numel():
-        tt = min(POOL_TOKEN_TILE, triton.next_power_of_2(block))
+        tt = min(POOL_TOKEN_TILE, next_pow2(block))
         _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, q_lens, q_starts, out, hs.shape[0], nqb, block, *x.stride(),
-                                              D, TT=tt, BLOCK_D=triton.next_power_of_2(D))
+                                              D, TT=tt, BLOCK_D=next_pow2(D))
     return out
 
 
@@ -775,8 +776,8 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         f32 = q.dtype not in (torch.float16, torch.bfloat16)
         _qbs_kernel[(B * Hg, S)](q, keys, hs, lens, q_lens, q_starts, out, Hg, Hkv, Hq // Hkv, nqb, S, block,
                                  scale * _LOG2E, keys[0].numel(), *q.stride(), D,
-                                 BM=max(_MIN_DOT, triton.next_power_of_2(block)), KT=QBS_KEY_TILE,
-                                 BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(D)), SPLIT=split,
+                                 BM=max(_MIN_DOT, next_pow2(block)), KT=QBS_KEY_TILE,
+                                 BLOCK_D=max(_MIN_DOT, next_pow2(D)), SPLIT=split,
                                  F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
     if qr is not None and slots is None:
         return blocks_from_slots(out, lens, qr, block, nqb, float("-inf"))
@@ -898,6 +899,6 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
     _block_select_kernel[(B * Hg, n_slots)](scores, lens, lens if q_lens is None else q_lens, sinks, budget, code,
                                             alpha, mins, out, Hg, nqb, n_slots, block, width,
                                             FORCE_DIAG=force_diagonal,
-                                            CHUNK=min(BLOCK_SELECT_CHUNK, max(16, triton.next_power_of_2(nqb))),
+                                            CHUNK=min(BLOCK_SELECT_CHUNK, max(16, next_pow2(nqb))),
                                             num_warps=BLOCK_SELECT_WARPS)
     return out

@@ -36,6 +36,7 @@ from minference.kernels._common import (
     _masked_update,
     _softmax_update,
     _store_rows,
+    cdiv,
     default_tiles,
     descriptors_ok,
     finish,
@@ -362,10 +363,10 @@ def _check_physical(prep: Prepared, index: VSIndex, device) -> None:
     B, Hg, n = prep.B, prep.Hg, prep.N
     if tuple(index.run_count.shape) != (B, Hg):
         raise ValueError(f"index is for [B, H]={tuple(index.run_count.shape)}, expected {(B, Hg)}")
-    nqb = triton.cdiv(n, prep.tiles.block_m)
+    nqb = cdiv(n, prep.tiles.block_m)
     R = index.run_start.shape[-1] if index.run_start.dim() == 3 else -1
     NV = index.columns.shape[-1] if index.columns.dim() == 3 else -1
-    NW = BITS_PAD_WORDS + triton.cdiv(n, _WORD) + 1
+    NW = BITS_PAD_WORDS + cdiv(n, _WORD) + 1
     i32, i8 = torch.int32, torch.int8
     want = {
         "run_start": ((B, Hg, R), i32), "run_end": ((B, Hg, R), i32), "run_count": ((B, Hg), i32),
@@ -395,7 +396,7 @@ def _column_scratch(prep: Prepared, k, v, index: VSIndex, heads: torch.Tensor, w
     NV = index.columns.shape[-1]
     ck = torch.empty(prep.B, prep.Hg, NV, prep.D, dtype=k.dtype, device=k.device)
     cv = torch.empty_like(ck)
-    _gather_columns_kernel[(triton.cdiv(NV, _GATHER_SLOTS), prep.Hg, prep.B)](
+    _gather_columns_kernel[(cdiv(NV, _GATHER_SLOTS), prep.Hg, prep.B)](
         k, v, ck, cv, index.columns, prep.lens, prep.starts, heads, prep.Hq // prep.Hkv, NV,
         *k.stride(), *v.stride(), HEAD_DIM=prep.D, BLOCK_D=prep.block_d, EVEN_D=prep.block_d == prep.D,
         BLOCK_C=_GATHER_SLOTS, num_warps=4)

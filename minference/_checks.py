@@ -113,6 +113,11 @@ def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.T
         raise TypeError("q_seqlens must be an int or a 1-D int tensor, got bool")
     if isinstance(q_seqlens, int):
         check_int("q_seqlens", q_seqlens, 0)
+    uniform = uniform_query_rows(q_seqlens, q_seqstarts, Nq, N, given_rows=given_rows)
+    if uniform is not None:  # host-known and in range: constants, no op and nothing to check
+        count, start = uniform
+        return int32_constant(B, count, lens.device), int32_constant(B, start, lens.device)
+    if isinstance(q_seqlens, int):
         q_seqlens = torch.clamp(lens, max=min(q_seqlens, Nq))
     if q_seqlens is None:
         if Nq == N:
@@ -129,6 +134,26 @@ def check_query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.T
         raise ValueError(f"q_seqlens must not exceed the key rows' lengths, got {q_lens.tolist()} for key "
                          f"rows {lens.tolist()}")
     return q_lens, q_starts
+
+
+def uniform_query_rows(q_seqlens, q_seqstarts, Nq: int, N: int, *, given_rows: bool) -> tuple[int, int] | None:
+    """``(count, start)`` when the query rows of :func:`check_query_rows` are the same for every
+    batch row and known on the host: full key rows (no ``seqlens`` / ``seqstarts``:
+    ``given_rows`` False), ``q_seqlens`` ``None`` or an int and no ``q_seqstarts``, and query
+    rows at all (``None`` for the ordinary call, ``Nq == N`` without ``q_seqlens``). Every row's
+    queries are then its last ``count`` tokens, held in ``q`` from row ``start`` (``N - count``
+    in place when ``Nq == N``, else 0): the chunk after a cache and the dense tail."""
+    if given_rows or q_seqstarts is not None or not (q_seqlens is None or isinstance(q_seqlens, int)):
+        return None
+    if isinstance(q_seqlens, bool) or (isinstance(q_seqlens, int) and q_seqlens < 0):
+        return None  # refused by check_query_rows
+    if q_seqlens is None:
+        if Nq == N:
+            return None
+        count = Nq
+    else:
+        count = min(q_seqlens, Nq, N)
+    return count, (N - count if Nq == N else 0)
 
 
 def query_rows_bound(q_seqlens, Nq: int) -> int:
@@ -178,9 +203,28 @@ def int32_constant(size: int, value: int, device) -> torch.Tensor:
     return _int32_constant(size, value, torch.device(device))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=256)
 def _int32_constant(size: int, value: int, device: torch.device) -> torch.Tensor:
     return torch.full((size,), value, dtype=torch.int32, device=device)
+
+
+def arange_constant(n: int, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``torch.arange(n, dtype=dtype, device=device)`` without an op per call outside CUDA-graph
+    capture: a view of one cached ``arange`` per ``(dtype, device)``, grown (doubled) when a
+    longer one is asked for (position and head ids of every call: masks, gathers, kernel head
+    lists). Under capture a fresh ``arange`` (recorded in the graph; the cache is never touched
+    there, so no graph reads a tensor the cache may drop). Read-only: nothing may write into it."""
+    if capturing():
+        return torch.arange(n, dtype=dtype, device=device)
+    key = (dtype, torch.device(device))
+    base = _ARANGES.get(key)
+    if base is None or base.shape[0] < n:
+        base = _ARANGES[key] = torch.arange(max(n, 2 * (0 if base is None else base.shape[0]), 64), dtype=dtype,
+                                            device=device)
+    return base if base.shape[0] == n else base[:n]
+
+
+_ARANGES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def check_index(name: str, idx, *, rank: int, lead: tuple[int, ...], device, upper: int,

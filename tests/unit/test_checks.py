@@ -6,14 +6,17 @@ import pytest
 import torch
 
 from minference._checks import (
+    arange_constant,
     capturing,
     check_head_offset,
     check_index,
     check_qkv,
+    check_query_rows,
     check_ragged,
     check_tensor,
     default_scale,
     same_device,
+    uniform_query_rows,
 )
 
 I32 = torch.int32
@@ -128,3 +131,38 @@ def test_small_helpers() -> None:
     assert capturing() is False
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         check_tensor("x", 3)
+
+
+def test_arange_constant_follows_its_key() -> None:
+    """The cached aranges: every length and dtype gets its own values, growing the cache (a
+    longer length, then shorter ones again) never changes a view handed out before."""
+    kept = []
+    for n, dtype in [(0, torch.int64), (5, torch.int64), (3, torch.int32), (200, torch.int64), (7, torch.int32),
+                     (1000, torch.int32), (64, torch.int64), (5, torch.int64)]:
+        x = arange_constant(n, "cpu", dtype)
+        assert x.dtype == dtype and torch.equal(x, torch.arange(n, dtype=dtype))
+        kept.append((x, n, dtype))
+    for x, n, dtype in kept:
+        assert torch.equal(x, torch.arange(n, dtype=dtype))
+
+
+@pytest.mark.parametrize("Nq, N", [(3, 8), (8, 8), (0, 4)])
+@pytest.mark.parametrize("q_seqlens", [None, 0, 2, 5, 100])
+def test_uniform_query_rows_equal_the_tensor_path(Nq, N, q_seqlens) -> None:
+    """Full key rows with ``q_seqlens`` None or an int: the host-known constants of
+    :func:`check_query_rows` equal what the same rows given as tensors give."""
+    B = 3
+    lens, starts = check_ragged(None, None, B, N, "cpu")
+    got = check_query_rows(q_seqlens, None, lens, starts, Nq, N, given_rows=False)
+    uniform = uniform_query_rows(q_seqlens, None, Nq, N, given_rows=False)
+    if q_seqlens is None and Nq == N:
+        assert got is None and uniform is None
+        return
+    count = Nq if q_seqlens is None else min(q_seqlens, Nq)
+    want = check_query_rows(torch.full((B,), count, dtype=I32), None, lens, starts, Nq, N, given_rows=False)
+    assert uniform == (count, N - count if Nq == N else 0)
+    for a, b in zip(got, want):
+        assert a.dtype == I32 and torch.equal(a, b)
+    # ragged rows or given starts: never the constants
+    assert uniform_query_rows(q_seqlens, None, Nq, N, given_rows=True) is None
+    assert uniform_query_rows(q_seqlens, torch.zeros(B, dtype=I32), Nq, N, given_rows=False) is None
