@@ -34,7 +34,7 @@ from minference.kernels._common import (
 )
 from minference.kernels.convert import _compact
 
-from minference._checks import check_index
+from minference._checks import arange_constant, capturing, check_index
 
 __all__ = ["block_sparse_attention", "BLOCK_SIZES"]
 
@@ -127,13 +127,23 @@ def _tiles(q: torch.Tensor, block: int) -> Tiles:
     return Tiles(block_m=block, block_n=block, num_warps=warps, num_stages=stages)
 
 
-def normalize_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def normalize_blocks(blocks: torch.Tensor, *,
+                     ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``blocks [B, H, NQB, K]`` -> ``(off_diagonal [B, H, NQB, K] ascending distinct ids < I, -1
-    after; count [B, H, NQB]; has_diag [B, H, NQB] int8)`` for query block ``I``. No host sync."""
+    after; count [B, H, NQB]; has_diag [B, H, NQB] int8)`` for query block ``I``. No host sync.
+
+    ``ascending``: every row of ``blocks`` already holds distinct ids in ``[0, I]``, ascending,
+    then only -1 (what the builders' one-launch selection writes:
+    :func:`minference.kernels.estimate.block_index_ascending`); the diagonal is then the last id
+    of its row, and dropping it gives the same result without the sort and the compaction (5 ops
+    instead of ~25)."""
     nqb = blocks.shape[-2]
-    x = blocks.long()
-    I = torch.arange(nqb, device=blocks.device)[:, None]  # [NQB, 1]
-    x = torch.where((x >= 0) & (x <= I), x, torch.full_like(x, nqb)).sort(dim=-1).values
+    I = arange_constant(nqb, blocks.device)[:, None]  # [NQB, 1]
+    if ascending:
+        diag = blocks == I
+        off = blocks.masked_fill(diag, -1).to(torch.int32).contiguous()
+        return off, (off >= 0).sum(-1, dtype=torch.int32), diag.any(-1).to(torch.int8)
+    x = torch.where((blocks >= 0) & (blocks <= I), blocks, nqb).sort(dim=-1).values  # ids in their own dtype
     first = (x < nqb) & (x != F.pad(x[..., :-1], (1, 0), value=-1))
     off, count = _compact(x, first & (x < I))
     has_diag = (first & (x == I)).any(-1).to(torch.int8)
@@ -156,6 +166,7 @@ def block_sparse_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool = True,
+    ascending: bool = False,
 ):
     """Causal block-sparse attention.
 
@@ -173,10 +184,15 @@ def block_sparse_attention(
         out: optional ``[B, Hq, N, D]`` output to write into.
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
         validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+        ascending: ``blocks`` rows are already distinct causal ids in ascending order, -1 after
+            (the builders' one-launch selection; :func:`normalize_blocks`), so the launcher skips
+            its sort. With ``validate`` that promise is checked (a host read).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
+    if not isinstance(ascending, bool):
+        raise TypeError(f"ascending must be a bool, got {type(ascending).__name__}")
     if isinstance(block, bool) or not isinstance(block, int):
         raise TypeError(f"block must be an int, got {type(block).__name__}")
     if block not in BLOCK_SIZES:
@@ -190,7 +206,12 @@ def block_sparse_attention(
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.launches():
-        off, count, has_diag = normalize_blocks(blocks)
+        off, count, has_diag = normalize_blocks(blocks, ascending=ascending)
+        if ascending and validate and not capturing():
+            general = normalize_blocks(blocks)
+            if not all(torch.equal(a, b) for a, b in zip((off, count, has_diag), general)):
+                raise ValueError("ascending=True but blocks rows are not distinct causal ids in ascending order "
+                                 "followed by -1 only")
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
 
         def call(tiles: Tiles):  # the routing block fixes the tile sizes: only the stages vary

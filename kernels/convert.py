@@ -184,7 +184,7 @@ def _compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
     """Move ``values[keep]`` to the front of the last axis (order kept), -1 after; with counts."""
     K = values.shape[-1]
     pos = keep.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1
-    pos = torch.where(keep, pos, torch.full_like(pos, K)).long()
+    pos = torch.where(keep, pos, K).long()
     out = torch.full((*values.shape[:-1], K + 1), -1, dtype=torch.int32, device=values.device)
     out.scatter_(-1, pos, values.to(torch.int32))
     return out[..., :K].contiguous(), keep.sum(-1, dtype=torch.int32)

@@ -420,13 +420,13 @@ def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_
     _radix_take(scores, n, n, forced, need, out, width, False, False, CHUNK)
 
 
-def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int, rules=None):
+def _select(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int, rules=None, *, full_rows=False):
     """The builder's selection: the kernel up to :data:`SELECT_MAX_N` scores a row, topk above,
     and the shared torch selection whenever a head may use an adaptive budget rule (decided on
     the host from ``rules``, :func:`minference.index.vertical_slash_rules`)."""
     if rules is None and col.shape[-1] <= SELECT_MAX_N:
         return _select_triton(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
-    return select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
+    return select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules, full_rows=full_rows)
 
 
 def _select_triton(col, diag, lens, sinks, locs, nv, ns, width_v: int, width_s: int):
@@ -882,7 +882,7 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
     from minference.index import RULE_CODES
 
     assert RULE_CODES["top_k"] == _TOP_K_CODE and RULE_CODES["relative"] == _RELATIVE_CODE
-    if rule is not None and not rule.rules <= {"top_k", "relative"}:
+    if not _selects_in_one_launch(rule):
         return None
     B, Hg, n_slots, nqb = scores.shape
     out = torch.empty(B, Hg, n_slots, width, dtype=torch.int32, device=scores.device)
@@ -902,3 +902,19 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
                                             CHUNK=min(BLOCK_SELECT_CHUNK, max(16, next_pow2(nqb))),
                                             num_warps=BLOCK_SELECT_WARPS)
     return out
+
+
+def _selects_in_one_launch(rule) -> bool:
+    """Whether :func:`select_query_blocks` takes a selection under the heads' ``rule``
+    (:class:`minference.index.SelectionRule` or ``None``), decided on the host."""
+    return rule is None or rule.rules <= {"top_k", "relative"}
+
+
+def block_index_ascending(estimate: str, rule) -> bool:
+    """Whether :func:`block_sparse_index` with ``estimate`` and the heads' resolved ``rule``
+    (``None``: ``top_k`` only) writes every query block's ids distinct, causal (``<= I``) and
+    ascending, then only -1: the one-launch selection (:func:`select_query_blocks`) does, and so
+    does an empty index; the torch selection (pooled estimate, the ``mass`` rule) writes its
+    selection order. What the dispatcher passes as ``ascending`` to
+    :func:`minference.kernels.block_sparse_attention`, which then skips its sort."""
+    return estimate == "query" and _selects_in_one_launch(rule)

@@ -114,11 +114,12 @@ def _ops(backend: str) -> SimpleNamespace:
                                convert=kernels.convert_vertical_slash, tiles=default_tiles,
                                vertical_slash_physical=kernels.vertical_slash_attention_physical,
                                block_sparse=kernels.block_sparse_attention, dense=None,
-                               dense_rows=kernels.dense_attention)
+                               dense_rows=kernels.dense_attention, ascending=estimate.block_index_ascending)
     import minference.torch_backend as tb
 
     return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
-                           convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention)
+                           convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention,
+                           ascending=None)
 
 
 def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
@@ -274,8 +275,11 @@ def sparse_prefill(
         elif kind == "block_sparse":
             with profile_range(INDEX_RANGE):
                 blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+            # Triton: an index the one-launch selection wrote is ascending already (no sort in the launcher)
+            sorted_ = {} if ops.ascending is None else dict(
+                ascending=ops.ascending(dg.group.key[2], dg.rules[0] if dg.rules else None))
             ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,
-                             **rows)
+                             **sorted_, **rows)
         else:
             _dense_heads(ops, q, k, v, dg.heads, out=out, **rows)
     if dense_tail:

@@ -43,6 +43,7 @@ import torch
 
 from minference._checks import (
     BUDGET_MAX,
+    arange_constant,
     capturing,
     check_budget,
     check_finite_rows,
@@ -225,11 +226,11 @@ def blocks_from_slots(x: torch.Tensor, key_lens: torch.Tensor, qrows: QueryRows,
     """``x [B, Hg, S, W]`` in the slot layout (:meth:`QueryRows.slots`) -> ``[B, Hg, nqb, W]`` by
     query block, ``fill`` in the rows of query blocks no slot holds. One gather, no host sync."""
     B, Hg, S, W = x.shape
-    first = (key_lens.long() - qrows.lens.long()) // block  # [B]
-    slot = torch.arange(nqb, device=x.device)[None, :] - first[:, None]  # [B, nqb]
-    slot = torch.where((slot >= 0) & (slot < S), slot, S)
-    padded = torch.cat([x, x.new_full((B, Hg, 1, W), fill)], dim=2)
-    return padded.gather(2, slot[:, None, :, None].expand(B, Hg, nqb, W))
+    first = (key_lens - qrows.lens) // block  # [B] query block of slot 0
+    # row 1 + slot of x padded with a fill row on either side: slots outside [0, S) clamp onto one
+    at = (arange_constant(nqb + 1, x.device)[1:][None, :] - first[:, None]).clamp_(0, S + 1)  # [B, nqb]
+    padded = torch.nn.functional.pad(x, (0, 0, 1, 1), value=fill)  # [B, Hg, S + 2, W]
+    return padded.gather(2, at[:, None, :, None].expand(B, Hg, nqb, W))
 
 
 def validate_plan(plan: object, Hq: int, head_offset: int) -> tuple[Pattern, ...]:
@@ -374,7 +375,7 @@ def build_group_index(
 
 def heads_tensor(heads: torch.Tensor | None, Hq: int, device) -> torch.Tensor:
     if heads is None:
-        return torch.arange(Hq, dtype=torch.int32, device=device)
+        return arange_constant(Hq, device, torch.int32)
     check_tensor("heads", heads, rank=1, dtypes=_INT)
     if heads.device != torch.device(device) and torch.device(device).type != heads.device.type:
         raise ValueError(f"heads must be on {device}, got {heads.device}")
@@ -540,12 +541,12 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     if forced.dtype == torch.bool:
         forced = forced & candidate
     else:
-        forced = (torch.arange(M, device=scores.device) < forced.reshape(view)) & candidate
+        forced = (arange_constant(M, scores.device) < forced.reshape(view)) & candidate
     x = torch.where(forced, float("inf"), ranked)
     budget = budget.reshape(view)
     if rule is None or rule.rules == {"top_k"}:
         values, idx = torch.topk(x, width, dim=-1, sorted=True)
-        keep = (torch.arange(width, device=scores.device) < budget) & (values > float("-inf"))
+        keep = (arange_constant(width, scores.device) < budget) & (values > float("-inf"))
         return torch.where(keep, idx, -1).to(torch.int32)
     valid = ranked > float("-inf")  # the candidates with a (finite) score
     x = x.add_(0.0)  # -0.0 -> +0.0 (one zero, ties by position)
@@ -556,16 +557,18 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     code, threshold = rule.code.reshape(view), rule.threshold.reshape(view)
     n_forced = forced.sum(-1, keepdim=True)
     count = budget
+    # a rule that is the only one the heads may hold needs no per-head choice (rule.rules is a promise)
     if "relative" in rule.rules:
         above = (valid & ~forced & (w >= threshold * w.amax(-1, keepdim=True))).sum(-1, keepdim=True)
-        count = torch.where(code == RULE_CODES["relative"], n_forced + above, count)
+        count = n_forced + above if rule.rules == {"relative"} else torch.where(
+            code == RULE_CODES["relative"], n_forced + above, count)
     if "mass" in rule.rules:
         cum = torch.gather(w, -1, order).cumsum_(-1)  # [B, Hg, ..., M] along the order
         reached = (cum < threshold * cum[..., -1:]).sum(-1, keepdim=True) + 1
-        count = torch.where(code == RULE_CODES["mass"], reached, count)
+        count = reached if rule.rules == {"mass"} else torch.where(code == RULE_CODES["mass"], reached, count)
     count = torch.maximum(count, rule.minimum.reshape(view))
     count = torch.minimum(torch.maximum(count, n_forced), budget)
-    keep = (torch.arange(width, device=scores.device) < count) & (values[..., :width] > float("-inf"))
+    keep = (arange_constant(width, scores.device) < count) & (values[..., :width] > float("-inf"))
     return torch.where(keep, order[..., :width], -1).to(torch.int32)
 
 
@@ -590,13 +593,13 @@ def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int
         n = lens.long()
         q_lo = n - qrows.lens.long()  # [B]
         m = (n - n.clamp(max=last_q) - q_lo).clamp(min=0)
-        pos = torch.arange(1, E + 1, device=lens.device)[None, :] * m[:, None] // (E + 1)  # [B, E]
+        pos = arange_constant(E + 1, lens.device)[1:][None, :] * m[:, None] // (E + 1)  # [B, E]
         keep = pos < m[:, None]
         keep[:, 1:] &= pos[:, 1:] != pos[:, :-1]
         return torch.where(keep, pos + q_lo[:, None], -1)
     E = min(extra_rows, N)
     m = lens.long() - lens.long().clamp(max=last_q)  # [B]
-    pos = torch.arange(1, E + 1, device=lens.device)[None, :] * m[:, None] // (E + 1)  # [B, E]
+    pos = arange_constant(E + 1, lens.device)[1:][None, :] * m[:, None] // (E + 1)  # [B, E]
     keep = pos < m[:, None]
     keep[:, 1:] &= pos[:, 1:] != pos[:, :-1]
     return torch.where(keep, pos, -1)
@@ -604,17 +607,19 @@ def extra_row_positions(lens: torch.Tensor, N: int, last_q: int, extra_rows: int
 
 def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Tensor, sinks: torch.Tensor,
                           locs: torch.Tensor, nv: torch.Tensor, ns: torch.Tensor, width_v: int,
-                          width_s: int, rules: tuple[SelectionRule, SelectionRule] | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          width_s: int, rules: tuple[SelectionRule, SelectionRule] | None = None, *,
+                          full_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The columns and offsets of a vertical-slash index from their scores ``[B, Hg, N]`` (torch
     ops, :func:`select_top`): positions past a row's length ``lens [B]`` never, the forced ones
     (``< sinks``, ``< locs`` per head) first, then the best-scoring ones, as many as the heads'
-    ``rules`` (:func:`vertical_slash_rules`; ``None``: ``nv`` / ``ns``) keep."""
-    N = col.shape[-1]
-    inside = torch.arange(N, device=col.device)[None, :] < lens[:, None]  # [B, N]
+    ``rules`` (:func:`vertical_slash_rules`; ``None``: ``nv`` / ``ns``) keep. ``full_rows``: every
+    row is ``N`` long (no ``seqlens`` / ``seqstarts``, known on the host): no position to mask."""
     rule_v, rule_s = (None, None) if rules is None else rules
-    v_idx = select_top(torch.where(inside[:, None], col, float("-inf")), sinks, nv, width_v, rule_v)
-    s_idx = select_top(torch.where(inside[:, None], diag, float("-inf")), locs, ns, width_s, rule_s)
+    if not full_rows:
+        inside = (arange_constant(col.shape[-1], col.device)[None, :] < lens[:, None])[:, None]  # [B, 1, N]
+        col, diag = torch.where(inside, col, float("-inf")), torch.where(inside, diag, float("-inf"))
+    v_idx = select_top(col, sinks, nv, width_v, rule_v)
+    s_idx = select_top(diag, locs, ns, width_s, rule_s)
     return v_idx, s_idx
 
 
@@ -690,7 +695,8 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
     if validate and not capturing():
         _check_finite_inputs(q, k, hs, lens, starts, _sampled_mask(lens, starts, N, last_q, rows, qr, Nq))
     col, diag = scorer(q, k, hs, lens, starts, last_q, rows, scale, aggregation, qrows=qr)
-    v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules)
+    v_idx, s_idx = selector(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules,
+                            full_rows=seqlens is None and seqstarts is None)
     return (v_idx, s_idx, col, diag) if return_scores else (v_idx, s_idx)
 
 
@@ -819,7 +825,7 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
         if out is not None:
             return (out, weights) if return_scores else out
     nb = (lens.long() + block - 1) // block  # [B] valid blocks per row
-    J = torch.arange(nqb, device=q.device)
+    J = arange_constant(nqb, q.device)
     out = torch.empty(B, Hg, nqb, width, dtype=torch.int32, device=q.device)
     all_scores = (torch.empty(B, Hg, nqb, nqb, dtype=torch.float32, device=q.device)
                   if return_scores else None)
@@ -872,8 +878,8 @@ def _block_sparse_query_rows(pooler, scorer, selector, q, k, qr: QueryRows, lens
     # and the row has queries at all
     nb = torch.where(qr.lens > 0, (lens.long() + block - 1) // block, 0)  # [B]
     first = (lens.long() - qr.lens.long()) // block  # [B] query block of slot 0
-    J = torch.arange(nqb, device=dev)
-    slots = torch.arange(S, device=dev)
+    J = arange_constant(nqb, dev)
+    slots = arange_constant(S, dev)
     out = torch.empty(B, Hg, S, width, dtype=torch.int32, device=dev)
     all_scores = torch.empty(B, Hg, S, nqb, dtype=torch.float32, device=dev) if return_scores else None
     chunk = max(1, ROUTING_CHUNK_ELEMENTS // max(1, B * Hg * nqb))

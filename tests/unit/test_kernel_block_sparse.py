@@ -46,6 +46,42 @@ def test_normalized_blocks_are_the_same_set(data):
                 assert (off[b, h, i, int(count[b, h, i]):] == -1).all()
 
 
+@given(data=st.data())
+def test_ascending_blocks_normalize_alike(data):
+    """``ascending=True`` (rows of distinct causal ids in ascending order, -1 after: what the
+    one-launch selection writes) gives exactly the general normalisation."""
+    nqb, K = data.draw(st.integers(1, 12)), data.draw(st.integers(0, 14))
+    rows = []
+    for i in range(nqb):
+        ids = sorted(data.draw(st.sets(st.integers(0, i), max_size=min(K, i + 1))))
+        rows.append(ids + [-1] * (K - len(ids)))
+    dtype = data.draw(st.sampled_from((torch.int32, torch.int64)))
+    blocks = torch.tensor(rows, dtype=dtype).reshape(1, 1, nqb, K)
+    for fast, general in zip(normalize_blocks(blocks, ascending=True), normalize_blocks(blocks)):
+        assert fast.dtype == general.dtype and fast.is_contiguous() and torch.equal(fast, general)
+
+
+@pytest.mark.parametrize("rule, threshold", [("top_k", None), ("relative", 0.2)])
+def test_ascending_builder_index(rule, threshold):
+    """The query-aware builder's index is ascending where ``block_index_ascending`` says so: the
+    launcher's check (``validate``) passes and the output equals the sorting path's; a row that
+    breaks the promise is refused."""
+    from minference.kernels.estimate import block_index_ascending, block_sparse_index
+
+    from minference.index import block_sparse_rules, heads_tensor
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    blocks = block_sparse_index(q, k, 3, block=16, sink_blocks=1, estimate="query", rule=rule, threshold=threshold)
+    rules = block_sparse_rules(rule, threshold, 0, heads_tensor(None, 4, "cpu"), 0)
+    assert block_index_ascending("query", None if rules is None else rules[0])
+    assert not block_index_ascending("pooled", None)
+    fast = kernels.block_sparse_attention(q, k, v, blocks, block=16, ascending=True)
+    assert torch.equal(fast, kernels.block_sparse_attention(q, k, v, blocks, block=16))
+    with pytest.raises(ValueError, match="ascending=True but"):
+        kernels.block_sparse_attention(q, k, v, blocks.flip(-1), block=16, ascending=True)
+
+
 def test_bad_blocks():
     q = torch.randn(1, 2, 40, 16, device=DEVICE)
     k = torch.randn(1, 1, 40, 16, device=DEVICE)
