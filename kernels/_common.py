@@ -172,24 +172,6 @@ def _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC: tl.constexpr):
-    """:func:`_softmax_update` for a tile with excluded entries (``s = -inf``): a value row that
-    is not finite (NaN or ±inf in any of its elements) must reach only the rows that keep its key,
-    but the product ``p @ v`` would spread it as ``0 * NaN = NaN`` to every row of the tile. Such
-    rows are zeroed for the product, and the rows that keep one of their keys are set to NaN
-    (whole rows: a row whose candidate set holds a non-finite value is non-finite, as the
-    definition gives it; ``docs/contract.md``). Finite tiles compute exactly what
-    :func:`_softmax_update` does. Unmasked tiles need no guard: every row keeps every key there."""
-    finite = tl.abs(v) < float("inf")  # [BN, BD]; False for NaN and for ±inf
-    v_bad = tl.min(finite.to(tl.int32), 1) == 0  # [BN]: the key's value row is not finite
-    reads = tl.max(((s != float("-inf")) & v_bad[None, :]).to(tl.int32), 1) != 0  # [BM]
-    v = tl.where(finite, v, tl.zeros_like(v))
-    acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
-    acc = tl.where(reads[:, None], float("nan"), acc)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln,
                 RETURN_LSE: tl.constexpr):
     """Normalise and write the block's valid rows (zeros and ``lse = -inf`` for empty rows)."""

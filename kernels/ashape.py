@@ -22,7 +22,6 @@ from minference.kernels._common import (
     _load_rows,
     _program_ids,
     _scores,
-    _masked_update,
     _softmax_update,
     _store_rows,
     default_tiles,
@@ -69,9 +68,7 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_
             else:
                 keep = (cols[None, :] > rows[:, None] - window) & (cols[None, :] <= rows[:, None])
             s = tl.where(keep & row_ok[:, None], s, float("-inf"))
-            acc, m_i, l_i = _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC)
-        else:
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
 

@@ -21,7 +21,6 @@ from minference.kernels._common import (
     _load_rows,
     _program_ids,
     _scores,
-    _masked_update,
     _softmax_update,
     _store_rows,
     cdiv,
@@ -107,7 +106,7 @@ def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads
         s = _scores(q, k, PREC)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
-        acc, m_i, l_i = _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln

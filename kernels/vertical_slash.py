@@ -33,7 +33,6 @@ from minference.kernels._common import (
     _load_rows,
     _program_ids,
     _scores,
-    _masked_update,
     _softmax_update,
     _store_rows,
     cdiv,
@@ -118,9 +117,7 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
             on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
             keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
             s = tl.where(keep & row_ok[:, None], s, float("-inf"))
-            acc, m_i, l_i = _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC)
-        else:
-            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
 
@@ -247,7 +244,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
             k, v = _load_kv_desc(desc_ck, desc_cv, b, g, t, WIDE, BLOCK_D)
             s = _scores(q, k, PREC)
             s = tl.where((t + tl.arange(0, WIDE) < fast)[None, :], s, float("-inf"))
-            acc, m_i, l_i = _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     else:
         fast = 0
     n_unmasked = fast + ((before - fast) // WIDE) * WIDE
@@ -265,7 +262,7 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
         s = _scores(q, k, PREC)
         keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
         s = tl.where(keep, s, float("-inf"))
-        acc, m_i, l_i = _masked_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
     lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
