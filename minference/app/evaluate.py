@@ -1115,9 +1115,12 @@ def format_report(report: EvalReport) -> str:
     return "\n".join(lines)
 
 
-def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110) -> None:
+def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
     """Accuracy (all generation tasks pooled) against median TTFT, one colour per config and one
-    marker per length; dense drawn as black stars. Needs matplotlib (the ``plot`` extra)."""
+    marker per length; dense drawn as black stars. With the perplexity task, a second panel draws
+    the mean next-token NLL against the same TTFT (at a few samples per task the accuracy cannot
+    tell configs apart; the NLL can). Returns the matplotlib figure. Needs matplotlib (the ``plot``
+    extra)."""
     from minference.app.plots import MATPLOTLIB_HINT
 
     try:
@@ -1125,47 +1128,56 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110) ->
         from matplotlib.lines import Line2D
     except ImportError as err:
         raise ImportError(f"{MATPLOTLIB_HINT} ({err})") from None
-    pooled: dict[tuple, list[int]] = {}
+    pooled: dict[tuple, float] = {}
+    counts: dict[tuple, list[int]] = {}
     for a in report.accuracy():
-        c = pooled.setdefault((a["config"], a["n_tokens"]), [0, 0])
+        c = counts.setdefault((a["config"], a["n_tokens"]), [0, 0])
         c[0] += a["correct"]
         c[1] += a["total"]
+    pooled = {key: c[0] / c[1] for key, c in counts.items() if c[1]}
+    nll = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
+    panels = [(pooled, "accuracy (generation tasks pooled)", "accuracy")]
+    if nll:
+        panels.append((nll, "mean next-token NLL (nats, lower is better)", "NLL"))
     markers = "osD^vP<>Xh"
-    fig = Figure(figsize=(7.0, 4.6))
-    ax = fig.add_subplot()
+    fig = Figure(figsize=(7.0 * len(panels), 4.6))
     colors = [f"C{i % 10}" for i in range(len(report.configs))]
-    for c, color in zip(report.configs, colors):
-        xs, ys = [], []
-        for li, n in enumerate(report.lengths):
-            s = report.run(c.name, n)
-            got = pooled.get((c.name, n))
-            if s is None or s.ttft_median_s is None or not got:
-                continue
-            x, y = s.ttft_median_s * 1e3, got[0] / got[1]
-            xs.append(x)
-            ys.append(y)
-            if c.dense:
-                ax.scatter([x], [y], marker="*", s=160, color="black", zorder=3)
-            else:
-                ax.scatter([x], [y], marker=markers[li % len(markers)], s=55, color=color, zorder=3)
-            ax.annotate(f"{n // 1024}K" if n >= 1024 else str(n), (x, y), textcoords="offset points",
-                        xytext=(4, 4), fontsize=7)
-        if len(xs) > 1:
-            ax.plot(xs, ys, color="black" if c.dense else color, lw=0.8, alpha=0.5, ls="--" if c.dense else "-")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT, median (ms, log scale)")
-    ax.set_ylabel("accuracy (generation tasks pooled)")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title(f"{report.model['name']}: accuracy vs time to first token ({report.settings['device']})", fontsize=9)
-    handles = [Line2D([], [], marker="*" if c.dense else "o", ls="", color="black" if c.dense else col,
-                      label=c.name + (" (dense)" if c.dense and c.name != DENSE else ""))
-               for c, col in zip(report.configs, colors)]
-    handles += [Line2D([], [], marker=markers[i % len(markers)], ls="", color="gray", label=f"{n} tokens")
-                for i, n in enumerate(report.lengths)]
-    ax.legend(handles=handles, fontsize=7, loc="best")
-    ax.grid(alpha=0.3)
+    for pi, (values, ylabel, what) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), pi + 1)
+        for c, color in zip(report.configs, colors):
+            xs, ys = [], []
+            for li, n in enumerate(report.lengths):
+                s = report.run(c.name, n)
+                y = values.get((c.name, n))
+                if s is None or s.ttft_median_s is None or y is None:
+                    continue
+                x = s.ttft_median_s * 1e3
+                xs.append(x)
+                ys.append(y)
+                if c.dense:
+                    ax.scatter([x], [y], marker="*", s=160, color="black", zorder=3)
+                else:
+                    ax.scatter([x], [y], marker=markers[li % len(markers)], s=55, color=color, zorder=3)
+                ax.annotate(c.name if len(report.lengths) == 1 else (f"{n // 1024}K" if n >= 1024 else str(n)),
+                            (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if len(xs) > 1:
+                ax.plot(xs, ys, color="black" if c.dense else color, lw=0.8, alpha=0.5, ls="--" if c.dense else "-")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT, median (ms, log scale)")
+        ax.set_ylabel(ylabel)
+        if what == "accuracy":
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{report.model['name']}: {what} vs time to first token ({report.settings['device']})", fontsize=9)
+        handles = [Line2D([], [], marker="*" if c.dense else "o", ls="", color="black" if c.dense else col,
+                          label=c.name + (" (dense)" if c.dense and c.name != DENSE else ""))
+                   for c, col in zip(report.configs, colors)]
+        handles += [Line2D([], [], marker=markers[i % len(markers)], ls="", color="gray", label=f"{n} tokens")
+                    for i, n in enumerate(report.lengths)]
+        ax.legend(handles=handles, fontsize=7, loc="best")
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ the chunked perplexity, the profiler ranges and the eq. 13 split."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import io
 import json
@@ -142,8 +144,13 @@ def test_table_and_plot(tiny_run, tmp_path):
     assert "n/a | n/a | n/a" in table  # the CPU split
     assert "1.00x" in table  # dense against itself
     pytest.importorskip("matplotlib")
-    E.plot_eval(report, tmp_path / "eval.png")
+    fig = E.plot_eval(report, tmp_path / "eval.png")
     assert (tmp_path / "eval.png").stat().st_size > 1000
+    # with the perplexity task a second panel: NLL against TTFT, one point per config
+    assert report.perplexity() and [ax.get_ylabel()[:4] for ax in fig.axes] == ["accu", "mean"]
+    assert len(fig.axes[1].collections) == len(report.configs)
+    no_ppl = dataclasses.replace(report, records=[r for r in report.records if r.nll is None])
+    assert len(E.plot_eval(no_ppl, tmp_path / "eval2.png").axes) == 1
 
 
 def test_chunked_nll_equals_full_logits(smollm2):
