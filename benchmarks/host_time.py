@@ -6,8 +6,9 @@ aten op's dispatch: a proxy for the host time a GPU prefill spends per layer (on
 sparse prefill of Qwen at 16K took 149 ms TTFT for 79 ms of device time, s10). Runs the bundled
 Qwen config's 24 layers (14 q / 2 kv heads, D = 64, dense tail 128) ``--rounds`` times and prints
 the minimum and median per forward; ``--profile`` adds a cProfile of one forward (our functions,
-by cumulative time); ``--count`` adds, per layer of one forward, the aten ops dispatched (views
-apart: a view launches no device kernel) and the Triton launches, and their means.
+by cumulative time); ``--count`` adds, per layer of one forward, the aten ops dispatched (and of
+them the views and those that launch a device kernel on CUDA) and the Triton launches, and their
+means.
 
     python benchmarks/host_time.py [--rounds 15] [--tokens 256] [--chunk 128] [--profile] [--count]
 """
@@ -34,18 +35,27 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from minference.config import PatternConfig  # noqa: E402
 from minference.dispatch import sparse_prefill  # noqa: E402
 
+#: aten ops that launch no device kernel: allocations without a fill, and the 0-dim CPU tensor a
+#: Python scalar becomes (``torch.where(mask, x, 0.0)``); views are told apart by ``is_view``.
+_NO_KERNEL = {"aten.empty", "aten.empty_like", "aten.empty_strided", "aten.scalar_tensor"}
+
 
 class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched (``views``: those that only alias their input) by name."""
+    """Counts the aten ops dispatched by name, and apart the views (they only alias their input)
+    and the ops that launch no device kernel (:data:`_NO_KERNEL`): the rest launch one or more
+    kernels each on CUDA."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
         self.views = 0
+        self.free = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
         self.views += bool(func.is_view)
+        self.free += name in _NO_KERNEL
         return func(*args, **(kwargs or {}))
 
 
@@ -91,7 +101,7 @@ def main() -> None:
     print(f"host per forward ({len(plans)} layers, {what}): min {min(times) * 1e3:.1f} ms, "
           f"median {statistics.median(times) * 1e3:.1f} ms ({args.rounds} rounds)")
     if args.count:
-        ops_total, views_total, launch_total = Counter(), 0, Counter()
+        ops_total, views_total, free_total, launch_total = Counter(), 0, 0, Counter()
         rows = []
         for layer, plan in enumerate(plans):
             launches.clear()
@@ -99,14 +109,19 @@ def main() -> None:
                 sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", validate=False, dense_tail=tail)
             ops_total.update(counter.ops)
             views_total += counter.views
+            free_total += counter.free
             launch_total.update(launches)
             kinds = Counter(p.kind for p in plan)
-            rows.append((layer, sum(counter.ops.values()), counter.views, sum(launches.values()),
+            ops = sum(counter.ops.values())
+            rows.append((layer, ops, counter.views, ops - counter.views - counter.free, sum(launches.values()),
                          " ".join(f"{kind} {c}" for kind, c in sorted(kinds.items()))))
-        for layer, ops, views, n_launch, kinds in rows:
-            print(f"layer {layer:2d}: {ops:4d} aten ops ({views:3d} views), {n_launch:2d} Triton launches  [{kinds}]")
+        for layer, ops, views, kernels, n_launch, kinds in rows:
+            print(f"layer {layer:2d}: {ops:4d} aten ops ({views:3d} views, {kernels:3d} launching kernels), "
+                  f"{n_launch:2d} Triton launches  [{kinds}]")
         L = len(plans)
-        print(f"mean per layer: {sum(ops_total.values()) / L:.1f} aten ops ({views_total / L:.1f} views), "
+        total = sum(ops_total.values())
+        print(f"mean per layer: {total / L:.1f} aten ops ({views_total / L:.1f} views, "
+              f"{(total - views_total - free_total) / L:.1f} launching kernels), "
               f"{sum(launch_total.values()) / L:.1f} Triton launches")
         print("aten ops per forward:", ", ".join(f"{name} {c}" for name, c in ops_total.most_common()))
         print("Triton launches per forward:", ", ".join(f"{name} {c}" for name, c in launch_total.most_common()))

@@ -141,7 +141,7 @@ def normalize_blocks(blocks: torch.Tensor, *,
     if ascending:
         diag = blocks == I
         off = blocks.masked_fill(diag, -1).to(torch.int32).contiguous()
-        return off, (off >= 0).sum(-1, dtype=torch.int32), diag.any(-1).to(torch.int8)
+        return off, (off >= 0).sum(-1, dtype=torch.int32), diag.sum(-1, dtype=torch.int8)  # distinct: 0 or 1
     x = torch.where((blocks >= 0) & (blocks <= I), blocks, nqb).sort(dim=-1).values  # ids in their own dtype
     first = (x < nqb) & (x != F.pad(x[..., :-1], (1, 0), value=-1))
     off, count = _compact(x, first & (x < I))

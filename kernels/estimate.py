@@ -533,7 +533,7 @@ def pool_blocks(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
     q_lens, q_starts = lens, starts
     if qrows is not None:
         nqb, q_lens, q_starts = qrows.slots(block), qrows.lens, qrows.starts
-    out = torch.zeros(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)
+    out = torch.empty(B, hs.shape[0], nqb, D, dtype=torch.float32, device=x.device)  # every entry is written
     if out.numel():
         tt = min(POOL_TOKEN_TILE, next_pow2(block))
         _pool_kernel[(B * hs.shape[0], nqb)](x, hs, lens, q_lens, q_starts, out, hs.shape[0], nqb, block, *x.stride(),

@@ -34,6 +34,7 @@ from minference._checks import (
     check_ragged,
     default_scale,
     query_rows_bound,
+    uniform_query_rows,
 )
 from minference.index import build_group_index, prepare_plan
 from minference.patterns import Pattern
@@ -254,7 +255,11 @@ def sparse_prefill(
     _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
     ops = _ops(name)
     ragged = seqlens is not None or seqstarts is not None
-    out = torch.zeros_like(q) if ragged or qrows else torch.empty_like(q)
+    # rows no group writes read as zeros; on Triton a chunk after a cache on full key rows (every q
+    # row a query row) has none: every group's kernel writes all the rows of its heads
+    uniform = None if ragged or not qrows else uniform_query_rows(q_seqlens, q_seqstarts, Nq, N, given_rows=False)
+    every_row = not (ragged or qrows) or name == "triton" and uniform is not None and uniform[0] == Nq
+    out = torch.empty_like(q) if every_row else torch.zeros_like(q)
     for dg in groups:
         kind = dg.group.kind
         if kind == "a_shape":

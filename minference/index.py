@@ -57,6 +57,7 @@ from minference._checks import (
     default_scale,
     query_rows_bound,
     token_mask,
+    uniform_query_rows,
 )
 from minference.patterns import (
     BLOCK_ESTIMATES,
@@ -185,12 +186,16 @@ class QueryRows:
         bound: host-known upper bound of every ``q_lens[b]``
             (:func:`minference._checks.query_rows_bound`): launch grids and the slot count follow it.
         N: the key rows' length (k's N axis).
+        first: every row's first query position ``q_lo`` when it is the same for all rows and
+            known on the host (full key rows, ``q_seqlens`` ``None`` or an int:
+            :func:`minference._checks.uniform_query_rows`), else ``None``.
     """
 
     lens: torch.Tensor
     starts: torch.Tensor
     bound: int
     N: int
+    first: int | None = None
 
     def slots(self, block: int) -> int:
         """Query blocks a row's queries can touch (the *slot* layout of the block builders: slot
@@ -207,7 +212,9 @@ def query_rows(q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor,
                             values=validate)
     if rows is None:
         return None
-    return QueryRows(rows[0], rows[1], query_rows_bound(q_seqlens, Nq), N)
+    uniform = uniform_query_rows(q_seqlens, q_seqstarts, Nq, N, given_rows=given_rows)
+    return QueryRows(rows[0], rows[1], query_rows_bound(q_seqlens, Nq), N,
+                     None if uniform is None else N - uniform[0])
 
 
 def scorer_rows(slots: QueryRows | None, q_seqlens, q_seqstarts, lens: torch.Tensor, starts: torch.Tensor,
@@ -224,8 +231,12 @@ def scorer_rows(slots: QueryRows | None, q_seqlens, q_seqstarts, lens: torch.Ten
 def blocks_from_slots(x: torch.Tensor, key_lens: torch.Tensor, qrows: QueryRows, block: int, nqb: int,
                       fill: float) -> torch.Tensor:
     """``x [B, Hg, S, W]`` in the slot layout (:meth:`QueryRows.slots`) -> ``[B, Hg, nqb, W]`` by
-    query block, ``fill`` in the rows of query blocks no slot holds. One gather, no host sync."""
+    query block, ``fill`` in the rows of query blocks no slot holds. One gather, no host sync; one
+    pad when every row's first query is known on the host (``qrows.first``)."""
     B, Hg, S, W = x.shape
+    if qrows.first is not None:  # slot 0 is query block first // block in every row: pad (or crop) to place it
+        lead = qrows.first // block
+        return torch.nn.functional.pad(x, (0, 0, lead, nqb - lead - S), value=fill)
     first = (key_lens - qrows.lens) // block  # [B] query block of slot 0
     # row 1 + slot of x padded with a fill row on either side: slots outside [0, S) clamp onto one
     at = (arange_constant(nqb + 1, x.device)[1:][None, :] - first[:, None]).clamp_(0, S + 1)  # [B, nqb]
@@ -551,9 +562,11 @@ def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor,
     valid = ranked > float("-inf")  # the candidates with a (finite) score
     x = x.add_(0.0)  # -0.0 -> +0.0 (one zero, ties by position)
     values, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [B, Hg, ..., M]
-    w = torch.where(valid, scores.double(), float("-inf") if logits else 0.0)  # [B, Hg, ..., M] float64
+    w = ranked.double()  # [B, Hg, ..., M] float64: the finite scores, -inf elsewhere
     if logits:  # no candidate: exp(-inf) = 0
         w = torch.exp(w - w.amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float64).min))
+    else:
+        w = w.nan_to_num_(neginf=0.0)  # weight 0 where no finite score
     code, threshold = rule.code.reshape(view), rule.threshold.reshape(view)
     n_forced = forced.sum(-1, keepdim=True)
     count = budget
@@ -615,12 +628,56 @@ def select_vertical_slash(col: torch.Tensor, diag: torch.Tensor, lens: torch.Ten
     ``rules`` (:func:`vertical_slash_rules`; ``None``: ``nv`` / ``ns``) keep. ``full_rows``: every
     row is ``N`` long (no ``seqlens`` / ``seqstarts``, known on the host): no position to mask."""
     rule_v, rule_s = (None, None) if rules is None else rules
+    if rule_v is not None and rule_v.rules != {"top_k"} and rule_s is not None and rule_s.rules == rule_v.rules:
+        # the sort path: one selection over the columns' and the diagonals' rows together (every
+        # row is selected on its own, so the lists are the same; half the ops of two calls)
+        Hg = col.shape[1]
+        scores = torch.cat((col, diag), 1)  # [B, 2 Hg, N]
+        if not full_rows:
+            scores = torch.where(_inside(lens, scores.shape[-1]), scores, float("-inf"))
+        forced, budget, rule = _joint_heads(sinks, locs, nv, ns, rule_v, rule_s)
+        both = select_top(scores, forced, budget, max(width_v, width_s), rule)  # [B, 2 Hg, max width]
+        return both[:, :Hg, :width_v].contiguous(), both[:, Hg:, :width_s].contiguous()
     if not full_rows:
-        inside = (arange_constant(col.shape[-1], col.device)[None, :] < lens[:, None])[:, None]  # [B, 1, N]
+        inside = _inside(lens, col.shape[-1])
         col, diag = torch.where(inside, col, float("-inf")), torch.where(inside, diag, float("-inf"))
     v_idx = select_top(col, sinks, nv, width_v, rule_v)
     s_idx = select_top(diag, locs, ns, width_s, rule_s)
     return v_idx, s_idx
+
+
+def _inside(lens: torch.Tensor, N: int) -> torch.Tensor:
+    """``[B, 1, N]`` bool: the position lies inside the row (``< lens [B]``)."""
+    return (arange_constant(N, lens.device)[None, :] < lens[:, None])[:, None]
+
+
+#: Joint per-head tensors of :func:`select_vertical_slash` (columns' heads, then the diagonals')
+#: by the identity and version of their parts; bounded (a plan's groups reuse their tensors on
+#: every call, so a few entries serve a model).
+_JOINT: dict[tuple, tuple] = {}
+_JOINT_SIZE = 64
+
+
+def _joint_heads(sinks: torch.Tensor, locs: torch.Tensor, nv: torch.Tensor, ns: torch.Tensor,
+                 rule_v: SelectionRule, rule_s: SelectionRule) -> tuple[torch.Tensor, torch.Tensor, SelectionRule]:
+    """``(forced [2 Hg], budget [2 Hg], rule)`` of the joint selection: the columns' per-head
+    tensors followed by the diagonals'. Made once per set of input tensors outside CUDA-graph
+    capture (keyed by identity and version counter, so an in-place change of any part makes a new
+    entry; inference tensors have no version counter and are concatenated on every call)."""
+    parts = (sinks, locs, nv, ns, rule_v.code, rule_s.code, rule_v.threshold, rule_s.threshold, rule_v.minimum,
+             rule_s.minimum)
+    cache = not capturing() and not any(t.is_inference() for t in parts)
+    key = (tuple((id(t), t._version) for t in parts), rule_v.rules) if cache else None
+    hit = _JOINT.get(key) if cache else None
+    if hit is not None and all(a is b for a, b in zip(hit[0], parts)):
+        return hit[1]
+    forced, budget, code, threshold, minimum = (torch.cat(parts[i : i + 2]) for i in range(0, 10, 2))
+    joint = (forced, budget, SelectionRule(code, threshold, minimum, rule_v.rules))
+    if cache:
+        if len(_JOINT) >= _JOINT_SIZE:
+            _JOINT.pop(next(iter(_JOINT)))  # the oldest entry
+        _JOINT[key] = (parts, joint)  # the parts are kept alive: their ids stay theirs
+    return joint
 
 
 def vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, heads: torch.Tensor,

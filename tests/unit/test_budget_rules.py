@@ -23,7 +23,15 @@ from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
 from minference import config as C
-from minference.index import RULE_CODES, block_sparse_rules, build_group_index, prepare_plan, select_top
+from minference.index import (
+    RULE_CODES,
+    block_sparse_rules,
+    build_group_index,
+    prepare_plan,
+    select_top,
+    select_vertical_slash,
+    vertical_slash_rules,
+)
 from minference.patterns import RULES, BlockSparse, VerticalSlash, pattern_from_dict, pattern_to_dict
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, qkv, ragged_rows
 
@@ -107,6 +115,45 @@ def test_selection_is_the_naive_rule_vertical(data) -> None:
             want = _naive(scores[b, h], range(forced[h]), budgets[h], codes[h], thresholds[h], minima[h], False,
                           width)
             assert _picked(got[b, h].tolist()) == want, (b, h, RULES[codes[h]], thresholds[h])
+
+
+@given(st.data())
+def test_joint_vertical_slash_selection_is_two_selections(data) -> None:
+    """:func:`select_vertical_slash` selects columns and diagonals in one ``select_top`` when a
+    rule may be adaptive: the same lists as two calls, ragged or full rows, mixed or single rules;
+    its cached joint per-head tensors follow an in-place change of a budget."""
+    B, Hg, M = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 4)), data.draw(st.integers(1, 70))
+    col, diag = _rows(data, (B, Hg, M), logits=False), _rows(data, (B, Hg, M), logits=False)
+    full = data.draw(st.booleans())
+    lens = torch.full((B,), M, dtype=torch.int32) if full else torch.tensor(
+        [data.draw(st.integers(0, M)) for _ in range(B)], dtype=torch.int32)
+    nv = torch.tensor([data.draw(st.integers(0, M + 3)) for _ in range(Hg)])
+    ns = torch.tensor([data.draw(st.integers(1, M + 3)) for _ in range(Hg)])
+    sinks = torch.minimum(torch.tensor([data.draw(st.integers(0, 5)) for _ in range(Hg)]), nv)
+    locs = torch.minimum(torch.tensor([data.draw(st.integers(1, 5)) for _ in range(Hg)]), ns)
+    single = data.draw(st.sampled_from((None, "mass", "relative")))
+    heads = torch.arange(Hg, dtype=torch.int32)
+    if single is None:
+        codes, thresholds, _ = _head_rules(data, Hg, [M] * Hg)
+        rule, threshold = torch.tensor(codes), torch.tensor(thresholds, dtype=torch.float64)
+    else:
+        rule, threshold = single, data.draw(THRESHOLDS)
+    mins = (torch.tensor([data.draw(st.integers(0, M)) for _ in range(Hg)]),
+            torch.tensor([data.draw(st.integers(0, M)) for _ in range(Hg)]))
+    rules = vertical_slash_rules(rule, threshold, *mins, heads, 0)
+    width_v, width_s = min(int(nv.max()), M), min(int(ns.max()), M)
+
+    def separate():
+        inside = (torch.arange(M)[None, :] < lens[:, None])[:, None]
+        v = select_top(torch.where(inside, col, float("-inf")), sinks, nv, width_v, rules[0])
+        s = select_top(torch.where(inside, diag, float("-inf")), locs, ns, width_s, rules[1])
+        return v, s
+
+    for _ in range(2):  # the second call takes the cached joint tensors
+        got = select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s, rules, full_rows=full)
+        for g, w in zip(got, separate()):
+            assert g.dtype == w.dtype and g.is_contiguous() and torch.equal(g, w)
+        sinks.clamp_(max=0)  # in place: the next call must not reuse the joint tensors made before
 
 
 @given(st.data())

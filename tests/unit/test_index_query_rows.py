@@ -256,6 +256,30 @@ def test_rows_without_queries_and_fewer_queries_than_last_q(impl) -> None:
         assert (b[1, :, :7] == -1).all() and (b[1, :, 7] >= 0).sum(-1).tolist() == [2, 2]  # 57..59: block 7
 
 
+def test_blocks_from_slots_of_uniform_rows_is_the_gather() -> None:
+    """Query rows known on the host (``QueryRows.first``, what :func:`query_rows` sets for full
+    key rows and ``q_seqlens`` None or an int) place the slots by one pad or crop: the same
+    tensor as the gather by each row's first query block, for every length, count and block."""
+    from minference.index import blocks_from_slots, query_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, Hg, W = 2, 3, 4
+    for N in (1, 7, 16, 33):
+        for block in (1, 4, 16):
+            nqb = -(-N // block)
+            lens, starts = check_ragged(None, None, B, N, "cpu")
+            for Nq, q_seqlens in [(c, None) for c in range(1, N)] + [(N, c) for c in range(N + 1)]:
+                qr = query_rows(q_seqlens, None, lens, starts, Nq, N, given_rows=False, validate=True)
+                assert qr.first == N - (Nq if q_seqlens is None else q_seqlens)
+                S = qr.slots(block)
+                for x, fill in ((torch.randint(0, 50, (B, Hg, S, W), generator=g, dtype=torch.int32), -1),
+                                (torch.randn(B, Hg, S, W, generator=g), float("-inf"))):
+                    gathered = blocks_from_slots(x, lens, QueryRows(qr.lens, qr.starts, qr.bound, N), block, nqb, fill)
+                    placed = blocks_from_slots(x, lens, qr, block, nqb, fill)
+                    assert placed.shape == (B, Hg, nqb, W) and placed.dtype == x.dtype and placed.is_contiguous()
+                    assert torch.equal(placed, gathered), (N, block, Nq, q_seqlens)
+
+
 def test_extra_rows_on_query_rows_are_the_definition() -> None:
     """The device-side extra rows with query rows equal the twin's sampled rows (the extra part)
     for every small row length, query count, last_q and extra_rows, including the cap at the
