@@ -9,6 +9,10 @@
 #   sanitize   compute-sanitizer memcheck over benchmarks/sanitize_fuzz.py (all three kernels)
 #   bench      benchmarks/bench_kernels.py $BENCH_ARGS   (kernels vs cuDNN / FlexAttention)
 #   bench2     benchmarks/bench_kernels.py $BENCH_ARGS2
+#   ab         benchmarks/bench_kernels.py $AB_ARGS in each tree of $AB_TREES (paths to unpacked
+#              snapshots, e.g. "../.snap0 ." for main before and after a kernel change), each
+#              installed before its run, $AB_ROUNDS (2) interleaved rounds, to $OUT/ab_<i>_<round>.*;
+#              then this tree is installed again (s14 measured its value guard this way)
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
 #   qwen       check the staged Qwen GGUF (/tmp/m/q.gguf, ../shared/tools/stage_qwen.sh; carry
 #              .stage/whl for the gguf wheel) and point $MINFERENCE_QWEN_GGUF at it
@@ -57,6 +61,22 @@ run_bench() {  # name, script, time bound, arguments
     tail -5 "$OUT/$1.err"
 }
 
+ab() {
+    local round i tree
+    for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+        i=0
+        for tree in ${AB_TREES:?AB_TREES names the trees to compare}; do
+            i=$((i + 1))
+            log "ab round $round, tree $i ($tree): bench_kernels.py $AB_ARGS"
+            # shellcheck disable=SC2086
+            (cd "$tree" && python -m pip install --no-deps --no-build-isolation -e . -q >/dev/null 2>&1 \
+                && timeout "${T_AB:-110}" python benchmarks/bench_kernels.py $AB_ARGS --json "$OUT/ab_${i}_$round.json" \
+                    >"$OUT/ab_${i}_$round.md" 2>"$OUT/ab_${i}_$round.err")
+            log "ab rc=$?"
+        done
+    done
+    python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3
+}
 qwen() {
     log "staged Qwen GGUF"
     echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/m/q.gguf" | sha256sum -c - \
@@ -83,6 +103,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         sanitize) sanitize ;;
         bench) run_bench bench benchmarks/bench_kernels.py "${T_BENCH:-90}" "${BENCH_ARGS:-}" ;;
         bench2) run_bench bench2 benchmarks/bench_kernels.py "${T_BENCH2:-90}" "${BENCH_ARGS2:-}" ;;
+        ab) ab ;;
         e2e) run_bench e2e benchmarks/bench_end_to_end.py "${T_E2E:-90}" "${E2E_ARGS:-}" ;;
         qwen) qwen || break ;;
         # shellcheck disable=SC2086
