@@ -66,6 +66,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def grid_blocks(N: int, block_m: int, q_bound: int | None) -> int:
+    """Query blocks on axis 0 of a kernel grid: ``ceil(N / block_m)`` for whole rows; with query
+    rows (``q_bound``: the most query rows of a batch row) the blocks that ``q_bound`` rows
+    starting anywhere can touch, one more than they fill (0 without any). Shapes only, so the
+    launch that :meth:`Prepared.grid` makes can be predicted before it (the key split)."""
+    if q_bound is None:
+        return cdiv(N, block_m)
+    return cdiv(q_bound, block_m) + 1 if q_bound else 0
+
+
 # --------------------------------------------------------------------------------------------
 # device helpers (shared by ashape.py, vertical_slash.py, block_sparse.py)
 # --------------------------------------------------------------------------------------------
@@ -350,9 +360,7 @@ class Prepared:
     def grid(self) -> tuple[int, int, int]:
         """``(query blocks, computed heads, B)``: with query rows, the blocks that ``q_bound``
         rows starting anywhere can touch (one more than they fill)."""
-        if self.qrows:
-            return (cdiv(self.q_bound, self.tiles.block_m) + 1 if self.q_bound else 0, self.Hg, self.B)
-        return (cdiv(self.N, self.tiles.block_m), self.Hg, self.B)
+        return (grid_blocks(self.N, self.tiles.block_m, self.q_bound if self.qrows else None), self.Hg, self.B)
 
     def launches(self) -> bool:
         """Whether a kernel has anything to compute."""

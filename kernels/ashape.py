@@ -24,9 +24,11 @@ from minference.kernels._common import (
     _scores,
     _softmax_update,
     _store_rows,
+    cdiv,
     default_tiles,
     descriptors_ok,
     finish,
+    grid_blocks,
     interpreting,
     kv_descriptors,
     launch_fitted,
@@ -315,18 +317,15 @@ def _auto_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqsta
 
 def shape_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqstarts, tiles: Tiles, sms: int) -> int:
     """:func:`key_split_count` for a call's arguments from their shapes alone: the unsplit grid
-    (:meth:`minference.kernels._common.Prepared.grid`: with query rows ``ceil(bound / block_m) +
-    1`` blocks, an int ``q_seqlens`` bounding them; a tensor's values are never read) and the key
-    tiles of ``N``."""
+    (:func:`minference.kernels._common.grid_blocks`, as :meth:`~minference.kernels._common.Prepared.grid`
+    launches it; with query rows an int ``q_seqlens`` bounds them, a tensor's values are never
+    read) and the key tiles of ``N``."""
     B, Hq, Nq = q.shape[0], q.shape[1], q.shape[2]
     N = k.shape[2]
-    if q_seqlens is not None or q_seqstarts is not None or Nq != N:
-        bound = query_rows_bound(q_seqlens, Nq)
-        blocks = -(-bound // tiles.block_m) + 1 if bound else 0
-    else:
-        blocks = -(-N // tiles.block_m)
+    qrows = q_seqlens is not None or q_seqstarts is not None or Nq != N
+    blocks = grid_blocks(N, tiles.block_m, query_rows_bound(q_seqlens, Nq) if qrows else None)
     Hg = Hq if heads is None else heads.shape[0]
-    return key_split_count(blocks * Hg * B, -(-N // tiles.block_n), sms)
+    return key_split_count(blocks * Hg * B, cdiv(N, tiles.block_n), sms)
 
 
 @triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph"])
