@@ -29,8 +29,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 log() { echo "=== $* [$(date +%T)]" | tee -a "$OUT/summary.txt"; }
 
-install() {
+editable() {  # this directory's tree as the installed minference (kernels/ and reference/ map in)
     python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3
+}
+install() {
+    editable
     # wheels the machine lacks (carry .whl: jsonschema and its three dependencies, for configs)
     if ls .whl/*.whl >/dev/null 2>&1; then
         python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -69,13 +72,13 @@ ab() {
             i=$((i + 1))
             log "ab round $round, tree $i ($tree): bench_kernels.py $AB_ARGS"
             # shellcheck disable=SC2086
-            (cd "$tree" && python -m pip install --no-deps --no-build-isolation -e . -q >/dev/null 2>&1 \
+            (cd "$tree" && editable >/dev/null \
                 && timeout "${T_AB:-110}" python benchmarks/bench_kernels.py $AB_ARGS --json "$OUT/ab_${i}_$round.json" \
                     >"$OUT/ab_${i}_$round.md" 2>"$OUT/ab_${i}_$round.err")
             log "ab rc=$?"
         done
     done
-    python -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | tail -3
+    editable
 }
 qwen() {
     log "staged Qwen GGUF"

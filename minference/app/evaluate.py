@@ -1128,7 +1128,6 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
         from matplotlib.lines import Line2D
     except ImportError as err:
         raise ImportError(f"{MATPLOTLIB_HINT} ({err})") from None
-    pooled: dict[tuple, float] = {}
     counts: dict[tuple, list[int]] = {}
     for a in report.accuracy():
         c = counts.setdefault((a["config"], a["n_tokens"]), [0, 0])
