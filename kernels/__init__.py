@@ -4,7 +4,7 @@ Importing this package compiles nothing; each kernel compiles on first use. On C
 kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` set before triton's first import).
 """
 
-from minference.kernels._common import SUPPORTED_HEAD_DIMS
+from minference.kernels._common import SUPPORTED_HEAD_DIMS, value_guard
 from minference.kernels.ashape import ashape_attention, dense_attention
 from minference.kernels.block_sparse import BLOCK_SIZES, block_sparse_attention
 from minference.kernels.convert import VSIndex, convert_vertical_slash, vs_index_to_dense, vs_physical_tiles
@@ -26,6 +26,7 @@ __all__ = [
     "dense_attention",
     "vertical_slash_attention",
     "vertical_slash_attention_physical",
+    "value_guard",
     "vertical_slash_block_m",
     "vs_index_to_dense",
     "vs_physical_tiles",

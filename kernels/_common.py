@@ -12,6 +12,11 @@ Conventions inside every kernel:
   ``exp2(s * scale * log2(e) - m)`` (one fused multiply-add per score);
 * unmasked tiles whose keys all lie inside the row may load K/V through tensor descriptors
   (TMA on Hopper, ``DESC``); masked tiles always use pointer loads with ``other=0``.
+* non-finite values (docs/contract.md): unmasked tiles read ``v`` itself (every row keeps every
+  key there); masked tiles read the value rows from ``v_safe`` (non-finite rows zeroed) and add the
+  per-key penalty ``pen`` (NaN for those keys, else 0) to the scores they keep, both made once per
+  call on the host (:func:`value_guard`): a non-finite value reaches exactly the rows that keep
+  its key, and the value tile is loaded as before (no ``where``, no reduction on it).
 * the epilogue writes only rows ``i < seqlens[b]`` and only the computed head; an empty row
   (no key at all) is written as zeros with log-sum-exp ``-inf``.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -152,6 +158,15 @@ def _load_kv_desc(desc_k, desc_v, b, kvh, p0, BLOCK_N: tl.constexpr, BLOCK_D: tl
     k = desc_k.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
     v = desc_v.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
     return k, v
+
+
+@triton.jit
+def _load_pen(pen_base, cols, col_ok, spn):
+    """``[BLOCK_N]`` fp32 value penalty of key positions ``cols`` (:func:`value_guard`): NaN where
+    the key's value row is not finite, else 0; keys outside ``col_ok`` read 0. A masked tile adds
+    it to the scores it keeps, so a row that keeps such a key becomes NaN while the tile's value
+    rows come from ``v_safe`` (zeroed there) for the rows that mask it out."""
+    return tl.load(pen_base + cols.to(tl.int64) * spn, mask=col_ok, other=0.0)
 
 
 @triton.jit
@@ -320,6 +335,74 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+ValueGuard = tuple[torch.Tensor, torch.Tensor]
+
+
+def value_guard(v: torch.Tensor, checked: bool = False) -> ValueGuard:
+    """What the attention kernels' masked tiles read instead of ``v``, so that a non-finite value
+    (NaN or ±inf in any element of a value row) reaches only the rows that keep its key
+    (docs/contract.md, "Non-finite inputs"): ``(v_safe, pen)``.
+
+    * ``v_safe [B, Hkv, N, D]`` in ``v``'s dtype: ``v`` with its non-finite rows zeroed (the
+      masked tiles' value rows: a row that masks such a key multiplies ``p = 0`` by zeros);
+    * ``pen [B, Hkv, N]`` float32: NaN where the value row is not finite, 0 elsewhere (the masked
+      tiles add it to the scores they keep: a row that keeps such a key gets NaN).
+
+    One ``aminmax`` over ``v`` (NaN compares false, so NaN rows count as non-finite), then 5
+    elementwise ops (``lt``, ``gt``, ``bitwise_and``, two ``where``): 6 device ops, one read of
+    ``v`` for the reduction and one for ``v_safe``, no host sync and no data-dependent shape, so it
+    is CUDA-graph capturable. ``checked=True`` (the caller has validated that ``v`` is finite on
+    every token its rows read): ``v`` itself and a cached zero ``pen`` (a stride-0 expansion of
+    zeros over ``N``; a fresh one under capture), with no device op. Call it once per call of
+    the dispatcher, not per kernel launch: every kernel of a layer reads the same pair
+    (``value_guard=`` of the kernel entries)."""
+    check_tensor("v", v, rank=4, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    if not isinstance(checked, bool):
+        raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+    B, H, N, D = v.shape
+    if checked or D == 0:  # an empty row holds nothing non-finite
+        return v, zero_pen(B, H, N, v.device)
+    lo, hi = torch.aminmax(v, dim=-1)  # [B, H, N]: NaN when the row holds one
+    finite = (hi < float("inf")) & (lo > float("-inf"))
+    return torch.where(finite[..., None], v, 0), torch.where(finite, 0.0, float("nan"))
+
+
+def zero_pen(B: int, H: int, N: int, device) -> torch.Tensor:
+    """A ``[B, H, N]`` float32 zero penalty (strides ``(0, 0, 1)``), made once per shape and
+    device outside CUDA-graph capture (fresh under capture). Read-only."""
+    if capturing():
+        return torch.zeros(N, dtype=torch.float32, device=device).expand(B, H, N)
+    return _zero_pen(B, H, N, torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _zero_pen(B: int, H: int, N: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(N, dtype=torch.float32, device=device).expand(B, H, N)
+
+
+def check_value_guard(guard, v: torch.Tensor) -> ValueGuard:
+    """A ``value_guard=`` argument: a pair ``(v_safe, pen)`` as :func:`value_guard` makes for
+    ``v`` (``v_safe`` with v's shape, dtype and device, any strides; ``pen`` float32 ``[B, Hkv,
+    N]`` on v's device, any strides). Metadata only; the values are the caller's promise."""
+    if not isinstance(guard, (tuple, list)) or len(guard) != 2:
+        raise ValueError(f"value_guard must be a pair (v_safe, pen) from kernels.value_guard(v), got "
+                         f"{type(guard).__name__}")
+    v_safe, pen = guard
+    for name, x in (("v_safe", v_safe), ("pen", pen)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"value_guard's {name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != v.device:
+            raise ValueError(f"value_guard's {name} must be on v's device {v.device}, got {x.device}")
+    if tuple(v_safe.shape) != tuple(v.shape) or v_safe.dtype != v.dtype:
+        raise ValueError(f"value_guard's v_safe must match v ({tuple(v.shape)}, {v.dtype}), got "
+                         f"{tuple(v_safe.shape)}, {v_safe.dtype}")
+    want = tuple(v.shape[:3])
+    if tuple(pen.shape) != want or pen.dtype != torch.float32:
+        raise ValueError(f"value_guard's pen must be float32 with shape {want} (v's [B, Hkv, N]), got "
+                         f"{tuple(pen.shape)}, {pen.dtype}")
+    return v_safe, pen
+
+
 @dataclass
 class Prepared:
     """Validated launch state shared by the three public functions."""
@@ -342,6 +425,9 @@ class Prepared:
     q_bound: int = 0
     q_los: torch.Tensor | None = None
     q_row0s: torch.Tensor | None = None
+    #: the value guard (:func:`value_guard`): the value rows masked tiles read, and the key penalty
+    v_safe: torch.Tensor | None = None
+    pen: torch.Tensor | None = None
 
     @property
     def block_d(self) -> int:
@@ -389,6 +475,15 @@ class Prepared:
             num_stages=self.tiles.num_stages,
         )
 
+    def guard_args(self) -> list:
+        """``v_safe`` and ``pen`` (the kernels' ``VS, PEN`` arguments, after ``V``)."""
+        return [self.v_safe, self.pen]
+
+    def guard_strides(self) -> list[int]:
+        """The 7 strides of ``v_safe`` (b, h, n, d) and ``pen`` (b, h, n), after the 16 of
+        :func:`qkv_strides`."""
+        return [*self.v_safe.stride(), *self.pen.stride()]
+
     def head_ids(self) -> torch.Tensor:
         """The computed local heads as the kernels read them (all heads when none were given)."""
         if self.heads is not None:
@@ -425,9 +520,11 @@ def check_heads(heads, Hq: int, device, *, values: bool) -> torch.Tensor | None:
 
 
 def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
-            tiles: Tiles | None = None, q_seqlens=None, q_seqstarts=None) -> Prepared:
+            tiles: Tiles | None = None, q_seqlens=None, q_seqstarts=None, guard=None) -> Prepared:
     """Validate the common arguments and allocate outputs; never synchronises when
-    ``validate=False``. ``q_seqlens`` / ``q_seqstarts``: query rows (docs/kernels.md)."""
+    ``validate=False``. ``q_seqlens`` / ``q_seqstarts``: query rows (docs/kernels.md). ``guard``:
+    a precomputed :func:`value_guard` pair (the dispatcher's, made once per call), else it is made
+    here (without a pass when the values were validated)."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D={D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
@@ -478,6 +575,10 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
             q_los = (lens - q_lens).contiguous()
             prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
         prep.q_bound = query_rows_bound(q_seqlens, Nq)
+    if guard is not None:
+        prep.v_safe, prep.pen = check_value_guard(guard, v)
+    elif prep.launches():  # nothing reads it otherwise
+        prep.v_safe, prep.pen = value_guard(v, checked=values)
     return prep
 
 

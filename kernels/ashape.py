@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 from minference.kernels._common import (
     Tiles,
+    ValueGuard,
     _load_kv,
     _load_kv_desc,
+    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -50,26 +52,33 @@ __all__ = ["ashape_attention", "dense_attention", "key_split_count"]
 
 
 @triton.jit
-def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows, row_ok, offs_n,
-                  offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, key_end, sink, window,
+def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh, row_start, rows,
+                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn, qk_scale, t_begin, t_end,
+                  key_end, sink, window,
                   MASKED: tl.constexpr, SINK_PART: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)`` for ``t`` in ``range(t_begin, t_end, BLOCK_N)``; keys at or past
-    ``key_end`` are never loaded. Unmasked tiles lie inside the row and may use descriptors."""
+    ``key_end`` are never loaded. Unmasked tiles lie inside the row, may use descriptors and read
+    ``v``; masked tiles read ``v_safe`` and add the value penalty to the scores they keep
+    (:func:`minference.kernels._common.value_guard`)."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
-        if DESC and not MASKED:
+        if MASKED:
+            k, v = _load_kv(k_base, vs_base, cols, cols < key_end, offs_d, d_ok, skn, skd, svsn, svsd,
+                            True, EVEN_D)
+        elif DESC:
             k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
         else:
             k, v = _load_kv(k_base, v_base, cols, cols < key_end, offs_d, d_ok, skn, skd, svn, svd,
-                            MASKED, EVEN_D)
+                            False, EVEN_D)
         s = _scores(q, k, PREC)  # [BM, BN]
         if MASKED:
             if SINK_PART:
                 keep = (cols[None, :] < sink) & (cols[None, :] <= rows[:, None] - window)
             else:
                 keep = (cols[None, :] > rows[:, None] - window) & (cols[None, :] <= rows[:, None])
-            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
+            pen = _load_pen(pen_base, cols, cols < key_end, sgn)  # [BN]
+            s = tl.where(keep & row_ok[:, None], s + pen[None, :], float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
@@ -77,11 +86,11 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["head_offset", "slb", "slh"])
-def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows, head_offset,
-                qk_scale,
+@triton.jit(do_not_specialize=["head_offset", "slb", "slh", "sgb", "sgh"])
+def _ashape_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows,
+                head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                slb, slh, sln,
+                svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
                 group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
@@ -103,6 +112,8 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, h
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -115,13 +126,13 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, h
     sink_end = tl.minimum(sink, last_row - window + 1)
     sink_full = (tl.maximum(tl.minimum(sink, m0 - window + 1), 0) // BLOCK_N) * BLOCK_N
     sink_full = tl.where(rows_full, sink_full, 0)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok,
-                                  skn, skd, svn, svd, qk_scale, 0, sink_full, sink_end, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, 0, sink_full, sink_end, sink, window,
                                   False, True, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok,
-                                  skn, skd, svn, svd, qk_scale, sink_full, sink_end, sink_end, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, sink_full, sink_end, sink_end, sink, window,
                                   True, True, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # window part: keys i - window < j <= i; tiles start at the block's first window key
@@ -132,17 +143,17 @@ def _ashape_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, h
     k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - window - lo, 0), BLOCK_N), k_b)
     k_b = tl.where(rows_full, k_b, 0)  # a block with padding rows runs every tile masked
     k_a = tl.where(rows_full, k_a, 0)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok,
-                                  skn, skd, svn, svd, qk_scale, lo, lo + k_a * BLOCK_N, hi, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, lo, lo + k_a * BLOCK_N, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok,
-                                  skn, skd, svn, svd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
                                   sink, window, False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok,
-                                  skn, skd, svn, svd, qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -215,6 +226,7 @@ def ashape_attention(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool = True,
+    value_guard: ValueGuard | None = None,
 ):
     """Causal A-shape (sinks + sliding window) attention.
 
@@ -233,13 +245,16 @@ def ashape_attention(
         out: optional ``[B, Hq, N, D]`` output to write into (else allocated).
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32, natural log).
         validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
+        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
+            (made once by a caller that runs several kernels on one ``v``); ``None``: made here
+            (no pass over ``v`` when ``validate`` checked it).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q))
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard)
     check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
     read = prep.head_ids().long() + head_offset if validate else None  # the entries the kernel reads
     sinks = _budget("sink", sink, head_offset + prep.Hq, q.device, 0, validate, read)
@@ -250,8 +265,9 @@ def ashape_attention(
         def call(tiles: Tiles):
             prep.tiles = tiles
             desc_k, desc_v = kv_descriptors(k, v, tiles.block_n, prep.block_d)
-            args = (q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(), sinks, windows,
-                    head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+            args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
+                    sinks, windows, head_offset, prep.qk_scale, *qkv_strides(q, k, v, prep.out),
+                    *prep.guard_strides(), slb, slh, sln)
             return prep.grid(), args, dict(**prep.meta(q, return_lse), DESC=desc_k is not None)
 
         key = (q.dtype, prep.D, return_lse, prep.qrows, descriptors_ok(k, v, prep.block_d))
@@ -328,9 +344,10 @@ def shape_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqsta
     return key_split_count(blocks * Hg * B, cdiv(N, tiles.block_n), sms)
 
 
-@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph"])
-def _dense_split_fwd(Q, K, V, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, n_split, qk_scale,
-                     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sps, spb, sph,
+@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph", "sgb", "sgh"])
+def _dense_split_fwd(Q, K, V, VS, PEN, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, n_split,
+                     qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                     svsb, svsh, svsn, svsd, sgb, sgh, sgn, sps, spb, sph,
                      group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr,
                      QROWS: tl.constexpr):
@@ -358,6 +375,8 @@ def _dense_split_fwd(Q, K, V, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -374,13 +393,13 @@ def _dense_split_fwd(Q, K, V, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q
     t1 = tl.minimum(t0 + per, n_tiles)  # this split's tiles t0 .. t1 - 1 (none when t0 >= n_tiles)
     # the window part of the A-shape loop with a window of hi keys: ``j > i - hi`` holds for every
     # key of every query row, so only the causal edge and the row bounds mask
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
-                                  tl.minimum(t0, k_b) * BLOCK_N, tl.minimum(t1, k_b) * BLOCK_N, hi, 0, hi,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, tl.minimum(t0, k_b) * BLOCK_N, tl.minimum(t1, k_b) * BLOCK_N, hi, 0, hi,
                                   False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
-                                  tl.maximum(t0, k_b) * BLOCK_N, tl.minimum(t1 * BLOCK_N, hi), hi, 0, hi,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
+                                  qk_scale, tl.maximum(t0, k_b) * BLOCK_N, tl.minimum(t1 * BLOCK_N, hi), hi, 0, hi,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     stat = split.to(tl.int64) * sps + b64 * spb + g.to(tl.int64) * sph + blk * BLOCK_M + offs_m  # [BM]
@@ -441,6 +460,7 @@ def dense_attention(
     return_lse: bool = False,
     validate: bool = True,
     key_split: int | None = None,
+    value_guard: ValueGuard | None = None,
 ):
     """Causal dense attention (float64 twin: :func:`minference.reference.attention.dense_attention`),
     on whole rows or query rows, with an optional key split for calls of few query rows.
@@ -452,17 +472,18 @@ def dense_attention(
     unsplit call, exactly ``ashape_attention(q, k, v, 0, max(1, N), ...)``; any ``n >= 1`` is
     computed as given, splits without keys included (tests force it under the interpreter).
     Sync-free with ``validate=False``: the split and the float32 scratch (``torch.empty``) follow
-    the shapes only, so the call can be captured in a CUDA graph.
+    the shapes only, so the call can be captured in a CUDA graph. ``value_guard``: as
+    :func:`ashape_attention`.
     """
     check_key_split(key_split)
     split = _auto_key_split(q, k, heads, q_seqlens, q_seqstarts) if key_split is None else key_split
     if split == 1:
         return ashape_attention(q, k, v, 0, max(1, k.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
                                 q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, heads=heads, out=out,
-                                return_lse=return_lse, validate=validate)
+                                return_lse=return_lse, validate=validate, value_guard=value_guard)
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q))
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard)
     if prep.launches():
         _launch_split(prep, q, k, v, split, return_lse)
     return finish(prep, return_lse)
@@ -482,8 +503,8 @@ def _launch_split(prep, q, k, v, split: int, return_lse: bool) -> None:
         pl = torch.empty(split, B, Hg, R, **f32)
         scratch.update(po=po, pm=pm, pl=pl, strides=(B * Hg * R, Hg * R, R))
         desc_k, desc_v = kv_descriptors(k, v, tiles.block_n, prep.block_d)
-        args = (q, k, v, po, pm, pl, desc_k, desc_v, *prep.row_args(), prep.head_ids(), split, prep.qk_scale,
-                *q.stride(), *k.stride(), *v.stride(), *scratch["strides"])
+        args = (q, k, v, *prep.guard_args(), po, pm, pl, desc_k, desc_v, *prep.row_args(), prep.head_ids(), split,
+                prep.qk_scale, *q.stride(), *k.stride(), *v.stride(), *prep.guard_strides(), *scratch["strides"])
         meta = prep.meta(q, False)
         del meta["RETURN_LSE"]
         return (blocks * split, Hg, B), args, dict(meta, DESC=desc_k is not None)

@@ -16,8 +16,10 @@ import triton.language as tl
 from minference.kernels._common import (
     INTERPRET_TILES,
     Tiles,
+    ValueGuard,
     _load_kv,
     _load_kv_desc,
+    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -55,11 +57,11 @@ _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["n_k", "n_qblk", "slb", "slh"])
-def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count, has_diag,
-            n_k, n_qblk, qk_scale,
+@triton.jit(do_not_specialize=["n_k", "n_qblk", "slb", "slh", "sgb", "sgh"])
+def _bs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count,
+            has_diag, n_k, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-            slb, slh, sln,
+            svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
@@ -79,6 +81,8 @@ def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     slot = (b64 * tl.num_programs(1) + g) * n_qblk + qblk  # the index has a row per query block of the key row
@@ -99,13 +103,14 @@ def _bs_fwd(Q, K, V, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads
         s = _scores(q, k, PREC)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
+    # the diagonal block, causal-masked: value rows from v_safe, the value penalty on kept scores
     if tl.load(has_diag + slot) != 0:
         cols = m0 + offs_n
         col_ok = cols < row_len
-        k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+        k, v = _load_kv(k_base, vs_base, cols, col_ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
         s = _scores(q, k, PREC)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep, s + _load_pen(pen_base, cols, col_ok, sgn)[None, :], float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -166,6 +171,7 @@ def block_sparse_attention(
     return_lse: bool = False,
     validate: bool = True,
     ascending: bool = False,
+    value_guard: ValueGuard | None = None,
 ):
     """Causal block-sparse attention.
 
@@ -186,6 +192,8 @@ def block_sparse_attention(
         ascending: ``blocks`` rows are already distinct causal ids in ascending order, -1 after
             (the builders' one-launch selection; :func:`normalize_blocks`), so the launcher skips
             its sort. With ``validate`` that promise is checked (a host read).
+        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
+            (see :func:`~minference.kernels.ashape_attention`).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
@@ -198,7 +206,7 @@ def block_sparse_attention(
         raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q, block))
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q, block), guard=value_guard)
     nqb = cdiv(prep.N, block)
     check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
                 values=validate)
@@ -215,8 +223,9 @@ def block_sparse_attention(
 
         def call(tiles: Tiles):  # the routing block fixes the tile sizes: only the stages vary
             prep.tiles = tiles
-            args = (q, k, v, prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(), off, count, has_diag,
-                    off.shape[-1], nqb, prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+            args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
+                    off, count, has_diag, off.shape[-1], nqb, prep.qk_scale, *qkv_strides(q, k, v, prep.out),
+                    *prep.guard_strides(), slb, slh, sln)
             return prep.grid(), args, dict(**prep.meta(q, return_lse), DESC=desc_k is not None)
 
         key = (q.dtype, prep.D, block, return_lse, prep.qrows, desc_k is not None)

@@ -28,8 +28,10 @@ import triton.language as tl
 from minference.kernels._common import (
     Prepared,
     Tiles,
+    ValueGuard,
     _load_kv,
     _load_kv_desc,
+    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -82,8 +84,9 @@ _GATHER_SLOTS = 32
 
 
 @triton.jit
-def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows, row_ok, offs_n,
-                    offs_d, d_ok, skn, skd, svn, svd, qk_scale, t_begin, t_end, hi, bits_base, cm_base, solid, da, db,
+def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh, row_start, rows,
+                    row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn, qk_scale, t_begin, t_end, hi,
+                    bits_base, cm_base, solid, da, db,
                     MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
@@ -91,14 +94,17 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
     in a hole-free (``solid``) run ``i - j ∈ D`` is ``da <= i - j <= db``, otherwise it comes from
     the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
     window assembled from two words. ``solid`` is the constant ``True`` in the all-solid build
-    (every run hole-free, known on the host): the bitmap path is then not compiled."""
+    (every run hole-free, known on the host): the bitmap path is then not compiled. Masked tiles
+    read ``v_safe`` and add the value penalty to the scores they keep; unmasked ones read ``v``."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
         col_ok = cols < hi
-        if DESC and not MASKED:  # unmasked tiles lie inside the range, hence inside the row
+        if MASKED:
+            k, v = _load_kv(k_base, vs_base, cols, col_ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
+        elif DESC:  # unmasked tiles lie inside the range, hence inside the row
             k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
         else:
-            k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, MASKED, EVEN_D)
+            k, v = _load_kv(k_base, v_base, cols, col_ok, offs_d, d_ok, skn, skd, svn, svd, False, EVEN_D)
         s = _scores(q, k, PREC)  # [BM, BN]
         if MASKED:
             if solid:  # a hole-free run: the offsets are exactly [da, db]
@@ -116,18 +122,21 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, ro
                 on_diag = ((window[:, None] >> bit[None, :]) & 1) != 0
             on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
             keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
-            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
+            pen = _load_pen(pen_base, cols, col_ok, sgn)  # [BN]
+            s = tl.where(keep & row_ok[:, None], s + pen[None, :], float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
 
-@triton.jit
-def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_cols,
-                           skb, skh, skn, skd, svb, svh, svn, svd,
+@triton.jit(do_not_specialize=["safe"])
+def _gather_columns_kernel(K, V, VS, CK, CV, CVS, columns, lens, starts, heads, group, n_cols, safe,
+                           skb, skh, skn, skd, svb, svh, svn, svd, svsb, svsh, svsn, svsd,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """Column scratch rows ``[s, s + BLOCK_C)`` of one (batch row, computed head): the K and V rows
-    of ``columns[b, g, s]`` (contiguous ``[B, Hg, n_cols, D]``). Padding slots (-1) and columns past
-    the row's end are written as zeros: every scratch row a tile can read is finite."""
+    of ``columns[b, g, s]`` (contiguous ``[B, Hg, n_cols, D]``), and with ``safe != 0`` also the
+    ``v_safe`` rows (:func:`minference.kernels._common.value_guard`) into ``CVS``, which the one
+    masked scratch tile of a block reads. Padding slots (-1) and columns past the row's end are
+    written as zeros (finite)."""
     b, g, h, kvh, _, _, row_len, row_start, _, _ = _program_ids(lens, starts, heads, lens, lens, group, 1, False)
     slot = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
@@ -143,17 +152,21 @@ def _gather_columns_kernel(K, V, CK, CV, columns, lens, starts, heads, group, n_
     dst = (bg * n_cols + slot.to(tl.int64))[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(CK + dst, k, mask=in_list[:, None] & d_ok[None, :])
     tl.store(CV + dst, v, mask=in_list[:, None] & d_ok[None, :])
+    if safe != 0:
+        vs_base = VS + b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+        vs = _load_rows(vs_base, tl.where(ok, cols, 0), ok, offs_d, d_ok, svsn, svsd, EVEN_D)
+        tl.store(CVS + dst, vs, mask=in_list[:, None] & d_ok[None, :])
 
 
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk", "slb", "slh"])
-def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_los, q_row0s, heads,
-            run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits, col_mask,
-            n_idx, n_words, n_runs, n_cols, n_qblk, qk_scale,
+@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk", "slb", "slh", "sgb", "sgh"])
+def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs, lens, starts, q_los, q_row0s,
+            heads, run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits,
+            col_mask, n_idx, n_words, n_runs, n_cols, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-            slb, slh, sln,
+            svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
@@ -175,6 +188,8 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     bg = b64 * tl.num_programs(1) + g  # (batch row, computed head) slot of the index tensors
@@ -211,18 +226,21 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
         k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - db - lo, 0), BLOCK_N), k_b)
         k_a = tl.where(bare, k_a, 0)
         k_b = tl.where(bare, k_b, 0)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                        row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn,
+                                        svsd, sgn, qk_scale,
                                         lo, lo + k_a * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
         # the unmasked stretch in tiles of WIDE keys; an odd BLOCK_N tile is left to the masked tail
         k_b = k_a + (k_b - k_a) // (WIDE // BLOCK_N) * (WIDE // BLOCK_N)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                        row_ok, tl.arange(0, WIDE), offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                        row_start, rows, row_ok, tl.arange(0, WIDE), offs_d, d_ok, skn, skd, svn,
+                                        svd, svsn, svsd, sgn, qk_scale,
                                         lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
                                         False, PAD_WORDS, WIDE, BLOCK_D, EVEN_D, PREC, DESC)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, b, kvh, row_start, rows,
-                                        row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, qk_scale,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn,
+                                        svsd, sgn, qk_scale,
                                         lo + k_b * BLOCK_N, hi, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
@@ -241,9 +259,14 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
             s = _scores(q, k, PREC)
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
         for t in tl.range(n_fast, fast, WIDE, num_stages=1):  # at most one tile
-            k, v = _load_kv_desc(desc_ck, desc_cv, b, g, t, WIDE, BLOCK_D)
+            # its slots past the count are other columns: values from the v_safe scratch, and the
+            # penalty of its own columns (slot = list position, so col_index holds them) on the rest
+            k, v = _load_kv_desc(desc_ck, desc_cvs, b, g, t, WIDE, BLOCK_D)
             s = _scores(q, k, PREC)
-            s = tl.where((t + tl.arange(0, WIDE) < fast)[None, :], s, float("-inf"))
+            slot = t + tl.arange(0, WIDE)
+            lead = slot < fast
+            pen = _load_pen(pen_base, tl.load(ci_base + slot, mask=lead, other=0), lead, sgn)  # [WIDE]
+            s = tl.where(lead[None, :], s + pen[None, :], float("-inf"))
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     else:
         fast = 0
@@ -258,10 +281,10 @@ def _vs_fwd(Q, K, V, O, LSE, desc_k, desc_v, desc_ck, desc_cv, lens, starts, q_l
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [WIDE]
         ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
-        k, v = _load_kv(k_base, v_base, cols, ok, offs_d, d_ok, skn, skd, svn, svd, True, EVEN_D)
+        k, v = _load_kv(k_base, vs_base, cols, ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
         s = _scores(q, k, PREC)
         keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep, s + _load_pen(pen_base, cols, ok, sgn)[None, :], float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -289,13 +312,14 @@ def vertical_slash_attention_physical(
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     validate: bool = True,
+    value_guard: ValueGuard | None = None,
 ):
     """Vertical-slash attention from an already converted :class:`VSIndex` (see
     :func:`vertical_slash_attention` for the arguments); ``index.block_m`` must equal
     :func:`vertical_slash_block_m` and ``index.n`` the sequence length."""
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate)
+                   return_lse=return_lse, validate=validate, guard=value_guard)
     return _run(prep, q, k, v, index, return_lse)
 
 
@@ -320,16 +344,17 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
             prep.tiles = tiles
             wide = WIDE_TILE_FACTOR * tiles.block_n
             desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
-            desc_ck = desc_cv = None
+            desc_ck = desc_cv = desc_cvs = None
             if desc_k is not None and index.columns.shape[-1] > 0:
                 if wide not in scratch:
                     scratch[wide] = _column_scratch(prep, k, v, index, heads, wide)
-                desc_ck, desc_cv = scratch[wide]
-            args = (q, k, v, prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, *prep.row_args(), heads,
-                    index.run_start, index.run_end, index.run_count, index.run_solid, index.col_index,
-                    index.col_count, index.col_before, index.col_lead, index.diag_bits, index.col_mask,
-                    prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1], index.col_index.shape[-1],
-                    index.col_count.shape[-1], prep.qk_scale, *qkv_strides(q, k, v, prep.out), slb, slh, sln)
+                desc_ck, desc_cv, desc_cvs = scratch[wide]
+            args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, desc_cvs,
+                    *prep.row_args(), heads, index.run_start, index.run_end, index.run_count, index.run_solid,
+                    index.col_index, index.col_count, index.col_before, index.col_lead, index.diag_bits,
+                    index.col_mask, prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1],
+                    index.col_index.shape[-1], index.col_count.shape[-1], prep.qk_scale,
+                    *qkv_strides(q, k, v, prep.out), *prep.guard_strides(), slb, slh, sln)
             return prep.grid(), args, dict(
                 **prep.meta(q, return_lse), PAD_WORDS=BITS_PAD_WORDS, DESC=desc_k is not None,
                 COL_STAGES=COLUMN_STAGES, SOLID=index.all_solid, WIDE=wide, SCRATCH=desc_ck is not None,
@@ -388,16 +413,23 @@ def _check_physical(prep: Prepared, index: VSIndex, device) -> None:
 
 def _column_scratch(prep: Prepared, k, v, index: VSIndex, heads: torch.Tensor, wide: int):
     """Copy the K/V rows of each head's distinct columns into a contiguous ``[B, Hg, NV, D]``
-    scratch (one launch) and return its descriptors (tiles of ``wide`` rows), or ``(None, None)``
-    where descriptors cannot be built."""
+    scratch (one launch) and return the descriptors ``(K, V, v_safe)`` of its tiles of ``wide``
+    rows (``None`` where descriptors cannot be built). The ``v_safe`` scratch (the rows of
+    ``prep.v_safe``, read by a block's one masked scratch tile) is a third copy only when the
+    values were not checked (``v_safe`` is not ``v``); otherwise it is the ``V`` scratch."""
     NV = index.columns.shape[-1]
     ck = torch.empty(prep.B, prep.Hg, NV, prep.D, dtype=k.dtype, device=k.device)
     cv = torch.empty_like(ck)
+    safe = prep.v_safe is not v
+    cvs = torch.empty_like(ck) if safe else cv
     _gather_columns_kernel[(cdiv(NV, _GATHER_SLOTS), prep.Hg, prep.B)](
-        k, v, ck, cv, index.columns, prep.lens, prep.starts, heads, prep.Hq // prep.Hkv, NV,
-        *k.stride(), *v.stride(), HEAD_DIM=prep.D, BLOCK_D=prep.block_d, EVEN_D=prep.block_d == prep.D,
-        BLOCK_C=_GATHER_SLOTS, num_warps=4)
-    return kv_descriptors(ck, cv, wide, prep.block_d)
+        k, v, prep.v_safe, ck, cv, cvs, index.columns, prep.lens, prep.starts, heads, prep.Hq // prep.Hkv, NV,
+        int(safe), *k.stride(), *v.stride(), *prep.v_safe.stride(), HEAD_DIM=prep.D, BLOCK_D=prep.block_d,
+        EVEN_D=prep.block_d == prep.D, BLOCK_C=_GATHER_SLOTS, num_warps=4)
+    desc_ck, desc_cv = kv_descriptors(ck, cv, wide, prep.block_d)
+    if desc_ck is None or not safe:
+        return desc_ck, desc_cv, desc_cv
+    return desc_ck, desc_cv, kv_descriptors(ck, cvs, wide, prep.block_d)[1]
 
 
 def vertical_slash_attention(
@@ -418,6 +450,7 @@ def vertical_slash_attention(
     validate: bool = True,
     fill_gaps: int = 0,
     dense_over: float | None = None,
+    value_guard: ValueGuard | None = None,
 ):
     """Causal vertical-slash attention on the exact logical set.
 
@@ -441,13 +474,15 @@ def vertical_slash_attention(
         dense_over: dense fallback of :func:`~minference.kernels.convert.convert_vertical_slash`:
             heads whose index runs more than ``dense_over`` times the dense causal key tiles
             compute dense causal attention instead (sync-free). ``None``: never.
+        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
+            (see :func:`~minference.kernels.ashape_attention`).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate)
+                   return_lse=return_lse, validate=validate, guard=value_guard)
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(prep.B, prep.Hg), device=q.device, upper=max(prep.N, 1),
                     values=validate)

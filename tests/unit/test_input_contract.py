@@ -183,14 +183,6 @@ def test_dispatcher_refuses_non_finite_and_validate_off_keeps_forced_entries():
     torch.testing.assert_close(out[0, 0, : N - 1].double(), want[0, 0, : N - 1], rtol=1e-4, atol=1e-5)
 
 
-#: The known gap of docs/contract.md ("Non-finite values in the kernels"), one marker for its tests.
-VALUE_GUARD_GAP = pytest.mark.xfail(
-    strict=True, reason="kernel bodies: a non-finite value row inside a loaded key tile reaches rows that mask it "
-                        "out (p = 0 times NaN in the p @ v product); the guard measured in s14 cost 7-24% of "
-                        "vertical-slash time (docs/contract.md)")
-
-
-@VALUE_GUARD_GAP
 def test_kernels_keep_a_non_finite_value_to_the_rows_that_read_it():
     """Validation off, v[token 0] = NaN: only the rows whose candidate set holds token 0 may be
     non-finite (A-shape window 4: rows 0..3; vertical-slash δ = 0 only: row 0)."""
@@ -208,7 +200,6 @@ def _bad_rows(out: torch.Tensor) -> torch.Tensor:
     return (~torch.isfinite(out)).any(-1)
 
 
-@VALUE_GUARD_GAP
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_every_kernel_keeps_non_finite_values_to_the_rows_whose_set_holds_them(bad):
     """Validation off, non-finite values planted in a few value rows (inside masked and unmasked
@@ -248,6 +239,159 @@ def test_every_kernel_keeps_non_finite_values_to_the_rows_whose_set_holds_them(b
         assert torch.equal(_bad_rows(out), want_bad), name
         ok = ~want_bad
         torch.testing.assert_close(out[ok], call(v0)[ok], rtol=0, atol=0, msg=name)
+
+
+def _planted(v: torch.Tensor, planted: list[int], bad: float):
+    """``(v with one element of each planted value row set to bad, v with those rows zeroed, [N]
+    bool of the planted tokens)``."""
+    vb, v0 = v.clone(), v.clone()
+    for n in planted:
+        vb[:, :, n, n % D] = bad
+    v0[:, :, planted] = 0.0
+    hit = torch.zeros(v.shape[2], dtype=torch.bool)
+    hit[planted] = True
+    return vb, v0, hit
+
+
+@pytest.mark.parametrize("bad", [NAN, -INF])
+def test_descriptor_paths_keep_non_finite_values_to_the_rows_whose_set_holds_them(bad, monkeypatch):
+    """The same rule where unmasked tiles read K/V through tensor descriptors (the GPU's path,
+    forced here under the interpreter): A-shape window interior tiles, the dense kernel with and
+    without a key split, block-sparse off-diagonal blocks, and the vertical-slash column scratch.
+    The scratch case puts the non-finite value in a column (40) that block 2 (rows 32..47) holds
+    in its list but after its first row, so that block reads it only as a padding slot of its one
+    masked scratch tile (columns 1 and 5 are its lead): those slots read the v_safe scratch, and
+    the rows 48.. whose lead holds column 40 get NaN from its penalty. Fails if the masked
+    scratch tile reads the plain V scratch (rows 32..39 NaN) or skips the penalty (rows 48.. finite)."""
+    from minference.kernels import _common, ashape, block_sparse, vertical_slash
+    from minference.reference import masks
+
+    built, scratch = [], []
+
+    def forced(k, v, block_n, block_d):
+        pair = _common.kv_descriptors(k, v, block_n, block_d, interpreter=True)
+        built.append(pair[0] is not None)
+        return pair
+
+    def recorded(*args, _real=vertical_slash._column_scratch, **kwargs):
+        scratch.append(True)
+        return _real(*args, **kwargs)
+
+    for module in (ashape, block_sparse, vertical_slash):
+        monkeypatch.setattr(module, "kv_descriptors", forced)
+    monkeypatch.setattr(vertical_slash, "_column_scratch", recorded)
+    q, k, v = _qkv(5)
+    blocks = torch.tensor([[[[0, -1], [0, 1], [1, 2], [0, 3]]] * H], dtype=torch.int32)
+    cases = {
+        "ashape": (lambda vv: kernels.ashape_attention(q, k, vv, 2, 40, validate=False), masks.ashape_mask(N, 2, 40),
+                   [1, 21, 37, 50]),
+        "dense": (lambda vv: kernels.dense_attention(q, k, vv, validate=False), masks.causal_mask(N), [1, 21, 37, 50]),
+        "dense split": (lambda vv: kernels.dense_attention(q, k, vv, key_split=3, validate=False),
+                        masks.causal_mask(N), [21, 50]),
+        "block_sparse": (lambda vv: kernels.block_sparse_attention(q, k, vv, blocks, block=16, validate=False),
+                         masks.block_sparse_mask(N, blocks, 16), [1, 21, 37, 50]),
+    }
+    vertical = torch.tensor([[[1, 5, 40]] * H], dtype=torch.int32)
+    slash = torch.tensor([[[0]] * H], dtype=torch.int32)
+    cases["vertical_slash scratch"] = (
+        lambda vv: kernels.vertical_slash_attention(q, k, vv, vertical, slash, validate=False),
+        masks.vertical_slash_mask(N, vertical, slash), [40])
+    for name, (call, mask, planted) in cases.items():
+        vb, v0, hit = _planted(v, planted, bad)
+        want_bad = (mask.expand(B, H, N, N) & hit).any(-1)
+        assert want_bad.any() and not want_bad.all(), name
+        out = call(vb)
+        assert torch.equal(_bad_rows(out), want_bad), name
+        ok = ~want_bad
+        torch.testing.assert_close(out[ok], call(v0)[ok], rtol=0, atol=0, msg=name)
+    assert built and all(built), "the descriptor path did not run"
+    assert scratch, "the vertical-slash column scratch was not built"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_value_guard_flags_every_row_with_a_non_finite_element(dtype):
+    """``kernels.value_guard``: a row with NaN, +inf or -inf in any element (first, middle, last)
+    is zeroed in ``v_safe`` and has penalty NaN; finite rows (the dtype's largest values too) are
+    kept as they are with penalty 0."""
+    v = _qkv(1)[2].to(dtype)
+    v[0, 0, 3] = torch.finfo(dtype).max
+    v[0, 1, 4] = -torch.finfo(dtype).max
+    bad = {(0, 5, 0): NAN, (0, 9, D - 1): INF, (1, 9, 7): -INF, (1, 63, 2): NAN, (1, 0, D - 1): -INF}
+    for (h, n, d), x in bad.items():
+        v[0, h, n, d] = x
+    v_safe, pen = kernels.value_guard(v)
+    flagged = torch.zeros(B, H, N, dtype=torch.bool)
+    for h, n, _ in bad:
+        flagged[0, h, n] = True
+    assert pen.dtype == torch.float32 and pen.shape == (B, H, N)
+    assert torch.equal(torch.isnan(pen), flagged) and bool((pen[~flagged] == 0).all())
+    assert v_safe.dtype == dtype and v_safe.shape == v.shape
+    assert bool((v_safe[flagged] == 0).all()) and torch.equal(v_safe[~flagged], v[~flagged])
+    # a strided view (the kernels pass v_safe's own strides)
+    vt = v.transpose(1, 2).contiguous().transpose(1, 2)
+    v_safe_t, pen_t = kernels.value_guard(vt)
+    assert torch.equal(v_safe_t, v_safe) and torch.equal(torch.isnan(pen_t), flagged)
+
+
+def test_value_guard_checked_is_v_and_a_cached_zero_pen_without_a_device_op():
+    """``checked=True`` (values validated by the caller): ``v`` itself and a zero penalty that is
+    a stride-0 expansion, cached per shape: a repeat call runs no tensor op at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    v = _qkv(2)[2]
+    v[0, 1, 7, 3] = NAN  # not read: checked is the caller's promise
+    first = kernels.value_guard(v, checked=True)
+    with Ops() as ops:
+        v_safe, pen = kernels.value_guard(v, checked=True)
+    assert ops.names == []
+    assert v_safe is v and pen is first[1]
+    assert pen.dtype == torch.float32 and pen.shape == (B, H, N) and pen.stride() == (0, 0, 1)
+    assert bool((pen == 0).all())
+    with pytest.raises(TypeError, match="checked must be a bool"):
+        kernels.value_guard(v, checked=1)
+    with pytest.raises(ValueError, match="v must have rank 4"):
+        kernels.value_guard(v[0])
+
+
+def test_a_bad_value_guard_argument_is_a_clear_error():
+    """``value_guard=`` of every kernel entry: a pair shaped as
+    ``kernels.value_guard(v)`` makes it, else a ``ValueError`` naming what is wrong."""
+    q, k, v = _qkv()
+    v_safe, pen = kernels.value_guard(v)
+    idx = torch.zeros(B, H, 1, dtype=torch.int32)
+    blocks = torch.zeros(B, H, 4, 1, dtype=torch.int32)
+    entries = {
+        "ashape": lambda g: kernels.ashape_attention(q, k, v, 1, 4, value_guard=g),
+        "dense": lambda g: kernels.dense_attention(q, k, v, value_guard=g),
+        "dense split": lambda g: kernels.dense_attention(q, k, v, key_split=2, value_guard=g),
+        "vertical_slash": lambda g: kernels.vertical_slash_attention(q, k, v, idx, idx, value_guard=g),
+        "block_sparse": lambda g: kernels.block_sparse_attention(q, k, v, blocks, block=16, value_guard=g),
+    }
+    meta = torch.empty(B, H, N, device="meta")
+    wrong = [
+        (v_safe, "a pair \\(v_safe, pen\\)"),
+        ((v_safe, pen, pen), "a pair \\(v_safe, pen\\)"),
+        ((v_safe, pen.numpy()), "pen must be a torch.Tensor"),
+        ((v_safe[:, :, :-1], pen), "v_safe must match v"),
+        ((v_safe.half(), pen), "v_safe must match v"),
+        ((v_safe, pen.half()), "pen must be float32 with shape"),
+        ((v_safe, pen[:, :1]), "pen must be float32 with shape"),
+        ((v_safe, meta.float()), "pen must be on v's device"),
+    ]
+    for call in entries.values():
+        for guard, needle in wrong:
+            with pytest.raises(ValueError, match=needle):
+                call(guard)
+        call((v_safe, pen))  # the right pair is taken as given
 
 
 # --------------------------------------------------------------------------------------------
