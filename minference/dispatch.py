@@ -115,28 +115,41 @@ def _ops(backend: str) -> SimpleNamespace:
                                convert=kernels.convert_vertical_slash, tiles=default_tiles,
                                vertical_slash_physical=kernels.vertical_slash_attention_physical,
                                block_sparse=kernels.block_sparse_attention, dense=None,
-                               dense_rows=kernels.dense_attention, ascending=estimate.block_index_ascending)
+                               dense_rows=kernels.dense_attention, ascending=estimate.block_index_ascending,
+                               value_guard=kernels.value_guard)
     import minference.torch_backend as tb
 
     return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
                            convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention,
-                           ascending=None)
+                           ascending=None, value_guard=None)
+
+
+def _value_guard(ops, v: torch.Tensor, validate: bool) -> dict:
+    """``value_guard=`` for every Triton kernel of one dispatcher call, made once here
+    (:func:`minference.kernels.value_guard`: one ``aminmax`` over ``v`` and 5 elementwise ops, or
+    none when the call's validation has checked ``v``, which it never does under capture); the
+    torch backend needs none (``{}``)."""
+    if ops.value_guard is None:
+        return {}
+    return dict(value_guard=ops.value_guard(v, checked=validate and not capturing()))
 
 
 def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
-                 key_split: int | None = None):
+                 key_split: int | None = None, value_guard=None):
     """Causal dense attention on ``heads`` (the whole row, or its query rows) into ``out``: the
     torch backend's dense path, or on Triton :func:`minference.kernels.dense_attention` (the
     A-shape kernel with no sink and a window as long as the key rows). ``key_split`` (Triton):
     ``None`` (default) splits the keys when the grid is small against the GPU (chosen from the
     shapes: the dense tail, a short chunk after a long cache; whole prompts keep 1, the unsplit
-    kernel); an int forces that count."""
+    kernel); an int forces that count. ``value_guard`` (Triton): the call's pair
+    (:func:`_value_guard`), else the kernel makes its own."""
     rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if q_seqlens is not None or q_seqstarts is not None:
         rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
     if ops.dense is not None:
         return ops.dense(q, k, v, heads=heads, out=out, validate=False, **rows)
-    return ops.dense_rows(q, k, v, heads=heads, out=out, validate=False, key_split=key_split, **rows)
+    return ops.dense_rows(q, k, v, heads=heads, out=out, validate=False, key_split=key_split,
+                          value_guard=value_guard, **rows)
 
 
 def dense_prefill(
@@ -166,7 +179,8 @@ def dense_prefill(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
     ops = _ops(resolve_backend(backend, q.device))
     return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, out=torch.zeros_like(q))
+                        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, out=torch.zeros_like(q),
+                        **_value_guard(ops, v, validate))
 
 
 def sparse_prefill(
@@ -251,9 +265,10 @@ def sparse_prefill(
         rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
     if N < dense_threshold or few_queries or all(g.group.kind == "dense" for g in groups):
         return dense_prefill(q, k, v, backend=name, validate=validate, **rows)
-    # once here; everything below runs with validate=False
+    # once here; everything below runs with validate=False and one value guard (Triton)
     _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
     ops = _ops(name)
+    guard = _value_guard(ops, v, validate)
     ragged = seqlens is not None or seqstarts is not None
     # rows no group writes read as zeros; on Triton a chunk after a cache on full key rows (every q
     # row a query row) has none: every group's kernel writes all the rows of its heads
@@ -264,7 +279,7 @@ def sparse_prefill(
         kind = dg.group.kind
         if kind == "a_shape":
             ops.ashape(q, k, v, dg.budgets["sink"], dg.budgets["window"], heads=dg.heads, head_offset=head_offset,
-                       out=out, validate=False, **rows)
+                       out=out, validate=False, **guard, **rows)
         elif kind == "vertical_slash":
             with profile_range(INDEX_RANGE):
                 vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
@@ -273,7 +288,8 @@ def sparse_prefill(
                     index = ops.convert(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
                                         dense_over=dense_over, block_n=tiles.block_n)
             if ops.convert is not None:
-                ops.vertical_slash_physical(q, k, v, index, heads=dg.heads, out=out, validate=False, **rows)
+                ops.vertical_slash_physical(q, k, v, index, heads=dg.heads, out=out, validate=False, **guard,
+                                            **rows)
             else:
                 ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False,
                                    fill_gaps=fill_gaps, **rows)
@@ -284,11 +300,11 @@ def sparse_prefill(
             sorted_ = {} if ops.ascending is None else dict(
                 ascending=ops.ascending(dg.group.key[2], dg.rules[0] if dg.rules else None))
             ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,
-                             **sorted_, **rows)
+                             **sorted_, **guard, **rows)
         else:
-            _dense_heads(ops, q, k, v, dg.heads, out=out, **rows)
+            _dense_heads(ops, q, k, v, dg.heads, out=out, **guard, **rows)
     if dense_tail:
-        dense_tail_attention(q, k, v, dense_tail, out=out, backend=name, **rows)
+        dense_tail_attention(q, k, v, dense_tail, out=out, backend=name, **guard, **rows)
     return out
 
 
@@ -296,7 +312,7 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
                          scale: float | None = None, seqlens: torch.Tensor | None = None,
                          seqstarts: torch.Tensor | None = None, q_seqlens: int | torch.Tensor | None = None,
                          q_seqstarts: torch.Tensor | None = None, backend: str = "auto",
-                         key_split: int | None = None) -> torch.Tensor:
+                         key_split: int | None = None, value_guard=None) -> torch.Tensor:
     """Causal dense attention of the last ``rows`` query rows of each batch row (all of a row
     shorter than that), written into ``out`` (other rows untouched); returns ``out``.
 
@@ -308,11 +324,17 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     SMs (``key_split``: ``None`` chooses from the shapes, 1 is the unsplit kernel, ``n`` forces
     ``n``; docs/kernels.md, "dense tail"); on the torch backend its dense path (``key_split`` is
     ignored there). Device ops only (no host sync: CUDA-graph capturable); a row without queries
-    is left untouched."""
+    is left untouched. ``value_guard``: the ``(v_safe, pen)`` pair of
+    :func:`minference.kernels.value_guard` for ``v`` (what :func:`sparse_prefill` passes, made once
+    for its call); ``None`` makes one in the kernel (Triton; the torch backend ignores it)."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"dense_tail rows must be a non-negative int, got {rows!r}")
     check_key_split(key_split)  # here too: the torch backend ignores it, bad values fail on every backend
+    if value_guard is not None:  # likewise
+        from minference.kernels._common import check_value_guard
+
+        check_value_guard(value_guard, v)
     if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
@@ -331,8 +353,9 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
         last = torch.clamp(q_lens, max=rows)
         tail = dict(q_seqlens=last, q_seqstarts=q_starts + q_lens - last)
     ops = _ops(resolve_backend(backend, q.device))
+    guard = {} if ops.value_guard is None else dict(value_guard=value_guard)
     return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                        key_split=key_split, **tail)
+                        key_split=key_split, **guard, **tail)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

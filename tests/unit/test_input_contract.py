@@ -21,7 +21,7 @@ import minference.torch_backend as tb
 from minference import kernels
 from minference.dispatch import dense_prefill, sparse_prefill
 from minference.index import select_top
-from minference.patterns import AShape, BlockSparse, VerticalSlash
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
 pytestmark = pytest.mark.interpret
 
@@ -363,8 +363,10 @@ def test_value_guard_checked_is_v_and_a_cached_zero_pen_without_a_device_op():
 
 
 def test_a_bad_value_guard_argument_is_a_clear_error():
-    """``value_guard=`` of every kernel entry: a pair shaped as
+    """``value_guard=`` of every kernel entry and of the dense tail: a pair shaped as
     ``kernels.value_guard(v)`` makes it, else a ``ValueError`` naming what is wrong."""
+    from minference.dispatch import dense_tail_attention
+
     q, k, v = _qkv()
     v_safe, pen = kernels.value_guard(v)
     idx = torch.zeros(B, H, 1, dtype=torch.int32)
@@ -375,6 +377,10 @@ def test_a_bad_value_guard_argument_is_a_clear_error():
         "dense split": lambda g: kernels.dense_attention(q, k, v, key_split=2, value_guard=g),
         "vertical_slash": lambda g: kernels.vertical_slash_attention(q, k, v, idx, idx, value_guard=g),
         "block_sparse": lambda g: kernels.block_sparse_attention(q, k, v, blocks, block=16, value_guard=g),
+        "dense tail": lambda g: dense_tail_attention(q, k, v, 8, out=torch.zeros_like(q), backend="triton",
+                                                     value_guard=g),
+        "dense tail torch": lambda g: dense_tail_attention(q, k, v, 8, out=torch.zeros_like(q), backend="torch",
+                                                           value_guard=g),
     }
     meta = torch.empty(B, H, N, device="meta")
     wrong = [
@@ -387,11 +393,49 @@ def test_a_bad_value_guard_argument_is_a_clear_error():
         ((v_safe, pen[:, :1]), "pen must be float32 with shape"),
         ((v_safe, meta.float()), "pen must be on v's device"),
     ]
-    for call in entries.values():
+    for name, call in entries.items():
         for guard, needle in wrong:
             with pytest.raises(ValueError, match=needle):
                 call(guard)
-        call((v_safe, pen))  # the right pair is taken as given
+        if name != "dense tail torch":  # the right pair is taken as given
+            call((v_safe, pen))
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_the_dispatcher_makes_one_value_guard_for_all_its_kernels(validate, monkeypatch):
+    """``sparse_prefill`` on Triton makes the guard once per call (not per group, kernel or the
+    dense tail) and hands every kernel that pair; with ``validate=True`` the values are checked,
+    so the pair is ``v`` itself (no pass over it). ``dense_prefill`` on query rows likewise."""
+    made, seen = [], []
+    real_guard = kernels.value_guard
+
+    def guard(v, checked=False):
+        made.append(real_guard(v, checked=checked))
+        return made[-1]
+
+    monkeypatch.setattr(kernels, "value_guard", guard)
+    for name in ("ashape_attention", "vertical_slash_attention_physical", "block_sparse_attention",
+                 "dense_attention"):
+        real = getattr(kernels, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            seen.append((_name, kw["value_guard"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(kernels, name, spy)
+    q, k, v = _qkv(4)
+    plan = [AShape(sink=2, window=8), VerticalSlash(vertical=4, slash=4, last_q=16), BlockSparse(top_k=2, block=16),
+            Dense()]
+    qh, kh, vh = (torch.cat([x, x], 1) for x in (q, k, v))  # 4 heads: one of each kind
+    out = sparse_prefill(qh, kh, vh, plan, dense_threshold=0, backend="triton", dense_tail=8, validate=validate)
+    assert len(made) == 1 and {n for n, _ in seen} == {"ashape_attention", "vertical_slash_attention_physical",
+                                                       "block_sparse_attention", "dense_attention"}
+    assert len(seen) == 5 and all(g is made[0] for _, g in seen)  # the dense tail too
+    assert (made[0][0] is vh) == validate
+    assert torch.isfinite(out).all()
+    made.clear(), seen.clear()
+    dense_prefill(q[:, :, -20:], k, v, backend="triton", validate=validate)
+    assert len(made) == 1 and seen == [("dense_attention", made[0])]
 
 
 # --------------------------------------------------------------------------------------------
