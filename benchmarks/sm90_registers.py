@@ -56,13 +56,15 @@ def _gpu_tiles_on_cpu() -> None:
     for module in (ashape, vertical_slash, block_sparse):
         module.kv_descriptors = lambda k, v, bn, bd: _common.kv_descriptors(k, v, bn, bd, interpreter=True)
 
-    # builds before the value guard take two scratch descriptors, later ones three
-    n_desc = 3 if "desc_cvs" in vertical_slash._vs_fwd.src else 2
+    # builds before the value guard take two scratch descriptors (K, V), the penalty guard three
+    # (K, V, v_safe), the poisoned-key guard four (K, V, k_masked, v_safe)
+    src = vertical_slash._vs_fwd.src
+    n_desc = 4 if "desc_ckm" in src else 3 if "desc_cvs" in src else 2
 
     def scratch(prep, k, v, index, heads, wide):  # descriptors of an empty scratch, no launch
         ck = torch.zeros(prep.B, prep.Hg, index.columns.shape[-1], prep.D, dtype=k.dtype)
         desc_k, desc_v = _common.kv_descriptors(ck, ck, wide, prep.block_d, interpreter=True)
-        return (desc_k, desc_v, desc_v)[:n_desc]
+        return {2: (desc_k, desc_v), 3: (desc_k, desc_v, desc_v), 4: (desc_k, desc_v, desc_k, desc_v)}[n_desc]
 
     vertical_slash._column_scratch = scratch
 

@@ -12,11 +12,13 @@ Conventions inside every kernel:
   ``exp2(s * scale * log2(e) - m)`` (one fused multiply-add per score);
 * unmasked tiles whose keys all lie inside the row may load K/V through tensor descriptors
   (TMA on Hopper, ``DESC``); masked tiles always use pointer loads with ``other=0``.
-* non-finite values (docs/contract.md): unmasked tiles read ``v`` itself (every row keeps every
-  key there); masked tiles read the value rows from ``v_safe`` (non-finite rows zeroed) and add the
-  per-key penalty ``pen`` (NaN for those keys, else 0) to the scores they keep, both made once per
-  call on the host (:func:`value_guard`): a non-finite value reaches exactly the rows that keep
-  its key, and the value tile is loaded as before (no ``where``, no reduction on it).
+* non-finite values (docs/contract.md): unmasked tiles read ``k`` and ``v`` themselves (every
+  row keeps every key there); masked tiles read their key rows from ``k_masked`` (a NaN key row
+  where the value row is not finite) and their value rows from ``v_safe`` (those rows zeroed),
+  both made once per call on the host (:func:`value_guard`): the masked tile's own
+  ``where(keep, s, -inf)`` leaves the NaN score only where a row keeps such a key, so a
+  non-finite value reaches exactly the rows that keep its key, with no arithmetic added in the
+  kernels (pointer swaps only).
 * the epilogue writes only rows ``i < seqlens[b]`` and only the computed head; an empty row
   (no key at all) is written as zeros with log-sum-exp ``-inf``.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -158,15 +159,6 @@ def _load_kv_desc(desc_k, desc_v, b, kvh, p0, BLOCK_N: tl.constexpr, BLOCK_D: tl
     k = desc_k.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
     v = desc_v.load([b, kvh, p0, 0]).reshape(BLOCK_N, BLOCK_D)
     return k, v
-
-
-@triton.jit
-def _load_pen(pen_base, cols, col_ok, spn):
-    """``[BLOCK_N]`` fp32 value penalty of key positions ``cols`` (:func:`value_guard`): NaN where
-    the key's value row is not finite, else 0; keys outside ``col_ok`` read 0. A masked tile adds
-    it to the scores it keeps, so a row that keeps such a key becomes NaN while the tile's value
-    rows come from ``v_safe`` (zeroed there) for the rows that mask it out."""
-    return tl.load(pen_base + cols.to(tl.int64) * spn, mask=col_ok, other=0.0)
 
 
 @triton.jit
@@ -338,69 +330,56 @@ def dot_precision(dtype: torch.dtype) -> str:
 ValueGuard = tuple[torch.Tensor, torch.Tensor]
 
 
-def value_guard(v: torch.Tensor, checked: bool = False) -> ValueGuard:
-    """What the attention kernels' masked tiles read instead of ``v``, so that a non-finite value
-    (NaN or ±inf in any element of a value row) reaches only the rows that keep its key
-    (docs/contract.md, "Non-finite inputs"): ``(v_safe, pen)``.
+def value_guard(k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> ValueGuard:
+    """What the attention kernels' masked tiles read instead of ``k`` and ``v``, so that a
+    non-finite value (NaN or ±inf in any element of a value row) reaches only the rows that keep
+    its key (docs/contract.md, "Non-finite inputs"): ``(k_masked, v_safe)``.
 
-    * ``v_safe [B, Hkv, N, D]`` in ``v``'s dtype: ``v`` with its non-finite rows zeroed (the
-      masked tiles' value rows: a row that masks such a key multiplies ``p = 0`` by zeros);
-    * ``pen [B, Hkv, N]`` float32: NaN where the value row is not finite, 0 elsewhere (the masked
-      tiles add it to the scores they keep: a row that keeps such a key gets NaN).
+    * ``k_masked [B, Hkv, N, D]`` in ``k``'s dtype: ``k`` with a NaN row where the value row is
+      not finite (every score against that key is NaN; a masked tile's ``where(keep, s, -inf)``
+      keeps it only in the rows that keep the key, which the online softmax turns to NaN); a key
+      row of ``k`` itself is kept as it is (a NaN key behaves as without the guard);
+    * ``v_safe [B, Hkv, N, D]`` in ``v``'s dtype: ``v`` with those rows zeroed (a row that masks
+      such a key multiplies ``p = 0`` by zeros).
 
     One ``aminmax`` over ``v`` (NaN compares false, so NaN rows count as non-finite), then 5
-    elementwise ops (``lt``, ``gt``, ``bitwise_and``, two ``where``): 6 device ops, one read of
-    ``v`` for the reduction and one for ``v_safe``, no host sync and no data-dependent shape, so it
-    is CUDA-graph capturable. ``checked=True`` (the caller has validated that ``v`` is finite on
-    every token its rows read): ``v`` itself and a cached zero ``pen`` (a stride-0 expansion of
-    zeros over ``N``; a fresh one under capture), with no device op. Call it once per call of
-    the dispatcher, not per kernel launch: every kernel of a layer reads the same pair
+    elementwise ops (``lt``, ``gt``, ``bitwise_and``, two ``where``): 6 device ops, two reads of
+    ``v`` and one of ``k``, a k-sized and a v-sized write, no host sync and no data-dependent
+    shape, so it is CUDA-graph capturable. ``checked=True`` (the caller has validated that ``v``
+    is finite on every token its rows read): ``(k, v)`` themselves, no device op. Call it once per
+    call of the dispatcher, not per kernel launch: every kernel of a layer reads the same pair
     (``value_guard=`` of the kernel entries)."""
-    check_tensor("v", v, rank=4, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    check_tensor("k", k, rank=4, dtypes=dtypes)
+    check_tensor("v", v, rank=4, dtypes=dtypes)
+    if tuple(k.shape) != tuple(v.shape) or k.device != v.device:
+        raise ValueError(f"k and v must have one shape and device, got {tuple(k.shape)} on {k.device} and "
+                         f"{tuple(v.shape)} on {v.device}")
     if not isinstance(checked, bool):
         raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
-    B, H, N, D = v.shape
-    if checked or D == 0:  # an empty row holds nothing non-finite
-        return v, zero_pen(B, H, N, v.device)
+    if checked or v.shape[-1] == 0:  # an empty row holds nothing non-finite
+        return k, v
     lo, hi = torch.aminmax(v, dim=-1)  # [B, H, N]: NaN when the row holds one
-    finite = (hi < float("inf")) & (lo > float("-inf"))
-    return torch.where(finite[..., None], v, 0), torch.where(finite, 0.0, float("nan"))
+    finite = ((hi < float("inf")) & (lo > float("-inf")))[..., None]
+    return torch.where(finite, k, float("nan")), torch.where(finite, v, 0)
 
 
-def zero_pen(B: int, H: int, N: int, device) -> torch.Tensor:
-    """A ``[B, H, N]`` float32 zero penalty (strides ``(0, 0, 1)``), made once per shape and
-    device outside CUDA-graph capture (fresh under capture). Read-only."""
-    if capturing():
-        return torch.zeros(N, dtype=torch.float32, device=device).expand(B, H, N)
-    return _zero_pen(B, H, N, torch.device(device))
-
-
-@lru_cache(maxsize=64)
-def _zero_pen(B: int, H: int, N: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(N, dtype=torch.float32, device=device).expand(B, H, N)
-
-
-def check_value_guard(guard, v: torch.Tensor) -> ValueGuard:
-    """A ``value_guard=`` argument: a pair ``(v_safe, pen)`` as :func:`value_guard` makes for
-    ``v`` (``v_safe`` with v's shape, dtype and device, any strides; ``pen`` float32 ``[B, Hkv,
-    N]`` on v's device, any strides). Metadata only; the values are the caller's promise."""
+def check_value_guard(guard, k: torch.Tensor, v: torch.Tensor) -> ValueGuard:
+    """A ``value_guard=`` argument: a pair ``(k_masked, v_safe)`` as :func:`value_guard` makes for
+    ``k, v`` (``k_masked`` with k's shape, dtype and device, ``v_safe`` with v's, any strides).
+    Metadata only; the values are the caller's promise."""
     if not isinstance(guard, (tuple, list)) or len(guard) != 2:
-        raise ValueError(f"value_guard must be a pair (v_safe, pen) from kernels.value_guard(v), got "
+        raise ValueError(f"value_guard must be a pair (k_masked, v_safe) from kernels.value_guard(k, v), got "
                          f"{type(guard).__name__}")
-    v_safe, pen = guard
-    for name, x in (("v_safe", v_safe), ("pen", pen)):
+    for name, x, ref, of in (("k_masked", guard[0], k, "k"), ("v_safe", guard[1], v, "v")):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"value_guard's {name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != v.device:
-            raise ValueError(f"value_guard's {name} must be on v's device {v.device}, got {x.device}")
-    if tuple(v_safe.shape) != tuple(v.shape) or v_safe.dtype != v.dtype:
-        raise ValueError(f"value_guard's v_safe must match v ({tuple(v.shape)}, {v.dtype}), got "
-                         f"{tuple(v_safe.shape)}, {v_safe.dtype}")
-    want = tuple(v.shape[:3])
-    if tuple(pen.shape) != want or pen.dtype != torch.float32:
-        raise ValueError(f"value_guard's pen must be float32 with shape {want} (v's [B, Hkv, N]), got "
-                         f"{tuple(pen.shape)}, {pen.dtype}")
-    return v_safe, pen
+        if x.device != ref.device:
+            raise ValueError(f"value_guard's {name} must be on {of}'s device {ref.device}, got {x.device}")
+        if tuple(x.shape) != tuple(ref.shape) or x.dtype != ref.dtype:
+            raise ValueError(f"value_guard's {name} must match {of} ({tuple(ref.shape)}, {ref.dtype}), got "
+                             f"{tuple(x.shape)}, {x.dtype}")
+    return guard[0], guard[1]
 
 
 @dataclass
@@ -425,9 +404,9 @@ class Prepared:
     q_bound: int = 0
     q_los: torch.Tensor | None = None
     q_row0s: torch.Tensor | None = None
-    #: the value guard (:func:`value_guard`): the value rows masked tiles read, and the key penalty
+    #: the value guard (:func:`value_guard`): the key and value rows masked tiles read
+    k_masked: torch.Tensor | None = None
     v_safe: torch.Tensor | None = None
-    pen: torch.Tensor | None = None
 
     @property
     def block_d(self) -> int:
@@ -476,13 +455,13 @@ class Prepared:
         )
 
     def guard_args(self) -> list:
-        """``v_safe`` and ``pen`` (the kernels' ``VS, PEN`` arguments, after ``V``)."""
-        return [self.v_safe, self.pen]
+        """``k_masked`` and ``v_safe`` (the kernels' ``KM, VS`` arguments, after ``V``)."""
+        return [self.k_masked, self.v_safe]
 
     def guard_strides(self) -> list[int]:
-        """The 7 strides of ``v_safe`` (b, h, n, d) and ``pen`` (b, h, n), after the 16 of
+        """The 8 strides of ``k_masked`` and ``v_safe`` (b, h, n, d each), after the 16 of
         :func:`qkv_strides`."""
-        return [*self.v_safe.stride(), *self.pen.stride()]
+        return [*self.k_masked.stride(), *self.v_safe.stride()]
 
     def head_ids(self) -> torch.Tensor:
         """The computed local heads as the kernels read them (all heads when none were given)."""
@@ -576,9 +555,9 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
             prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
         prep.q_bound = query_rows_bound(q_seqlens, Nq)
     if guard is not None:
-        prep.v_safe, prep.pen = check_value_guard(guard, v)
+        prep.k_masked, prep.v_safe = check_value_guard(guard, k, v)
     elif prep.launches():  # nothing reads it otherwise
-        prep.v_safe, prep.pen = value_guard(v, checked=values)
+        prep.k_masked, prep.v_safe = value_guard(k, v, checked=values)
     return prep
 
 

@@ -20,7 +20,6 @@ from minference.kernels._common import (
     ValueGuard,
     _load_kv,
     _load_kv_desc,
-    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -52,19 +51,19 @@ __all__ = ["ashape_attention", "dense_attention", "key_split_count"]
 
 
 @triton.jit
-def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh, row_start, rows,
-                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn, qk_scale, t_begin, t_end,
-                  key_end, sink, window,
+def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh, row_start, rows,
+                  row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn, svsd, qk_scale, t_begin,
+                  t_end, key_end, sink, window,
                   MASKED: tl.constexpr, SINK_PART: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)`` for ``t`` in ``range(t_begin, t_end, BLOCK_N)``; keys at or past
     ``key_end`` are never loaded. Unmasked tiles lie inside the row, may use descriptors and read
-    ``v``; masked tiles read ``v_safe`` and add the value penalty to the scores they keep
+    ``k`` and ``v``; masked tiles read ``k_masked`` and ``v_safe``
     (:func:`minference.kernels._common.value_guard`)."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
         if MASKED:
-            k, v = _load_kv(k_base, vs_base, cols, cols < key_end, offs_d, d_ok, skn, skd, svsn, svsd,
+            k, v = _load_kv(km_base, vs_base, cols, cols < key_end, offs_d, d_ok, skmn, skmd, svsn, svsd,
                             True, EVEN_D)
         elif DESC:
             k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
@@ -77,8 +76,7 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, d
                 keep = (cols[None, :] < sink) & (cols[None, :] <= rows[:, None] - window)
             else:
                 keep = (cols[None, :] > rows[:, None] - window) & (cols[None, :] <= rows[:, None])
-            pen = _load_pen(pen_base, cols, cols < key_end, sgn)  # [BN]
-            s = tl.where(keep & row_ok[:, None], s + pen[None, :], float("-inf"))
+            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
@@ -86,11 +84,11 @@ def _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, d
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["head_offset", "slb", "slh", "sgb", "sgh"])
-def _ashape_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows,
+@triton.jit(do_not_specialize=["head_offset", "slb", "slh"])
+def _ashape_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, sinks, windows,
                 head_offset, qk_scale,
                 sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-                svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
+                skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd, slb, slh, sln,
                 group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
@@ -112,8 +110,8 @@ def _ashape_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
     vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -126,13 +124,13 @@ def _ashape_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q
     sink_end = tl.minimum(sink, last_row - window + 1)
     sink_full = (tl.maximum(tl.minimum(sink, m0 - window + 1), 0) // BLOCK_N) * BLOCK_N
     sink_full = tl.where(rows_full, sink_full, 0)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, 0, sink_full, sink_end, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, 0, sink_full, sink_end, sink, window,
                                   False, True, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, sink_full, sink_end, sink_end, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, sink_full, sink_end, sink_end, sink, window,
                                   True, True, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     # window part: keys i - window < j <= i; tiles start at the block's first window key
@@ -143,17 +141,17 @@ def _ashape_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q
     k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - window - lo, 0), BLOCK_N), k_b)
     k_b = tl.where(rows_full, k_b, 0)  # a block with padding rows runs every tile masked
     k_a = tl.where(rows_full, k_a, 0)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, lo, lo + k_a * BLOCK_N, hi, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, lo, lo + k_a * BLOCK_N, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi,
                                   sink, window, False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -245,9 +243,9 @@ def ashape_attention(
         out: optional ``[B, Hq, N, D]`` output to write into (else allocated).
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32, natural log).
         validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
-        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
-            (made once by a caller that runs several kernels on one ``v``); ``None``: made here
-            (no pass over ``v`` when ``validate`` checked it).
+        value_guard: ``(k_masked, v_safe)`` of :func:`minference.kernels.value_guard` for this
+            ``k, v`` (made once by a caller that runs several kernels on them); ``None``: made
+            here (no pass over ``k`` and ``v`` when ``validate`` checked the values).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
@@ -344,10 +342,10 @@ def shape_key_split(q: torch.Tensor, k: torch.Tensor, heads, q_seqlens, q_seqsta
     return key_split_count(blocks * Hg * B, cdiv(N, tiles.block_n), sms)
 
 
-@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph", "sgb", "sgh"])
-def _dense_split_fwd(Q, K, V, VS, PEN, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, n_split,
+@triton.jit(do_not_specialize=["n_split", "sps", "spb", "sph"])
+def _dense_split_fwd(Q, K, V, KM, VS, PO, PM, PL, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, n_split,
                      qk_scale, sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                     svsb, svsh, svsn, svsd, sgb, sgh, sgn, sps, spb, sph,
+                     skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd, sps, spb, sph,
                      group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr,
                      QROWS: tl.constexpr):
@@ -375,8 +373,8 @@ def _dense_split_fwd(Q, K, V, VS, PEN, PO, PM, PL, desc_k, desc_v, lens, starts,
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
     vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -393,14 +391,14 @@ def _dense_split_fwd(Q, K, V, VS, PEN, PO, PM, PL, desc_k, desc_v, lens, starts,
     t1 = tl.minimum(t0 + per, n_tiles)  # this split's tiles t0 .. t1 - 1 (none when t0 >= n_tiles)
     # the window part of the A-shape loop with a window of hi keys: ``j > i - hi`` holds for every
     # key of every query row, so only the causal edge and the row bounds mask
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, tl.minimum(t0, k_b) * BLOCK_N, tl.minimum(t1, k_b) * BLOCK_N, hi, 0, hi,
-                                  False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
-    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn,
-                                  qk_scale, tl.maximum(t0, k_b) * BLOCK_N, tl.minimum(t1 * BLOCK_N, hi), hi, 0, hi,
-                                  True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, tl.minimum(t0, k_b) * BLOCK_N, tl.minimum(t1, k_b) * BLOCK_N, hi, 0,
+                                  hi, False, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
+    acc, m_i, l_i = _ashape_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                  row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn,
+                                  svsd, qk_scale, tl.maximum(t0, k_b) * BLOCK_N, tl.minimum(t1 * BLOCK_N, hi), hi, 0,
+                                  hi, True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
     stat = split.to(tl.int64) * sps + b64 * spb + g.to(tl.int64) * sph + blk * BLOCK_M + offs_m  # [BM]
     tl.store(PM + stat, m_i, mask=row_ok)

@@ -19,7 +19,6 @@ from minference.kernels._common import (
     ValueGuard,
     _load_kv,
     _load_kv_desc,
-    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -57,11 +56,11 @@ _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["n_k", "n_qblk", "slb", "slh", "sgb", "sgh"])
-def _bs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count,
+@triton.jit(do_not_specialize=["n_k", "n_qblk", "slb", "slh"])
+def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0s, heads, kv_blocks, kv_count,
             has_diag, n_k, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-            svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
+            skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd, slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr, QROWS: tl.constexpr):
@@ -81,8 +80,8 @@ def _bs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
     vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     slot = (b64 * tl.num_programs(1) + g) * n_qblk + qblk  # the index has a row per query block of the key row
@@ -103,14 +102,14 @@ def _bs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row
         s = _scores(q, k, PREC)
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
-    # the diagonal block, causal-masked: value rows from v_safe, the value penalty on kept scores
+    # the diagonal block, causal-masked: key rows from k_masked, value rows from v_safe
     if tl.load(has_diag + slot) != 0:
         cols = m0 + offs_n
         col_ok = cols < row_len
-        k, v = _load_kv(k_base, vs_base, cols, col_ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
+        k, v = _load_kv(km_base, vs_base, cols, col_ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True, EVEN_D)
         s = _scores(q, k, PREC)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
-        s = tl.where(keep, s + _load_pen(pen_base, cols, col_ok, sgn)[None, :], float("-inf"))
+        s = tl.where(keep, s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -192,8 +191,8 @@ def block_sparse_attention(
         ascending: ``blocks`` rows are already distinct causal ids in ascending order, -1 after
             (the builders' one-launch selection; :func:`normalize_blocks`), so the launcher skips
             its sort. With ``validate`` that promise is checked (a host read).
-        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
-            (see :func:`~minference.kernels.ashape_attention`).
+        value_guard: ``(k_masked, v_safe)`` of :func:`minference.kernels.value_guard` for
+            this ``k, v`` (see :func:`~minference.kernels.ashape_attention`).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.

@@ -31,7 +31,6 @@ from minference.kernels._common import (
     ValueGuard,
     _load_kv,
     _load_kv_desc,
-    _load_pen,
     _load_rows,
     _program_ids,
     _scores,
@@ -84,9 +83,9 @@ _GATHER_SLOTS = 32
 
 
 @triton.jit
-def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh, row_start, rows,
-                    row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn, svsd, sgn, qk_scale, t_begin, t_end, hi,
-                    bits_base, cm_base, solid, da, db,
+def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh, row_start, rows,
+                    row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn, skmd, svsn, svsd, qk_scale, t_begin,
+                    t_end, hi, bits_base, cm_base, solid, da, db,
                     MASKED: tl.constexpr, PAD_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     EVEN_D: tl.constexpr, PREC: tl.constexpr, DESC: tl.constexpr):
     """Key tiles ``[t, t + BLOCK_N)``, ``t`` in ``range(t_begin, t_end, BLOCK_N)``, of a key range
@@ -95,12 +94,12 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k,
     the packed bitmap: row ``i`` needs offsets ``i - t - (BLOCK_N - 1) .. i - t``, one 64-bit
     window assembled from two words. ``solid`` is the constant ``True`` in the all-solid build
     (every run hole-free, known on the host): the bitmap path is then not compiled. Masked tiles
-    read ``v_safe`` and add the value penalty to the scores they keep; unmasked ones read ``v``."""
+    read ``k_masked`` and ``v_safe``; unmasked ones read ``k`` and ``v``."""
     for t in range(t_begin, t_end, BLOCK_N):
         cols = t + offs_n  # [BN]
         col_ok = cols < hi
         if MASKED:
-            k, v = _load_kv(k_base, vs_base, cols, col_ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
+            k, v = _load_kv(km_base, vs_base, cols, col_ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True, EVEN_D)
         elif DESC:  # unmasked tiles lie inside the range, hence inside the row
             k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
         else:
@@ -122,21 +121,20 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k,
                 on_diag = ((window[:, None] >> bit[None, :]) & 1) != 0
             on_col = tl.load(cm_base + cols, mask=col_ok, other=0) != 0  # [BN]
             keep = (on_diag | on_col[None, :]) & col_ok[None, :] & (cols[None, :] <= rows[:, None])
-            pen = _load_pen(pen_base, cols, col_ok, sgn)  # [BN]
-            s = tl.where(keep & row_ok[:, None], s + pen[None, :], float("-inf"))
+            s = tl.where(keep & row_ok[:, None], s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["safe"])
-def _gather_columns_kernel(K, V, VS, CK, CV, CVS, columns, lens, starts, heads, group, n_cols, safe,
-                           skb, skh, skn, skd, svb, svh, svn, svd, svsb, svsh, svsn, svsd,
+def _gather_columns_kernel(K, V, KM, VS, CK, CV, CKM, CVS, columns, lens, starts, heads, group, n_cols, safe,
+                           skb, skh, skn, skd, svb, svh, svn, svd, skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """Column scratch rows ``[s, s + BLOCK_C)`` of one (batch row, computed head): the K and V rows
     of ``columns[b, g, s]`` (contiguous ``[B, Hg, n_cols, D]``), and with ``safe != 0`` also the
-    ``v_safe`` rows (:func:`minference.kernels._common.value_guard`) into ``CVS``, which the one
-    masked scratch tile of a block reads. Padding slots (-1) and columns past the row's end are
-    written as zeros (finite)."""
+    ``k_masked`` and ``v_safe`` rows (:func:`minference.kernels._common.value_guard`) into ``CKM``
+    and ``CVS``, which the one masked scratch tile of a block reads. Padding slots (-1) and
+    columns past the row's end are written as zeros (finite)."""
     b, g, h, kvh, _, _, row_len, row_start, _, _ = _program_ids(lens, starts, heads, lens, lens, group, 1, False)
     slot = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,20 +151,23 @@ def _gather_columns_kernel(K, V, VS, CK, CV, CVS, columns, lens, starts, heads, 
     tl.store(CK + dst, k, mask=in_list[:, None] & d_ok[None, :])
     tl.store(CV + dst, v, mask=in_list[:, None] & d_ok[None, :])
     if safe != 0:
+        km_base = KM + b.to(tl.int64) * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
         vs_base = VS + b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-        vs = _load_rows(vs_base, tl.where(ok, cols, 0), ok, offs_d, d_ok, svsn, svsd, EVEN_D)
+        km, vs = _load_kv(km_base, vs_base, tl.where(ok, cols, 0), ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True,
+                          EVEN_D)
+        tl.store(CKM + dst, km, mask=in_list[:, None] & d_ok[None, :])
         tl.store(CVS + dst, vs, mask=in_list[:, None] & d_ok[None, :])
 
 
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
 # divisible by 16 or not) only a per-row scalar store: specialising on them would only multiply
 # compiles (the GPU tier draws many N)
-@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk", "slb", "slh", "sgb", "sgh"])
-def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs, lens, starts, q_los, q_row0s,
+@triton.jit(do_not_specialize=["n_idx", "n_words", "n_runs", "n_cols", "n_qblk", "slb", "slh"])
+def _vs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_ckm, desc_cvs, lens, starts, q_los, q_row0s,
             heads, run_start, run_end, run_count, run_solid, col_index, col_count, col_before, col_lead, diag_bits,
             col_mask, n_idx, n_words, n_runs, n_cols, n_qblk, qk_scale,
             sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-            svsb, svsh, svsn, svsd, sgb, sgh, sgn, slb, slh, sln,
+            skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd, slb, slh, sln,
             group, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             RETURN_LSE: tl.constexpr, PREC: tl.constexpr, PAD_WORDS: tl.constexpr, DESC: tl.constexpr,
@@ -188,8 +189,8 @@ def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs
     q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
     k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
     v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
     vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    pen_base = PEN + b64 * sgb + kvh.to(tl.int64) * sgh + s64 * sgn
     q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
 
     bg = b64 * tl.num_programs(1) + g  # (batch row, computed head) slot of the index tensors
@@ -226,21 +227,21 @@ def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs
         k_a = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 - db - lo, 0), BLOCK_N), k_b)
         k_a = tl.where(bare, k_a, 0)
         k_b = tl.where(bare, k_b, 0)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn,
-                                        svsd, sgn, qk_scale,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn,
+                                        skmd, svsn, svsd, qk_scale,
                                         lo, lo + k_a * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
         # the unmasked stretch in tiles of WIDE keys; an odd BLOCK_N tile is left to the masked tail
         k_b = k_a + (k_b - k_a) // (WIDE // BLOCK_N) * (WIDE // BLOCK_N)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
                                         row_start, rows, row_ok, tl.arange(0, WIDE), offs_d, d_ok, skn, skd, svn,
-                                        svd, svsn, svsd, sgn, qk_scale,
+                                        svd, skmn, skmd, svsn, svsd, qk_scale,
                                         lo + k_a * BLOCK_N, lo + k_b * BLOCK_N, hi, bits_base, cm_base, solid, da, db,
                                         False, PAD_WORDS, WIDE, BLOCK_D, EVEN_D, PREC, DESC)
-        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, vs_base, pen_base, desc_k, desc_v, b, kvh,
-                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, svsn,
-                                        svsd, sgn, qk_scale,
+        acc, m_i, l_i = _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, desc_v, b, kvh,
+                                        row_start, rows, row_ok, offs_n, offs_d, d_ok, skn, skd, svn, svd, skmn,
+                                        skmd, svsn, svsd, qk_scale,
                                         lo + k_b * BLOCK_N, hi, hi, bits_base, cm_base, solid, da, db,
                                         True, PAD_WORDS, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
@@ -259,14 +260,11 @@ def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs
             s = _scores(q, k, PREC)
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
         for t in tl.range(n_fast, fast, WIDE, num_stages=1):  # at most one tile
-            # its slots past the count are other columns: values from the v_safe scratch, and the
-            # penalty of its own columns (slot = list position, so col_index holds them) on the rest
-            k, v = _load_kv_desc(desc_ck, desc_cvs, b, g, t, WIDE, BLOCK_D)
+            # its slots past the count are other columns, which this block may not read: key and
+            # value rows from the k_masked / v_safe scratch, so a bad value there stays masked
+            k, v = _load_kv_desc(desc_ckm, desc_cvs, b, g, t, WIDE, BLOCK_D)
             s = _scores(q, k, PREC)
-            slot = t + tl.arange(0, WIDE)
-            lead = slot < fast
-            pen = _load_pen(pen_base, tl.load(ci_base + slot, mask=lead, other=0), lead, sgn)  # [WIDE]
-            s = tl.where(lead[None, :], s + pen[None, :], float("-inf"))
+            s = tl.where((t + tl.arange(0, WIDE) < fast)[None, :], s, float("-inf"))
             acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
     else:
         fast = 0
@@ -281,10 +279,10 @@ def _vs_fwd(Q, K, V, VS, PEN, O, LSE, desc_k, desc_v, desc_ck, desc_cv, desc_cvs
         ok = idx < nc
         cols = tl.load(ci_base + idx, mask=ok, other=0)  # [WIDE]
         ok = ok & (cols <= last_row)  # columns past a short row's end are padding: never read
-        k, v = _load_kv(k_base, vs_base, cols, ok, offs_d, d_ok, skn, skd, svsn, svsd, True, EVEN_D)
+        k, v = _load_kv(km_base, vs_base, cols, ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True, EVEN_D)
         s = _scores(q, k, PREC)
         keep = ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-        s = tl.where(keep, s + _load_pen(pen_base, cols, ok, sgn)[None, :], float("-inf"))
+        s = tl.where(keep, s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
@@ -344,12 +342,12 @@ def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
             prep.tiles = tiles
             wide = WIDE_TILE_FACTOR * tiles.block_n
             desc_k, desc_v = kv_descriptors(k, v, wide, prep.block_d)  # only unmasked (wide) tiles read them
-            desc_ck = desc_cv = desc_cvs = None
+            desc_ck = desc_cv = desc_ckm = desc_cvs = None
             if desc_k is not None and index.columns.shape[-1] > 0:
                 if wide not in scratch:
                     scratch[wide] = _column_scratch(prep, k, v, index, heads, wide)
-                desc_ck, desc_cv, desc_cvs = scratch[wide]
-            args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, desc_cvs,
+                desc_ck, desc_cv, desc_ckm, desc_cvs = scratch[wide]
+            args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, desc_ck, desc_cv, desc_ckm, desc_cvs,
                     *prep.row_args(), heads, index.run_start, index.run_end, index.run_count, index.run_solid,
                     index.col_index, index.col_count, index.col_before, index.col_lead, index.diag_bits,
                     index.col_mask, prep.N, index.diag_bits.shape[-1], index.run_start.shape[-1],
@@ -413,23 +411,24 @@ def _check_physical(prep: Prepared, index: VSIndex, device) -> None:
 
 def _column_scratch(prep: Prepared, k, v, index: VSIndex, heads: torch.Tensor, wide: int):
     """Copy the K/V rows of each head's distinct columns into a contiguous ``[B, Hg, NV, D]``
-    scratch (one launch) and return the descriptors ``(K, V, v_safe)`` of its tiles of ``wide``
-    rows (``None`` where descriptors cannot be built). The ``v_safe`` scratch (the rows of
-    ``prep.v_safe``, read by a block's one masked scratch tile) is a third copy only when the
-    values were not checked (``v_safe`` is not ``v``); otherwise it is the ``V`` scratch."""
+    scratch (one launch) and return the descriptors ``(K, V, k_masked, v_safe)`` of its tiles of
+    ``wide`` rows (``None`` where descriptors cannot be built). The ``k_masked`` / ``v_safe``
+    scratches (the rows of the value guard's pair, read by a block's one masked scratch tile) are
+    two more copies only when the guard is active (the values were not checked); otherwise they
+    are the ``K`` / ``V`` scratches."""
     NV = index.columns.shape[-1]
     ck = torch.empty(prep.B, prep.Hg, NV, prep.D, dtype=k.dtype, device=k.device)
     cv = torch.empty_like(ck)
-    safe = prep.v_safe is not v
-    cvs = torch.empty_like(ck) if safe else cv
+    safe = prep.k_masked is not k or prep.v_safe is not v
+    ckm, cvs = (torch.empty_like(ck), torch.empty_like(ck)) if safe else (ck, cv)
     _gather_columns_kernel[(cdiv(NV, _GATHER_SLOTS), prep.Hg, prep.B)](
-        k, v, prep.v_safe, ck, cv, cvs, index.columns, prep.lens, prep.starts, heads, prep.Hq // prep.Hkv, NV,
-        int(safe), *k.stride(), *v.stride(), *prep.v_safe.stride(), HEAD_DIM=prep.D, BLOCK_D=prep.block_d,
-        EVEN_D=prep.block_d == prep.D, BLOCK_C=_GATHER_SLOTS, num_warps=4)
+        k, v, prep.k_masked, prep.v_safe, ck, cv, ckm, cvs, index.columns, prep.lens, prep.starts, heads,
+        prep.Hq // prep.Hkv, NV, int(safe), *k.stride(), *v.stride(), *prep.guard_strides(), HEAD_DIM=prep.D,
+        BLOCK_D=prep.block_d, EVEN_D=prep.block_d == prep.D, BLOCK_C=_GATHER_SLOTS, num_warps=4)
     desc_ck, desc_cv = kv_descriptors(ck, cv, wide, prep.block_d)
     if desc_ck is None or not safe:
-        return desc_ck, desc_cv, desc_cv
-    return desc_ck, desc_cv, kv_descriptors(ck, cvs, wide, prep.block_d)[1]
+        return desc_ck, desc_cv, desc_ck, desc_cv
+    return (desc_ck, desc_cv, *kv_descriptors(ckm, cvs, wide, prep.block_d))
 
 
 def vertical_slash_attention(
@@ -474,8 +473,8 @@ def vertical_slash_attention(
         dense_over: dense fallback of :func:`~minference.kernels.convert.convert_vertical_slash`:
             heads whose index runs more than ``dense_over`` times the dense causal key tiles
             compute dense causal attention instead (sync-free). ``None``: never.
-        value_guard: ``(v_safe, pen)`` of :func:`minference.kernels.value_guard` for this ``v``
-            (see :func:`~minference.kernels.ashape_attention`).
+        value_guard: ``(k_masked, v_safe)`` of :func:`minference.kernels.value_guard` for
+            this ``k, v`` (see :func:`~minference.kernels.ashape_attention`).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.

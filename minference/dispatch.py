@@ -124,14 +124,14 @@ def _ops(backend: str) -> SimpleNamespace:
                            ascending=None, value_guard=None)
 
 
-def _value_guard(ops, v: torch.Tensor, validate: bool) -> dict:
+def _value_guard(ops, k: torch.Tensor, v: torch.Tensor, validate: bool) -> dict:
     """``value_guard=`` for every Triton kernel of one dispatcher call, made once here
-    (:func:`minference.kernels.value_guard`: one ``aminmax`` over ``v`` and 5 elementwise ops, or
-    none when the call's validation has checked ``v``, which it never does under capture); the
-    torch backend needs none (``{}``)."""
+    (:func:`minference.kernels.value_guard`: one ``aminmax`` over ``v`` and 5 elementwise ops
+    making ``(k_masked, v_safe)``, or none when the call's validation has checked ``v``, which it
+    never does under capture); the torch backend needs none (``{}``)."""
     if ops.value_guard is None:
         return {}
-    return dict(value_guard=ops.value_guard(v, checked=validate and not capturing()))
+    return dict(value_guard=ops.value_guard(k, v, checked=validate and not capturing()))
 
 
 def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
@@ -180,7 +180,7 @@ def dense_prefill(
     ops = _ops(resolve_backend(backend, q.device))
     return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
                         q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, out=torch.zeros_like(q),
-                        **_value_guard(ops, v, validate))
+                        **_value_guard(ops, k, v, validate))
 
 
 def sparse_prefill(
@@ -268,7 +268,7 @@ def sparse_prefill(
     # once here; everything below runs with validate=False and one value guard (Triton)
     _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
     ops = _ops(name)
-    guard = _value_guard(ops, v, validate)
+    guard = _value_guard(ops, k, v, validate)
     ragged = seqlens is not None or seqstarts is not None
     # rows no group writes read as zeros; on Triton a chunk after a cache on full key rows (every q
     # row a query row) has none: every group's kernel writes all the rows of its heads
@@ -324,8 +324,8 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     SMs (``key_split``: ``None`` chooses from the shapes, 1 is the unsplit kernel, ``n`` forces
     ``n``; docs/kernels.md, "dense tail"); on the torch backend its dense path (``key_split`` is
     ignored there). Device ops only (no host sync: CUDA-graph capturable); a row without queries
-    is left untouched. ``value_guard``: the ``(v_safe, pen)`` pair of
-    :func:`minference.kernels.value_guard` for ``v`` (what :func:`sparse_prefill` passes, made once
+    is left untouched. ``value_guard``: the ``(k_masked, v_safe)`` pair of
+    :func:`minference.kernels.value_guard` for ``k, v`` (what :func:`sparse_prefill` passes, made once
     for its call); ``None`` makes one in the kernel (Triton; the torch backend ignores it)."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
@@ -334,7 +334,7 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     if value_guard is not None:  # likewise
         from minference.kernels._common import check_value_guard
 
-        check_value_guard(value_guard, v)
+        check_value_guard(value_guard, k, v)
     if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)

@@ -248,8 +248,8 @@ def test_repeat_call_makes_no_per_call_budget_or_row_tensors(monkeypatch) -> Non
     Launches are recorded, not run, so only the host's own tensor ops are left: allocations, the
     estimator's zeroed score buffer, the converter's zeroed flags, and the value guard
     (docs/contract.md): made once per call for every kernel of the layer (validate=False here),
-    6 device ops (one aminmax, lt, gt, bitwise_and, two where) plus a view and the CPU scalars of
-    the where calls."""
+    6 device ops (one aminmax, lt, gt, bitwise_and, two where: k_masked and v_safe) plus a view
+    and the two CPU scalars of the where calls."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -276,6 +276,7 @@ def test_repeat_call_makes_no_per_call_budget_or_row_tensors(monkeypatch) -> Non
     guard = {"aminmax", "lt", "gt", "bitwise_and", "where", "unsqueeze", "scalar_tensor"}  # kernels.value_guard
     assert set(ops.names) <= {"empty", "empty_like", "zeros", "unbind"} | guard, ops.names
     assert ops.names.count("aminmax") == 1 and ops.names.count("where") == 2, ops.names  # once per call
+    assert ops.names.count("unsqueeze") == 1 and ops.names.count("scalar_tensor") <= 2, ops.names
     assert sorted(launches) == sorted(["_ashape_fwd", "_ashape_fwd", "_vs_stats_kernel", "_lse_kernel",
                                        "_vs_scores_kernel", "_select_kernel", "_vs_lists_kernel", "_vs_diag_kernel",
                                        "_block_columns_kernel", "_vs_fwd"])

@@ -260,9 +260,10 @@ def test_descriptor_paths_keep_non_finite_values_to_the_rows_whose_set_holds_the
     without a key split, block-sparse off-diagonal blocks, and the vertical-slash column scratch.
     The scratch case puts the non-finite value in a column (40) that block 2 (rows 32..47) holds
     in its list but after its first row, so that block reads it only as a padding slot of its one
-    masked scratch tile (columns 1 and 5 are its lead): those slots read the v_safe scratch, and
-    the rows 48.. whose lead holds column 40 get NaN from its penalty. Fails if the masked
-    scratch tile reads the plain V scratch (rows 32..39 NaN) or skips the penalty (rows 48.. finite)."""
+    masked scratch tile (columns 1 and 5 are its lead): those slots read the k_masked / v_safe
+    scratches (a NaN key masked to -inf, a zero value), and the rows 48.. whose lead holds column
+    40 get NaN from its NaN key row. Fails if the masked scratch tile reads the plain V scratch
+    (rows 32..47 NaN: p = 0 times inf) or the plain K scratch (rows 48.. finite)."""
     from minference.kernels import _common, ashape, block_sparse, vertical_slash
     from minference.reference import masks
 
@@ -308,34 +309,64 @@ def test_descriptor_paths_keep_non_finite_values_to_the_rows_whose_set_holds_the
     assert scratch, "the vertical-slash column scratch was not built"
 
 
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_a_non_finite_key_reads_as_without_the_guard(bad):
+    """Validation off, a non-finite KEY row (finite values): the guard leaves key rows as they
+    are, so every kernel gives bit for bit the output of the same call with the guard off
+    (``value_guard=(k, v)``: the unguarded kernels' reads), NaN rows at the same places."""
+    q, k, v = _qkv(6)
+    kb = k.clone()
+    for n in (1, 21, 37, 50):
+        kb[:, :, n, n % D] = bad
+    vertical = torch.tensor([[[1, 21, 40, -1]] * H], dtype=torch.int32)
+    slash = torch.tensor([[[0, 3, 13, 29]] * H], dtype=torch.int32)
+    blocks = torch.tensor([[[[0, -1], [0, 1], [1, 2], [0, 3]]] * H], dtype=torch.int32)
+    cases = {
+        "ashape": lambda **g: kernels.ashape_attention(q, kb, v, 2, 9, validate=False, **g),
+        "vertical_slash": lambda **g: kernels.vertical_slash_attention(q, kb, v, vertical, slash, validate=False, **g),
+        "block_sparse": lambda **g: kernels.block_sparse_attention(q, kb, v, blocks, block=16, validate=False, **g),
+        "dense": lambda **g: kernels.dense_attention(q, kb, v, validate=False, **g),
+        "dense split": lambda **g: kernels.dense_attention(q, kb, v, key_split=3, validate=False, **g),
+    }
+    for name, call in cases.items():
+        out, plain = call(), call(value_guard=(kb, v))
+        assert _bad_rows(out).any(), name
+        torch.testing.assert_close(out, plain, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_value_guard_flags_every_row_with_a_non_finite_element(dtype):
-    """``kernels.value_guard``: a row with NaN, +inf or -inf in any element (first, middle, last)
-    is zeroed in ``v_safe`` and has penalty NaN; finite rows (the dtype's largest values too) are
-    kept as they are with penalty 0."""
-    v = _qkv(1)[2].to(dtype)
+    """``kernels.value_guard``: a token whose value row has NaN, +inf or -inf in any element
+    (first, middle, last) gets a NaN key row in ``k_masked`` and a zero value row in ``v_safe``;
+    other tokens (the dtype's largest values too) keep their key and value rows as they are, a
+    NaN or inf in a key row included (the key rows are not what the guard looks at)."""
+    k, v = (x.to(dtype) for x in _qkv(1)[1:])
     v[0, 0, 3] = torch.finfo(dtype).max
     v[0, 1, 4] = -torch.finfo(dtype).max
+    k[0, 0, 6, 1] = NAN  # a bad key with a finite value: kept as it is
+    k[0, 1, 8, 0] = -INF
     bad = {(0, 5, 0): NAN, (0, 9, D - 1): INF, (1, 9, 7): -INF, (1, 63, 2): NAN, (1, 0, D - 1): -INF}
     for (h, n, d), x in bad.items():
         v[0, h, n, d] = x
-    v_safe, pen = kernels.value_guard(v)
+    k_masked, v_safe = kernels.value_guard(k, v)
     flagged = torch.zeros(B, H, N, dtype=torch.bool)
     for h, n, _ in bad:
         flagged[0, h, n] = True
-    assert pen.dtype == torch.float32 and pen.shape == (B, H, N)
-    assert torch.equal(torch.isnan(pen), flagged) and bool((pen[~flagged] == 0).all())
+    assert k_masked.dtype == dtype and k_masked.shape == k.shape
+    assert bool(torch.isnan(k_masked[flagged]).all())
+    assert torch.equal(k_masked[~flagged].isnan(), k[~flagged].isnan())
+    assert torch.equal(k_masked[~flagged].nan_to_num(), k[~flagged].nan_to_num())
     assert v_safe.dtype == dtype and v_safe.shape == v.shape
     assert bool((v_safe[flagged] == 0).all()) and torch.equal(v_safe[~flagged], v[~flagged])
-    # a strided view (the kernels pass v_safe's own strides)
-    vt = v.transpose(1, 2).contiguous().transpose(1, 2)
-    v_safe_t, pen_t = kernels.value_guard(vt)
-    assert torch.equal(v_safe_t, v_safe) and torch.equal(torch.isnan(pen_t), flagged)
+    # strided views (the kernels pass the pair's own strides)
+    kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    k_masked_t, v_safe_t = kernels.value_guard(kt, vt)
+    assert torch.equal(v_safe_t, v_safe) and torch.equal(k_masked_t.nan_to_num(), k_masked.nan_to_num())
+    assert torch.equal(k_masked_t.isnan(), k_masked.isnan())
 
 
-def test_value_guard_checked_is_v_and_a_cached_zero_pen_without_a_device_op():
-    """``checked=True`` (values validated by the caller): ``v`` itself and a zero penalty that is
-    a stride-0 expansion, cached per shape: a repeat call runs no tensor op at all."""
+def test_value_guard_checked_is_k_and_v_without_a_device_op():
+    """``checked=True`` (values validated by the caller): ``(k, v)`` themselves, no tensor op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -347,28 +378,27 @@ def test_value_guard_checked_is_v_and_a_cached_zero_pen_without_a_device_op():
             self.names.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    v = _qkv(2)[2]
+    _, k, v = _qkv(2)
     v[0, 1, 7, 3] = NAN  # not read: checked is the caller's promise
-    first = kernels.value_guard(v, checked=True)
     with Ops() as ops:
-        v_safe, pen = kernels.value_guard(v, checked=True)
+        k_masked, v_safe = kernels.value_guard(k, v, checked=True)
     assert ops.names == []
-    assert v_safe is v and pen is first[1]
-    assert pen.dtype == torch.float32 and pen.shape == (B, H, N) and pen.stride() == (0, 0, 1)
-    assert bool((pen == 0).all())
+    assert k_masked is k and v_safe is v
     with pytest.raises(TypeError, match="checked must be a bool"):
-        kernels.value_guard(v, checked=1)
+        kernels.value_guard(k, v, checked=1)
     with pytest.raises(ValueError, match="v must have rank 4"):
-        kernels.value_guard(v[0])
+        kernels.value_guard(k, v[0])
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        kernels.value_guard(k[:, :, 1:], v)
 
 
 def test_a_bad_value_guard_argument_is_a_clear_error():
     """``value_guard=`` of every kernel entry and of the dense tail: a pair shaped as
-    ``kernels.value_guard(v)`` makes it, else a ``ValueError`` naming what is wrong."""
+    ``kernels.value_guard(k, v)`` makes it, else a ``ValueError`` naming what is wrong."""
     from minference.dispatch import dense_tail_attention
 
     q, k, v = _qkv()
-    v_safe, pen = kernels.value_guard(v)
+    k_masked, v_safe = kernels.value_guard(k, v)
     idx = torch.zeros(B, H, 1, dtype=torch.int32)
     blocks = torch.zeros(B, H, 4, 1, dtype=torch.int32)
     entries = {
@@ -382,35 +412,37 @@ def test_a_bad_value_guard_argument_is_a_clear_error():
         "dense tail torch": lambda g: dense_tail_attention(q, k, v, 8, out=torch.zeros_like(q), backend="torch",
                                                            value_guard=g),
     }
-    meta = torch.empty(B, H, N, device="meta")
+    meta = torch.empty(B, H, N, D, device="meta")
     wrong = [
-        (v_safe, "a pair \\(v_safe, pen\\)"),
-        ((v_safe, pen, pen), "a pair \\(v_safe, pen\\)"),
-        ((v_safe, pen.numpy()), "pen must be a torch.Tensor"),
-        ((v_safe[:, :, :-1], pen), "v_safe must match v"),
-        ((v_safe.half(), pen), "v_safe must match v"),
-        ((v_safe, pen.half()), "pen must be float32 with shape"),
-        ((v_safe, pen[:, :1]), "pen must be float32 with shape"),
-        ((v_safe, meta.float()), "pen must be on v's device"),
+        (v_safe, "a pair \\(k_masked, v_safe\\)"),
+        ((k_masked, v_safe, v_safe), "a pair \\(k_masked, v_safe\\)"),
+        ((k_masked.numpy(), v_safe), "k_masked must be a torch.Tensor"),
+        ((k_masked, v_safe.numpy()), "v_safe must be a torch.Tensor"),
+        ((k_masked[:, :, :-1], v_safe), "k_masked must match k"),
+        ((k_masked.half(), v_safe), "k_masked must match k"),
+        ((k_masked, v_safe[:, :, :-1]), "v_safe must match v"),
+        ((k_masked, v_safe.half()), "v_safe must match v"),
+        ((meta.float(), v_safe), "k_masked must be on k's device"),
+        ((k_masked, meta.float()), "v_safe must be on v's device"),
     ]
     for name, call in entries.items():
         for guard, needle in wrong:
             with pytest.raises(ValueError, match=needle):
                 call(guard)
         if name != "dense tail torch":  # the right pair is taken as given
-            call((v_safe, pen))
+            call((k_masked, v_safe))
 
 
 @pytest.mark.parametrize("validate", [False, True])
 def test_the_dispatcher_makes_one_value_guard_for_all_its_kernels(validate, monkeypatch):
     """``sparse_prefill`` on Triton makes the guard once per call (not per group, kernel or the
     dense tail) and hands every kernel that pair; with ``validate=True`` the values are checked,
-    so the pair is ``v`` itself (no pass over it). ``dense_prefill`` on query rows likewise."""
+    so the pair is ``(k, v)`` themselves (no pass over them). ``dense_prefill`` on query rows likewise."""
     made, seen = [], []
     real_guard = kernels.value_guard
 
-    def guard(v, checked=False):
-        made.append(real_guard(v, checked=checked))
+    def guard(k, v, checked=False):
+        made.append(real_guard(k, v, checked=checked))
         return made[-1]
 
     monkeypatch.setattr(kernels, "value_guard", guard)
@@ -431,7 +463,7 @@ def test_the_dispatcher_makes_one_value_guard_for_all_its_kernels(validate, monk
     assert len(made) == 1 and {n for n, _ in seen} == {"ashape_attention", "vertical_slash_attention_physical",
                                                        "block_sparse_attention", "dense_attention"}
     assert len(seen) == 5 and all(g is made[0] for _, g in seen)  # the dense tail too
-    assert (made[0][0] is vh) == validate
+    assert (made[0][0] is kh) == validate and (made[0][1] is vh) == validate
     assert torch.isfinite(out).all()
     made.clear(), seen.clear()
     dense_prefill(q[:, :, -20:], k, v, backend="triton", validate=validate)
