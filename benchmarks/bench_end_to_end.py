@@ -38,7 +38,9 @@ Inputs (``--inputs``):
   (about 120 key tiles per query block at every length from 16K to 1M, measured on the CPU with
   the torch builder) and the sink columns.
 
-``--patterns-at`` adds A-shape (128, 4096) and block-sparse (top 100 of 64-blocks) end to end.
+``--patterns-at`` adds A-shape (128, 4096) and block-sparse (top 100 of 64-blocks) end to end;
+``--adaptive-at`` the budget rules of :data:`ADAPTIVE`, each with its captured attention mass
+(up to :data:`MASS_MAX` tokens), in a second table per length.
 Dense is measured only up to ``--dense-max`` (a 1M-token dense call alone takes ~19 s); beyond
 it the table says ``n/a`` and the docs extrapolate (causal attention cost grows as N^2).
 
@@ -69,6 +71,18 @@ HQ, HKV, HEAD_DIM = 32, 8, 128
 VS = VerticalSlash(vertical=1000, slash=6096)
 ASHAPE = AShape(sink=128, window=4096)
 BLOCKS = BlockSparse(top_k=100)
+#: ``--adaptive-at``: the budget rules of the adaptive-budget issue, each end to end with its
+#: captured attention mass (the search's quality measure): vertical-slash under the mass rule
+#: (gamma 0.9, the search's candidate caps) and block-sparse with the query-aware score under the
+#: relative rule (FlashPrefill's alpha 0.1, and 0.03), block 128, at most 512 blocks a query block.
+ADAPTIVE = {
+    "vs_mass90": VerticalSlash(vertical=2048, slash=8192, rule="mass", threshold=0.9),
+    "bs_rel10": BlockSparse(top_k=512, block=128, rule="relative", threshold=0.1, estimate="query"),
+    "bs_rel03": BlockSparse(top_k=512, block=128, rule="relative", threshold=0.03, estimate="query"),
+}
+#: Captured mass is scored on ~MASS_ROWS query rows, and only up to MASS_MAX tokens (the scoring
+#: holds a [Hq, rows, N] float32 score block).
+MASS_ROWS, MASS_MAX = 128, 131072
 #: Timed calls per measurement are chosen to fill about this many milliseconds (at least MIN_REPS).
 BUDGET_MS = 300.0
 MIN_REPS, MAX_REPS = 3, 50
@@ -359,7 +373,17 @@ def vs_index(q, k, return_scores: bool = False):
         vertical_width=VS.vertical, slash_width=VS.slash, return_scores=return_scores, validate=False)
 
 
-def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: float) -> dict:
+def captured_mass(q, k, pattern) -> tuple[float, float]:
+    """Mean captured attention mass and logical density of ``pattern`` over the heads, on every
+    ``N // MASS_ROWS``-th query row (``minference.app.search.head_scores``)."""
+    from minference.app.search import head_scores
+
+    mass, density = head_scores(q[0], k[0], [pattern], row_stride=max(1, q.shape[2] // MASS_ROWS))
+    return float(mass.mean()), float(density.mean())
+
+
+def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: float,
+            adaptive: bool = False) -> dict:
     q, k, v = qkv_inputs(N, inputs)
     row: dict = {"N": N, "inputs": inputs}
 
@@ -390,6 +414,13 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
     if patterns:
         row["ashape_e2e"] = time_ms(e2e(ASHAPE), budget_ms)
         row["block_e2e"] = time_ms(e2e(BLOCKS), budget_ms)
+    if adaptive:
+        for name, pattern in {"vs": VS, **ADAPTIVE}.items():
+            if name != "vs":
+                row[f"{name}_e2e"] = time_ms(e2e(pattern), budget_ms)
+            if N <= MASS_MAX:
+                row[f"{name}_mass"], row[f"{name}_density"] = captured_mass(q, k, pattern)
+                torch.cuda.empty_cache()
     if N <= dense_max:
         try:
             row["dense"] = time_ms(cudnn_dense(q, k, v), budget_ms)
@@ -399,6 +430,19 @@ def measure(N: int, *, inputs: str, dense_max: int, patterns: bool, budget_ms: f
             row["dense_default_sdpa"] = time_ms(
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), budget_ms)
     return row
+
+
+def adaptive_table(row: dict) -> str:
+    """The ``--adaptive-at`` results of one length: end to end ms, x dense, captured mass, density."""
+    lines = [f"adaptive rules at N={row['N']} ({row['inputs']} inputs)",
+             "| pattern | e2e ms | dense / e2e | captured mass | logical density |", "|---|---|---|---|---|"]
+    for name in ("vs", *ADAPTIVE):
+        ms = row["e2e"] if name == "vs" else row[f"{name}_e2e"]
+        speed = f"{row['dense'] / ms:.2f}" if "dense" in row else "n/a"
+        mass, dens = row.get(f"{name}_mass"), row.get(f"{name}_density")
+        cells = [f"{x:.4f}" if x is not None else "n/a" for x in (mass, dens)]
+        lines.append(f"| {name} | {ms:.2f} | {speed} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
 
 
 #: The ``--*-sweep`` options, in the order they run: flag -> (function of ``(N, *, inputs,
@@ -418,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inputs", choices=("random", "smooth"), default="smooth")
     parser.add_argument("--patterns-at", type=int, nargs="*", default=[],
                         help="lengths at which A-shape and block-sparse run end to end too")
+    parser.add_argument("--adaptive-at", type=int, nargs="*", default=[],
+                        help="lengths at which the ADAPTIVE budget rules run end to end too, with captured mass")
     parser.add_argument("--budget-ms", type=float, default=BUDGET_MS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, nargs="*", default=[],
@@ -444,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|" + "---|" * (len(cols) + 3))
     for N in args.lengths:
         row = measure(N, inputs=args.inputs, dense_max=args.dense_max, patterns=N in args.patterns_at,
-                      budget_ms=args.budget_ms)
+                      budget_ms=args.budget_ms, adaptive=N in args.adaptive_at)
         rows.append(row)
         cells = [f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "n/a")) for c in cols]
         ratio = row["index"] / row["e2e"]
@@ -452,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         speed_b2b = f"{row['dense_b2b'] / row['e2e_b2b']:.2f}" if "dense_b2b" in row else "n/a"
         print("| " + " | ".join(cells) + f" | {ratio:.1%} | {speed} | {speed_b2b} |", flush=True)
         torch.cuda.empty_cache()
+        if N in args.adaptive_at:
+            print(adaptive_table(row), flush=True)
         if args.json:  # after every length, so a run stopped at its time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,

@@ -357,10 +357,10 @@ def _convert_triton(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m
     R = max(NS, 1)
     BH = B * H
     dev = slash.device
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
     NSP = next_pow2(R)
     NVP = next_pow2(max(NV, 1))
-    NW = BITS_PAD_WORDS + -(-n // _WORD) + 1
+    NW = BITS_PAD_WORDS + cdiv(n, _WORD) + 1
     i32 = dict(dtype=torch.int32, device=dev)
     run_start, run_end = torch.empty(B, H, R, **i32), torch.empty(B, H, R, **i32)
     run_count = torch.empty(B, H, **i32)
@@ -424,7 +424,7 @@ def _prefix_sum(x: torch.Tensor) -> torch.Tensor:
     *lead, n = x.shape
     if n <= _SCAN_CHUNK:
         return x.cumsum(-1, dtype=torch.int32)
-    chunks = -(-n // _SCAN_CHUNK)
+    chunks = cdiv(n, _SCAN_CHUNK)
     local = F.pad(x, (0, chunks * _SCAN_CHUNK - n)).view(*lead, chunks, _SCAN_CHUNK).cumsum(-1, dtype=torch.int32)
     totals = local[..., -1]
     local += (totals.cumsum(-1, dtype=torch.int32) - totals)[..., None]  # + everything before the chunk
@@ -435,7 +435,7 @@ def _diag_bits(diag_mask: torch.Tensor) -> torch.Tensor:
     """``diag_bits [..., NW]`` int64 of ``diag_mask [..., n]`` (torch ops)."""
     *lead, n = diag_mask.shape
     dev = diag_mask.device
-    words = -(-n // _WORD)
+    words = cdiv(n, _WORD)
     padded = F.pad(diag_mask, (BITS_PAD_WORDS * _WORD, (words + 1) * _WORD - n)).view(*lead, -1, _WORD)
     weights = torch.ones(_WORD, dtype=torch.int64, device=dev) << torch.arange(_WORD, device=dev)
     return (padded.to(torch.int64) * weights).sum(-1).contiguous()  # distinct bits: the sum is the OR
@@ -447,7 +447,7 @@ def _convert_torch(vertical: torch.Tensor, slash: torch.Tensor, n: int, block_m:
     NS = slash.shape[-1]
     R = max(NS, 1)
     dev = slash.device
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
 
     # slash runs: a new run starts where the distance to the previous distinct offset exceeds
     # block_m (and exceeds fill_gaps + 1: a filled gap never separates runs)
@@ -521,7 +521,7 @@ def _dense_causal(n: int, block_m: int, R: int, NV: int, device) -> VSIndex:
     run_solid = torch.zeros(1, 1, R, dtype=torch.int8, device=device)
     run_solid[..., 0] = 1
     diag_mask = torch.ones(1, 1, n, dtype=torch.int8, device=device)
-    nqb = -(-n // block_m)
+    nqb = cdiv(n, block_m)
     return VSIndex(
         block_m=block_m,
         n=n,
@@ -635,7 +635,7 @@ def vs_index_to_dense(index: VSIndex) -> torch.Tensor:
                 da, db = int(index.run_start[b, h, r]), int(index.run_end[b, h, r])
                 in_range = (j >= (m0 - db).clamp(min=0)) & (j <= m0 + bm - 1 - da)
                 visits[b, h] += (in_range & causal & kept).int()
-            for I in range(-(-n // bm)):
+            for I in range(cdiv(n, bm)):
                 rows = slice(I * bm, min(n, I * bm + bm))
                 for c in index.col_index[b, h, I, : int(index.col_count[b, h, I])].tolist():
                     visits[b, h, rows, c] += (torch.arange(n, device=dev)[rows] >= c).int()
@@ -648,7 +648,7 @@ def vs_physical_tiles(index: VSIndex, block_n: int, seqlen: int | None = None) -
     n, bm = index.n, index.block_m
     L = n if seqlen is None else seqlen
     dev = index.run_count.device
-    nqb = -(-L // bm)
+    nqb = cdiv(L, bm)
     m0 = torch.arange(nqb, device=dev, dtype=torch.long)[:, None] * bm  # [NQB, 1]
     last = torch.clamp(m0 + bm, max=L) - 1
     valid_run = torch.arange(index.run_start.shape[-1], device=dev) < index.run_count[..., None].long()
