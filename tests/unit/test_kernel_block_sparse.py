@@ -71,9 +71,9 @@ def test_ascending_builder_index(rule, threshold):
     from minference.index import block_sparse_rules, heads_tensor
 
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 4, 70, 16), torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)
+    q, k, v = (torch.randn(1, h, 70, 16, device=DEVICE) for h in (4, 2, 2))
     blocks = block_sparse_index(q, k, 3, block=16, sink_blocks=1, estimate="query", rule=rule, threshold=threshold)
-    rules = block_sparse_rules(rule, threshold, 0, heads_tensor(None, 4, "cpu"), 0)
+    rules = block_sparse_rules(rule, threshold, 0, heads_tensor(None, 4, DEVICE), 0)
     assert block_index_ascending("query", None if rules is None else rules[0])
     assert not block_index_ascending("pooled", None)
     fast = kernels.block_sparse_attention(q, k, v, blocks, block=16, ascending=True)
