@@ -1,5 +1,6 @@
 """Reusable verification tools for attention kernels: tolerance rule, NaN poisoning, hypothesis
-strategies (:mod:`minference.testing.strategies`), and a pytest plugin (markers, profiles)."""
+strategies (:mod:`minference.testing.strategies`), an aten-op recorder
+(:mod:`minference.testing.ops`), and a pytest plugin (markers, profiles)."""
 
 from minference.testing.tolerance import (
     ATOL_FACTOR,

@@ -15,6 +15,7 @@ from minference.dispatch import sparse_prefill
 from minference.index import group_heads
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 from minference.testing import assert_close_to_reference
+from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, qkv
 
 #: A plan exercising every kind, two vertical-slash groups and per-head budgets (9 heads).
@@ -250,17 +251,7 @@ def test_repeat_call_makes_no_per_call_budget_or_row_tensors(monkeypatch) -> Non
     (docs/contract.md): made once per call for every kernel of the layer (validate=False here),
     6 device ops (one aminmax, lt, gt, bitwise_and, two where: k_masked and v_safe) plus a view
     and the two CPU scalars of the where calls."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime.interpreter import InterpretedFunction
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     launches = []
     monkeypatch.setattr(InterpretedFunction, "__getitem__",
@@ -271,7 +262,7 @@ def test_repeat_call_makes_no_per_call_budget_or_row_tensors(monkeypatch) -> Non
     kw = dict(dense_threshold=0, backend="triton", validate=False)
     sparse_prefill(q, k, v, plan, **kw)  # prepares the plan's device tensors
     launches.clear()
-    with Ops() as ops:
+    with RecordOps() as ops:
         sparse_prefill(q, k, v, plan, **kw)
     guard = {"aminmax", "lt", "gt", "bitwise_and", "where", "unsqueeze", "scalar_tensor"}  # kernels.value_guard
     assert set(ops.names) <= {"empty", "empty_like", "zeros", "unbind"} | guard, ops.names

@@ -22,6 +22,7 @@ from minference import kernels
 from minference.dispatch import dense_prefill, sparse_prefill
 from minference.index import select_top
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+from minference.testing.ops import RecordOps
 
 pytestmark = pytest.mark.interpret
 
@@ -367,20 +368,9 @@ def test_value_guard_flags_every_row_with_a_non_finite_element(dtype):
 
 def test_value_guard_checked_is_k_and_v_without_a_device_op():
     """``checked=True`` (values validated by the caller): ``(k, v)`` themselves, no tensor op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     _, k, v = _qkv(2)
     v[0, 1, 7, 3] = NAN  # not read: checked is the caller's promise
-    with Ops() as ops:
+    with RecordOps() as ops:
         k_masked, v_safe = kernels.value_guard(k, v, checked=True)
     assert ops.names == []
     assert k_masked is k and v_safe is v
