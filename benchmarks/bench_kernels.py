@@ -28,6 +28,9 @@ Index geometries (documented, reproducible from ``--seed``):
 * ``tail``: the dispatcher's dense tail, the last 128 rows against every key (not in the default
   methods), twice: with the automatic key split (its count in the label) and unsplit
   (``key_split=1``, the A-shape kernel's one program per query block and head).
+* ``guard``: the value guard alone (``kernels.value_guard``, docs/contract.md), its one Triton
+  pass next to the six torch ops it replaced (s15: one ``aminmax`` over ``v``, ``lt``, ``gt``,
+  ``and``, two ``where``), with the bytes each moves as GB/s (not in the default methods).
 """
 
 from __future__ import annotations
@@ -400,6 +403,19 @@ def _case(N: int, Hkv: int, methods: list[str], seed: int, flex_api) -> list[Row
                         None))
         ms = _bench(lambda: dense_tail_attention(q, k, v, TAIL, out=out, backend="triton", key_split=1))
         rows.append(Row(N, Hkv, f"minference dense tail, last {TAIL} rows (unsplit, key_split=1)", ms, pairs, None))
+
+    if "guard" in methods:  # the value guard: read k and v once, write k_masked and v_safe
+        moved = 4 * k.numel() * k.element_size()
+
+        def torch_formula():
+            lo, hi = torch.aminmax(v, dim=-1)
+            finite = ((hi < float("inf")) & (lo > float("-inf")))[..., None]
+            return torch.where(finite, k, float("nan")), torch.where(finite, v, 0)
+
+        for name, fn in (("value guard, one Triton pass", lambda: kernels.value_guard(k, v)),
+                         ("value guard, torch formula (aminmax + 5 ops)", torch_formula)):
+            ms = _bench(fn)
+            rows.append(Row(N, Hkv, name, ms, 0, None, f"{ms * 1e3:.1f} us, {moved / ms / 1e6:.0f} GB/s (4 k-sizes)"))
 
     if "ashape" in methods:
         pairs = ashape_pairs(N, A_SINK, A_WINDOW)

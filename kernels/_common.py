@@ -329,6 +329,33 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 ValueGuard = tuple[torch.Tensor, torch.Tensor]
 
+#: Elements of ``v`` one program of :func:`_value_guard_kernel` reads (rows x padded head dim).
+GUARD_TILE = 4096
+
+
+@triton.jit
+def _value_guard_kernel(K, V, KM, VS, N, H, skb, skh, skn, skd, svb, svh, svn, svd,
+                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One pass of :func:`value_guard` over ``BLOCK_R`` token rows of one ``(batch row, kv
+    head)`` (a flat grid: program ``(b * H + h) * ceil(N / BLOCK_R) + block``): reads the ``v``
+    and ``k`` rows once and writes ``k_masked`` and ``v_safe`` (contiguous ``[B, H, N, D]``). A
+    row is flagged when any element is NaN (``x != x``) or ±inf."""
+    n_blocks = tl.cdiv(N, BLOCK_R)
+    pid = tl.program_id(0).to(tl.int64)  # one flat axis: B * H * blocks may pass 65535
+    bh, blk = pid // n_blocks, pid % n_blocks
+    b, h = bh // H, bh % H
+    rows = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    inside = (rows[:, None] < N) & (cols[None, :] < D)
+    v = tl.load(V + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd, mask=inside, other=0.0)
+    x = v.to(tl.float32) if v.dtype == tl.bfloat16 else v  # the interpreter misses a bf16 NaN (x != x)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    flagged = tl.max(bad.to(tl.int32), axis=1)[:, None] > 0  # an integer max: no NaN semantics
+    k = tl.load(K + b * skb + h * skh + rows[:, None] * skn + cols[None, :] * skd, mask=inside, other=0.0)
+    out = (bh * N + rows[:, None]) * D + cols[None, :]
+    tl.store(KM + out, tl.where(flagged, float("nan"), k).to(KM.dtype.element_ty), mask=inside)
+    tl.store(VS + out, tl.where(flagged, 0.0, v).to(VS.dtype.element_ty), mask=inside)
+
 
 def value_guard(k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> ValueGuard:
     """What the attention kernels' masked tiles read instead of ``k`` and ``v``, so that a
@@ -342,13 +369,13 @@ def value_guard(k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> Valu
     * ``v_safe [B, Hkv, N, D]`` in ``v``'s dtype: ``v`` with those rows zeroed (a row that masks
       such a key multiplies ``p = 0`` by zeros).
 
-    One ``aminmax`` over ``v`` (NaN compares false, so NaN rows count as non-finite), then 5
-    elementwise ops (``lt``, ``gt``, ``bitwise_and``, two ``where``): 6 device ops, two reads of
-    ``v`` and one of ``k``, a k-sized and a v-sized write, no host sync and no data-dependent
-    shape, so it is CUDA-graph capturable. ``checked=True`` (the caller has validated that ``v``
-    is finite on every token its rows read): ``(k, v)`` themselves, no device op. Call it once per
-    call of the dispatcher, not per kernel launch: every kernel of a layer reads the same pair
-    (``value_guard=`` of the kernel entries)."""
+    Both are new contiguous tensors, written by one Triton pass (:func:`_value_guard_kernel`: one
+    read of ``k`` and of ``v``, one write of each; two allocations and one launch on the host, no
+    host sync and no data-dependent shape, so it is CUDA-graph capturable). ``checked=True`` (the
+    caller has validated that ``v`` is finite on every token its rows read): ``(k, v)``
+    themselves, no device op. Call it once per call of the dispatcher, not per kernel launch:
+    every kernel of a layer reads the same pair (``value_guard=`` of the kernel entries). CPU
+    tensors run the pass in the Triton interpreter (``TRITON_INTERPRET=1``)."""
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     check_tensor("k", k, rank=4, dtypes=dtypes)
     check_tensor("v", v, rank=4, dtypes=dtypes)
@@ -357,11 +384,22 @@ def value_guard(k: torch.Tensor, v: torch.Tensor, checked: bool = False) -> Valu
                          f"{tuple(v.shape)} on {v.device}")
     if not isinstance(checked, bool):
         raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
-    if checked or v.shape[-1] == 0:  # an empty row holds nothing non-finite
+    B, H, N, D = k.shape
+    if checked or D == 0:  # an empty row holds nothing non-finite
         return k, v
-    lo, hi = torch.aminmax(v, dim=-1)  # [B, H, N]: NaN when the row holds one
-    finite = ((hi < float("inf")) & (lo > float("-inf")))[..., None]
-    return torch.where(finite, k, float("nan")), torch.where(finite, v, 0)
+    if k.device.type not in ("cpu", "cuda") or (k.device.type == "cpu" and not interpreting()):
+        raise ValueError(f"value_guard runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1), got "
+                         f"{k.device}{' without the interpreter' if k.device.type == 'cpu' else ''}")
+    k_masked = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    v_safe = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if k.numel() == 0:
+        return k_masked, v_safe
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(GUARD_TILE // block_d, triton.next_power_of_2(N)))
+    grid = (B * H * triton.cdiv(N, block_r),)
+    _value_guard_kernel[grid](k, v, k_masked, v_safe, N, H, *k.stride(), *v.stride(), D=D, BLOCK_R=block_r,
+                              BLOCK_D=block_d)
+    return k_masked, v_safe
 
 
 def check_value_guard(guard, k: torch.Tensor, v: torch.Tensor) -> ValueGuard:
