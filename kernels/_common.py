@@ -15,7 +15,7 @@ Conventions inside every kernel:
 * non-finite values (docs/contract.md): unmasked tiles read ``k`` and ``v`` themselves (every
   row keeps every key there); masked tiles read their key rows from ``k_masked`` (a NaN key row
   where the value row is not finite) and their value rows from ``v_safe`` (those rows zeroed),
-  both made once per call on the host (:func:`value_guard`): the masked tile's own
+  both made once per call by one pass (:func:`value_guard`): the masked tile's own
   ``where(keep, s, -inf)`` leaves the NaN score only where a row keeps such a key, so a
   non-finite value reaches exactly the rows that keep its key, with no arithmetic added in the
   kernels (pointer swaps only).

@@ -126,9 +126,9 @@ def _ops(backend: str) -> SimpleNamespace:
 
 def _value_guard(ops, k: torch.Tensor, v: torch.Tensor, validate: bool) -> dict:
     """``value_guard=`` for every Triton kernel of one dispatcher call, made once here
-    (:func:`minference.kernels.value_guard`: one ``aminmax`` over ``v`` and 5 elementwise ops
-    making ``(k_masked, v_safe)``, or none when the call's validation has checked ``v``, which it
-    never does under capture); the torch backend needs none (``{}``)."""
+    (:func:`minference.kernels.value_guard`: one Triton pass making ``(k_masked, v_safe)``, or
+    none when the call's validation has checked ``v``, which it never does under capture); the
+    torch backend needs none (``{}``)."""
     if ops.value_guard is None:
         return {}
     return dict(value_guard=ops.value_guard(k, v, checked=validate and not capturing()))
