@@ -4,30 +4,38 @@ Importing this package compiles nothing; each kernel compiles on first use. On C
 kernels run in the Triton interpreter (``TRITON_INTERPRET=1`` set before triton's first import).
 """
 
-from minference.kernels._common import SUPPORTED_HEAD_DIMS, value_guard
-from minference.kernels.ashape import ashape_attention, dense_attention
-from minference.kernels.block_sparse import BLOCK_SIZES, block_sparse_attention
-from minference.kernels.convert import VSIndex, convert_vertical_slash, vs_index_to_dense, vs_physical_tiles
-from minference.kernels.vertical_slash import (
-    vertical_slash_attention,
-    vertical_slash_attention_physical,
-    vertical_slash_block_m,
-)
+if __name__ != "minference.kernels":  # a bare `import kernels` from the checkout root: see minference/_toplevel.py
+    import os
+    import runpy
 
-# index estimation (kernels/estimate.py) is owned by the dispatcher engineer; its exports go here.
+    # run by path: importing the minference package here could import transformers, which imports `kernels`
+    runpy.run_path(os.path.join(os.path.dirname(__file__), os.pardir, "minference", "_toplevel.py"))["hand_over"](
+        __name__, __file__)
+else:
+    from minference.kernels._common import SUPPORTED_HEAD_DIMS, value_guard
+    from minference.kernels.ashape import ashape_attention, dense_attention
+    from minference.kernels.block_sparse import BLOCK_SIZES, block_sparse_attention
+    from minference.kernels.convert import VSIndex, convert_vertical_slash, vs_index_to_dense, vs_physical_tiles
+    from minference.kernels.vertical_slash import (
+        vertical_slash_attention,
+        vertical_slash_attention_physical,
+        vertical_slash_block_m,
+    )
 
-__all__ = [
-    "BLOCK_SIZES",
-    "block_sparse_attention",
-    "SUPPORTED_HEAD_DIMS",
-    "VSIndex",
-    "ashape_attention",
-    "convert_vertical_slash",
-    "dense_attention",
-    "vertical_slash_attention",
-    "vertical_slash_attention_physical",
-    "value_guard",
-    "vertical_slash_block_m",
-    "vs_index_to_dense",
-    "vs_physical_tiles",
-]
+    # index estimation (kernels/estimate.py) is owned by the dispatcher engineer; its exports go here.
+
+    __all__ = [
+        "BLOCK_SIZES",
+        "block_sparse_attention",
+        "SUPPORTED_HEAD_DIMS",
+        "VSIndex",
+        "ashape_attention",
+        "convert_vertical_slash",
+        "dense_attention",
+        "vertical_slash_attention",
+        "vertical_slash_attention_physical",
+        "value_guard",
+        "vertical_slash_block_m",
+        "vs_index_to_dense",
+        "vs_physical_tiles",
+    ]
