@@ -1,10 +1,13 @@
 """Benchmarks record the GPU they ran on next to pytest-benchmark's CPU machine info, so saved
 runs compared with ``--benchmark-compare`` say which card, driver and library versions they
-came from."""
+came from, and they are saved per GPU: ``.benchmarks/<gpu name>/<machine id>/NNNN_*.json``
+(unless ``--benchmark-storage`` names another place), so a gate compares a run only with
+baselines of the same card."""
 
 from __future__ import annotations
 
 import platform
+import re
 
 import torch
 import triton
@@ -27,3 +30,18 @@ def pytest_benchmark_update_machine_info(config, machine_info: dict) -> None:
             cudnn=torch.backends.cudnn.version(),
         )
     machine_info["minference"] = info
+
+
+DEFAULT_STORAGE = "file://./.benchmarks"
+
+
+def gpu_storage(storage: str, gpu_name: str) -> str:
+    """pytest-benchmark's default storage with the GPU's name as one more folder; any other storage as given."""
+    if storage != DEFAULT_STORAGE:
+        return storage
+    return f"{DEFAULT_STORAGE}/{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu_name).strip('_')}"
+
+
+def pytest_configure(config) -> None:  # before pytest-benchmark's own (trylast) opens the storage
+    if torch.cuda.is_available() and hasattr(config.option, "benchmark_storage"):
+        config.option.benchmark_storage = gpu_storage(config.option.benchmark_storage, torch.cuda.get_device_name(0))

@@ -13,13 +13,19 @@ shrinking), ``ci-shrink`` (``ci`` with shrinking, to minimise a failure locally)
 examples, shrinking on). The profile comes from ``MINFERENCE_HYPOTHESIS_PROFILE``, else ``gpu``
 when CUDA is available, else ``ci``.
 
-This plugin never imports triton: ``TRITON_INTERPRET`` must be decided (by the caller's
-environment or a ``conftest.py``) before triton's first import.
+``--compile-report`` counts Triton JIT compiles (in-process cache misses, served by triton's disk
+cache or built) per test, and prints where the session's compile time went, per test file and
+per kernel (xdist workers included): the GPU tier is compile-bound.
+
+This plugin never imports triton at configure time: ``TRITON_INTERPRET`` must be decided (by the
+caller's environment or a ``conftest.py``) before triton's first import.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections import defaultdict
 
 import pytest
 
@@ -88,3 +94,88 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> str:
     """``"cuda"`` when a GPU is present, else ``"cpu"`` (Triton then runs interpreted)."""
     return "cuda" if _cuda() else "cpu"
+
+
+# ---- --compile-report ----------------------------------------------------------------------
+
+COMPILE_PROPERTY = "triton_compiles"  # user property: [(kernel name, seconds), ...] of one test
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("minference").addoption(
+        "--compile-report", action="store_true", default=False,
+        help="count Triton JIT compiles per test; print the compile time per test file and per kernel")
+
+
+class _CompileCounter:
+    """Triton's JIT hooks around each compile of this process (synchronous compiles nest in order)."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.knobs, self.compiles, self._started = knobs, [], None
+        self._prev = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+
+    def _before(self, **kwargs) -> bool:
+        self._started = time.perf_counter()
+        return bool(self._prev[0] and self._prev[0](**kwargs))  # False: compile as usual
+
+    def _after(self, **kwargs) -> None:
+        if self._started is not None:
+            self.compiles.append((kwargs["fn"].name, time.perf_counter() - self._started))
+            self._started = None
+        if self._prev[1]:
+            self._prev[1](**kwargs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.getoption("compile_report", False):  # after the conftests chose TRITON_INTERPRET
+        session.config._minference_compiles = _CompileCounter()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    counter = getattr(item.config, "_minference_compiles", None)
+    if counter is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
+        item.user_properties.append((COMPILE_PROPERTY, counter.compiles))
+        counter.compiles = []
+    yield
+
+
+def compile_report(reports) -> list[str]:
+    """Lines of the report: per test file (tests, seconds in setup+call+teardown, compiles, compile
+    seconds) and per kernel (compiles, seconds), most expensive first."""
+    files = defaultdict(lambda: [set(), 0.0, 0, 0.0])
+    kernels = defaultdict(lambda: [0, 0.0])
+    for r in reports:
+        f = files[r.nodeid.split("::")[0]]
+        f[0].add(r.nodeid)
+        f[1] += r.duration
+        for name, value in r.user_properties:
+            if name == COMPILE_PROPERTY:
+                for kernel, seconds in value:
+                    f[2] += 1
+                    f[3] += seconds
+                    kernels[kernel][0] += 1
+                    kernels[kernel][1] += seconds
+    lines = [f"{'test file':<48} {'tests':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}"]
+    for path, (ids, seconds, n, cs) in sorted(files.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{path:<48} {len(ids):>5} {seconds:>8.1f} {n:>8} {cs:>9.1f}")
+    total = [sum(v[i] for v in files.values()) for i in (1, 2, 3)]
+    lines.append(f"{'all':<48} {sum(len(v[0]) for v in files.values()):>5} {total[0]:>8.1f} {total[1]:>8} "
+                 f"{total[2]:>9.1f}")
+    lines.append(f"{'kernel':<48} {'':>5} {'':>8} {'compiles':>8} {'compile s':>9}")
+    for kernel, (n, cs) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{kernel:<48} {'':>5} {'':>8} {n:>8} {cs:>9.1f}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not config.getoption("compile_report", False) or hasattr(config, "workerinput"):
+        return
+    reports = [r for rs in terminalreporter.stats.values() for r in rs if isinstance(r, pytest.TestReport)]
+    terminalreporter.write_sep("=", "Triton compiles per test file and kernel (--compile-report)")
+    for line in compile_report(reports):
+        terminalreporter.write_line(line)

@@ -1,0 +1,45 @@
+"""``--compile-report``: the per-file and per-kernel sums of Triton compiles and test seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minference.testing.plugin import COMPILE_PROPERTY, compile_report
+
+
+def _report(nodeid: str, when: str, duration: float, compiles=None) -> pytest.TestReport:
+    props = [(COMPILE_PROPERTY, compiles)] if compiles is not None else []
+    return pytest.TestReport(nodeid, (nodeid, 0, nodeid), {}, "passed", None, when, duration=duration,
+                             user_properties=props)
+
+
+def test_sums_per_file_and_kernel_most_expensive_first():
+    reports = [
+        _report("tests/a.py::t1", "setup", 1.0), _report("tests/a.py::t1", "call", 2.0),
+        _report("tests/a.py::t1", "teardown", 0.5, [("_fwd", 1.5), ("_conv", 0.25)]),
+        _report("tests/b.py::t2", "call", 10.0), _report("tests/b.py::t2", "teardown", 0.0, [("_fwd", 4.0)]),
+        _report("tests/b.py::t3", "teardown", 0.0, []),
+    ]
+    lines = compile_report(reports)
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert lines[1].startswith("tests/b.py") and lines[2].startswith("tests/a.py")  # by test seconds
+    assert rows["tests/b.py"] == ["2", "10.0", "1", "4.0"]
+    assert rows["tests/a.py"] == ["1", "3.5", "2", "1.8"]
+    assert rows["all"] == ["3", "13.5", "3", "5.8"]
+    kernel_rows = lines[lines.index(next(l for l in lines if l.startswith("kernel"))) + 1:]
+    assert [l.split() for l in kernel_rows] == [["_fwd", "2", "5.5"], ["_conv", "1", "0.2"]]
+
+
+def test_the_option_runs_a_session_and_prints_the_table(tmp_path):
+    (tmp_path / "test_x.py").write_text("def test_one():\n    assert True\n")
+    env = dict(os.environ, MINFERENCE_HYPOTHESIS_PROFILE="ci")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--compile-report", "test_x.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "Triton compiles per test file and kernel" in line)
+    assert lines[at + 2].split()[0] == "test_x.py" and lines[at + 2].split()[1] == "1"
