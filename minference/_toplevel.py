@@ -8,7 +8,9 @@ checkout root a plain ``import kernels`` would then find the folder instead of H
 (``transformers.integrations.hub_kernels``). Each folder's ``__init__`` therefore checks the name it
 was imported under: as ``minference.<folder>`` it is this project's package; under its bare name it
 hands the name over to the installed distribution of that name, found on ``sys.path`` without the
-checkout root, or raises ``ModuleNotFoundError`` as if the folder were not there.
+checkout root; where there is none it stays an empty namespace package (no ``__file__``, no
+submodules), which transformers' availability checks (5.17 imports the module when it finds no
+metadata) read as "not installed".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 __all__ = ["hand_over"]
 
@@ -27,15 +30,15 @@ def hand_over(name: str, init_file: str) -> None:
 
     The import system returns whatever ``sys.modules[name]`` holds once the folder's ``__init__``
     has run, so ``import kernels`` and ``from kernels import X`` get the installed distribution.
-    Raises ``ModuleNotFoundError`` when no other module of that name is on ``sys.path``.
+    Without one, the folder's module is left as an empty namespace package.
     """
     root = os.path.dirname(os.path.dirname(os.path.realpath(init_file)))
     path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
     spec = importlib.machinery.PathFinder.find_spec(name, path)
     if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(
-            f"No module named {name!r}: the folder {name}/ in {root} is minference.{name}; install the project "
-            f"(pip install -e .) and import minference.{name}", name=name)
+        _as_namespace(sys.modules[name], f"the folder {name}/ in {root} is minference.{name}; no other {name!r} "
+                                         f"is installed")
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -43,3 +46,15 @@ def hand_over(name: str, init_file: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+
+
+def _as_namespace(module: types.ModuleType, why: str) -> None:
+    """Leave ``module`` as an empty namespace package would be (no ``__file__``, no submodules), the
+    form transformers' availability checks read as "not installed"; any attribute read says why."""
+
+    def __getattr__(attr: str):
+        raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}: {why}")
+
+    module.__file__ = None
+    module.__path__ = []
+    module.__getattr__ = __getattr__

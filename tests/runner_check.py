@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 # import name -> distribution to install; each environment's needs
@@ -39,6 +40,9 @@ def main(argv: list[str]) -> int:
     if lacks:
         print(f"tox -e {env}: the runner lacks {', '.join(lacks)}; install them into the Python that runs tox "
               f"(offline: carry wheels, docs/verification.md)", file=sys.stderr)
+        return 1
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print(f"tox -e {env}: TRITON_INTERPRET=1 is set; the GPU environments run compiled kernels", file=sys.stderr)
         return 1
     import torch
 

@@ -96,68 +96,114 @@ def device() -> str:
     return "cuda" if _cuda() else "cpu"
 
 
-# ---- --compile-report ----------------------------------------------------------------------
+# ---- Triton compiles under xdist: --compile-report, and each variant built once --------------
 
 COMPILE_PROPERTY = "triton_compiles"  # user property: [(kernel name, seconds), ...] of one test
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.getgroup("minference").addoption(
+    group = parser.getgroup("minference")
+    group.addoption(
         "--compile-report", action="store_true", default=False,
-        help="count Triton JIT compiles per test; print the compile time per test file and per kernel")
+        help="count Triton JIT compiles per test; print the compile time per test file, test and kernel")
+    group.addoption(
+        "--no-compile-lock", action="store_true", default=False,
+        help="let xdist workers build the same Triton kernel variant concurrently (default: one builds, the "
+             "others wait and load it from triton's cache)")
 
 
-class _CompileCounter:
-    """Triton's JIT hooks around each compile of this process (synchronous compiles nest in order)."""
+class _CompileHooks:
+    """Triton's JIT hooks around each compile of this process (synchronous compiles follow each other).
 
-    def __init__(self) -> None:
+    ``count``: record ``(kernel, seconds)`` per compile. ``lock_dir``: hold an exclusive file lock per
+    kernel variant (kernel, specialisation key, options) from the start of its compile to its end, so
+    that xdist workers wanting the same variant at once build it once: the others wait, then their
+    compile is a hit in triton's on-disk cache (milliseconds instead of seconds).
+    """
+
+    def __init__(self, count: bool, lock_dir: str | None) -> None:
         from triton import knobs
 
-        self.knobs, self.compiles, self._started = knobs, [], None
+        self.knobs, self.count, self.lock_dir = knobs, count, lock_dir
+        self.compiles: list[tuple[str, float]] = []
+        self._started, self._lock = None, None
         self._prev = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
 
     def _before(self, **kwargs) -> bool:
+        if self.lock_dir is not None:
+            import fcntl
+            import hashlib
+
+            self.release()  # a compile that raised never reached _after
+            fn = kwargs["fn"]
+            name = hashlib.sha256(f"{fn.module}.{fn.name}:{kwargs['key']!r}".encode()).hexdigest()[:32]
+            self._lock = open(os.path.join(self.lock_dir, name), "w")  # noqa: SIM115 (held until _after)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._started = time.perf_counter()
         return bool(self._prev[0] and self._prev[0](**kwargs))  # False: compile as usual
 
     def _after(self, **kwargs) -> None:
-        if self._started is not None:
+        if self._started is not None and self.count:
             self.compiles.append((kwargs["fn"].name, time.perf_counter() - self._started))
-            self._started = None
+        self._started = None
+        self.release()
         if self._prev[1]:
             self._prev[1](**kwargs)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file drops its flock
+            self._lock = None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if session.config.getoption("compile_report", False):  # after the conftests chose TRITON_INTERPRET
-        session.config._minference_compiles = _CompileCounter()
+    # after the conftests chose TRITON_INTERPRET; the interpreter compiles nothing
+    config = session.config
+    count = config.getoption("compile_report", False)
+    lock = (os.environ.get("PYTEST_XDIST_WORKER") is not None and os.environ.get("TRITON_INTERPRET") != "1"
+            and not config.getoption("no_compile_lock", False) and _cuda())
+    if not (count or lock):
+        return
+    lock_dir = None
+    if lock:
+        from triton import knobs
+
+        lock_dir = os.path.join(knobs.cache.dir, "minference-compile-locks")
+        os.makedirs(lock_dir, exist_ok=True)
+    config._minference_compiles = _CompileHooks(count, lock_dir)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    counter = getattr(item.config, "_minference_compiles", None)
-    if counter is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
-        item.user_properties.append((COMPILE_PROPERTY, counter.compiles))
-        counter.compiles = []
+    hooks = getattr(item.config, "_minference_compiles", None)
+    if hooks is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
+        hooks.release()
+        if hooks.count:
+            item.user_properties.append((COMPILE_PROPERTY, hooks.compiles))
+        hooks.compiles = []
     yield
 
 
-def compile_report(reports) -> list[str]:
+def compile_report(reports, top: int = 20) -> list[str]:
     """Lines of the report: per test file (tests, seconds in setup+call+teardown, compiles, compile
-    seconds) and per kernel (compiles, seconds), most expensive first."""
+    seconds), the ``top`` longest tests, and per kernel (compiles, seconds), most expensive first."""
     files = defaultdict(lambda: [set(), 0.0, 0, 0.0])
     kernels = defaultdict(lambda: [0, 0.0])
+    tests = defaultdict(lambda: [0.0, 0, 0.0])
     for r in reports:
         f = files[r.nodeid.split("::")[0]]
         f[0].add(r.nodeid)
         f[1] += r.duration
+        tests[r.nodeid][0] += r.duration
         for name, value in r.user_properties:
             if name == COMPILE_PROPERTY:
                 for kernel, seconds in value:
                     f[2] += 1
                     f[3] += seconds
+                    tests[r.nodeid][1] += 1
+                    tests[r.nodeid][2] += seconds
                     kernels[kernel][0] += 1
                     kernels[kernel][1] += seconds
     lines = [f"{'test file':<48} {'tests':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}"]
@@ -166,6 +212,9 @@ def compile_report(reports) -> list[str]:
     total = [sum(v[i] for v in files.values()) for i in (1, 2, 3)]
     lines.append(f"{'all':<48} {sum(len(v[0]) for v in files.values()):>5} {total[0]:>8.1f} {total[1]:>8} "
                  f"{total[2]:>9.1f}")
+    lines.append(f"{'test (the %d longest)' % top:<48} {'':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}")
+    for nodeid, (seconds, n, cs) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{nodeid:<48} {'':>5} {seconds:>8.1f} {n:>8} {cs:>9.1f}")
     lines.append(f"{'kernel':<48} {'':>5} {'':>8} {'compiles':>8} {'compile s':>9}")
     for kernel, (n, cs) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"{kernel:<48} {'':>5} {'':>8} {n:>8} {cs:>9.1f}")

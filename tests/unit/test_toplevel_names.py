@@ -44,13 +44,15 @@ def test_transformers_hub_kernels_and_model_modules_import_from_the_checkout_roo
 
 
 @pytest.mark.parametrize("name", ["kernels", "reference"])
-def test_a_bare_import_reaches_the_installed_distribution_or_none(name):
+def test_a_bare_import_reaches_the_installed_distribution_or_an_empty_namespace(name):
     run = _from_root(
         f"import os\n"
-        f"try:\n"
-        f"    import {name}\n"
-        f"except ModuleNotFoundError as e:\n"
-        f"    print('missing', e)\n"
+        f"import {name}\n"
+        f"if {name}.__file__ is None:\n"
+        f"    try:\n"
+        f"        {name}.anything\n"
+        f"    except AttributeError as e:\n"
+        f"        print('namespace', e)\n"
         f"else:\n"
         f"    print('found', os.path.realpath({name}.__file__))\n")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -58,7 +60,26 @@ def test_a_bare_import_reaches_the_installed_distribution_or_none(name):
     if _installed(name):
         assert verdict == "found" and not Path(rest).is_relative_to(ROOT), run.stdout
     else:
-        assert verdict == "missing" and f"minference.{name}" in rest, run.stdout
+        assert verdict == "namespace" and f"minference.{name}" in rest, run.stdout
+
+
+def test_transformers_availability_check_reads_a_shadowed_name_as_not_installed():
+    """transformers 5.17 imports a module it finds without metadata and calls it installed unless it
+    has neither ``__version__`` nor ``__file__``: the folder must not pass for Hugging Face's package."""
+    run = _from_root(
+        "import importlib, importlib.metadata, importlib.util\n"
+        "for name in ('kernels', 'reference'):\n"
+        "    try:\n"
+        "        importlib.metadata.version(name)\n"
+        "        continue\n"
+        "    except importlib.metadata.PackageNotFoundError:\n"
+        "        pass\n"
+        "    assert importlib.util.find_spec(name) is not None\n"
+        "    module = importlib.import_module(name)\n"
+        "    installed = getattr(module, '__version__', 'N/A') != 'N/A' or getattr(module, '__file__', None)\n"
+        "    assert not installed, (name, module)\n"
+        "    print('not installed', name)\n")
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_a_patched_llama_and_qwen2_run_from_the_checkout_root():
