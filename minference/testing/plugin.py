@@ -14,8 +14,9 @@ examples, shrinking on). The profile comes from ``MINFERENCE_HYPOTHESIS_PROFILE`
 when CUDA is available, else ``ci``.
 
 ``--compile-report`` counts Triton JIT compiles (in-process cache misses, served by triton's disk
-cache or built) per test, and prints where the session's compile time went, per test file and
-per kernel (xdist workers included): the GPU tier is compile-bound.
+cache or built) per test, and prints where the session's time went, per test file, test and
+kernel (xdist workers included). Under xdist each worker's torch gets its share of the CPU cores
+(unless ``OMP_NUM_THREADS`` is set).
 
 This plugin never imports triton at configure time: ``TRITON_INTERPRET`` must be decided (by the
 caller's environment or a ``conftest.py``) before triton's first import.
@@ -96,93 +97,65 @@ def device() -> str:
     return "cuda" if _cuda() else "cpu"
 
 
-# ---- Triton compiles under xdist: --compile-report, and each variant built once --------------
+# ---- xdist workers' CPU threads, and --compile-report -----------------------------------------
 
 COMPILE_PROPERTY = "triton_compiles"  # user property: [(kernel name, seconds), ...] of one test
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("minference")
-    group.addoption(
+    parser.getgroup("minference").addoption(
         "--compile-report", action="store_true", default=False,
         help="count Triton JIT compiles per test; print the compile time per test file, test and kernel")
-    group.addoption(
-        "--no-compile-lock", action="store_true", default=False,
-        help="let xdist workers build the same Triton kernel variant concurrently (default: one builds, the "
-             "others wait and load it from triton's cache)")
 
 
-class _CompileHooks:
-    """Triton's JIT hooks around each compile of this process (synchronous compiles follow each other).
+def worker_threads(cores: int, workers: int) -> int:
+    """CPU threads for torch in one of ``workers`` xdist workers on ``cores`` cores: their share."""
+    return max(1, cores // max(1, workers))
 
-    ``count``: record ``(kernel, seconds)`` per compile. ``lock_dir``: hold an exclusive file lock per
-    kernel variant (kernel, specialisation key, options) from the start of its compile to its end, so
-    that xdist workers wanting the same variant at once build it once: the others wait, then their
-    compile is a hit in triton's on-disk cache (milliseconds instead of seconds).
-    """
 
-    def __init__(self, count: bool, lock_dir: str | None) -> None:
+class _CompileCounter:
+    """Triton's JIT hooks around each compile of this process (synchronous compiles follow each other)."""
+
+    def __init__(self) -> None:
         from triton import knobs
 
-        self.knobs, self.count, self.lock_dir = knobs, count, lock_dir
         self.compiles: list[tuple[str, float]] = []
-        self._started, self._lock = None, None
+        self._started = None
         self._prev = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
 
     def _before(self, **kwargs) -> bool:
-        if self.lock_dir is not None:
-            import fcntl
-            import hashlib
-
-            self.release()  # a compile that raised never reached _after
-            fn = kwargs["fn"]
-            name = hashlib.sha256(f"{fn.module}.{fn.name}:{kwargs['key']!r}".encode()).hexdigest()[:32]
-            self._lock = open(os.path.join(self.lock_dir, name), "w")  # noqa: SIM115 (held until _after)
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._started = time.perf_counter()
         return bool(self._prev[0] and self._prev[0](**kwargs))  # False: compile as usual
 
     def _after(self, **kwargs) -> None:
-        if self._started is not None and self.count:
+        if self._started is not None:
             self.compiles.append((kwargs["fn"].name, time.perf_counter() - self._started))
         self._started = None
-        self.release()
         if self._prev[1]:
             self._prev[1](**kwargs)
-
-    def release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()  # closing the file drops its flock
-            self._lock = None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # after the conftests chose TRITON_INTERPRET; the interpreter compiles nothing
-    config = session.config
-    count = config.getoption("compile_report", False)
-    lock = (os.environ.get("PYTEST_XDIST_WORKER") is not None and os.environ.get("TRITON_INTERPRET") != "1"
-            and not config.getoption("no_compile_lock", False) and _cuda())
-    if not (count or lock):
-        return
-    lock_dir = None
-    if lock:
-        from triton import knobs
+    # Each xdist worker's torch would start a thread per core: 16 workers on 16 cores ran 256 threads
+    # for the float64 references the kernel tests compute on the CPU (docs/verification.md).
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is not None and "OMP_NUM_THREADS" not in os.environ:
+        import torch
 
-        lock_dir = os.path.join(knobs.cache.dir, "minference-compile-locks")
-        os.makedirs(lock_dir, exist_ok=True)
-    config._minference_compiles = _CompileHooks(count, lock_dir)
+        torch.set_num_threads(worker_threads(os.cpu_count() or 1, int(workers)))
+    # after the conftests chose TRITON_INTERPRET; the interpreter compiles nothing
+    if session.config.getoption("compile_report", False):
+        session.config._minference_compiles = _CompileCounter()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    hooks = getattr(item.config, "_minference_compiles", None)
-    if hooks is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
-        hooks.release()
-        if hooks.count:
-            item.user_properties.append((COMPILE_PROPERTY, hooks.compiles))
-        hooks.compiles = []
+    counter = getattr(item.config, "_minference_compiles", None)
+    if counter is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
+        item.user_properties.append((COMPILE_PROPERTY, counter.compiles))
+        counter.compiles = []
     yield
 
 
@@ -212,7 +185,7 @@ def compile_report(reports, top: int = 20) -> list[str]:
     total = [sum(v[i] for v in files.values()) for i in (1, 2, 3)]
     lines.append(f"{'all':<48} {sum(len(v[0]) for v in files.values()):>5} {total[0]:>8.1f} {total[1]:>8} "
                  f"{total[2]:>9.1f}")
-    lines.append(f"{'test (the %d longest)' % top:<48} {'':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}")
+    lines.append(f"{f'test (the {top} longest)':<48} {'':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}")
     for nodeid, (seconds, n, cs) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{nodeid:<48} {'':>5} {seconds:>8.1f} {n:>8} {cs:>9.1f}")
     lines.append(f"{'kernel':<48} {'':>5} {'':>8} {'compiles':>8} {'compile s':>9}")

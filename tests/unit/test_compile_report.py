@@ -43,3 +43,17 @@ def test_the_option_runs_a_session_and_prints_the_table(tmp_path):
     lines = run.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if "Triton compiles per test file and kernel" in line)
     assert lines[at + 2].split()[0] == "test_x.py" and lines[at + 2].split()[1] == "1"
+
+
+def test_xdist_workers_take_their_share_of_the_cores(tmp_path):
+    """A worker of N (xdist sets PYTEST_XDIST_WORKER_COUNT) runs torch on cores // N threads."""
+    (tmp_path / "test_y.py").write_text(
+        "import os, torch\n"
+        "from minference.testing.plugin import worker_threads\n"
+        "def test_threads():\n"
+        "    assert torch.get_num_threads() == worker_threads(os.cpu_count(), 3) == max(1, os.cpu_count() // 3)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(MINFERENCE_HYPOTHESIS_PROFILE="ci", PYTEST_XDIST_WORKER_COUNT="3")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_y.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
