@@ -36,6 +36,7 @@ import triton.language as tl
 from minference._checks import (
     arange_constant,
     capturing,
+    check_finite_kv,
     check_finite_rows,
     check_qkv_rows,
     check_query_rows,
@@ -563,7 +564,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     q_lens, q_starts = rows if rows is not None else (lens, starts)
     if values:
         check_finite_rows({"q": q}, q_lens, q_starts, heads=None if heads is None else {"q": heads})
-        check_finite_rows({"k": k, "v": v}, lens, starts)
+        check_finite_kv({"k": k, "v": v}, lens, starts, group=Hq // Hkv, query_heads=heads)
     Hg = Hq if heads is None else heads.shape[0]
     if out is None:
         alloc = torch.zeros if partial else torch.empty

@@ -49,8 +49,13 @@ def same_device(a, b) -> bool:
 
 
 def check_tensor(name: str, x: object, *, rank: int | None = None, dtypes=None) -> torch.Tensor:
+    """``x`` if it is a torch tensor with data (a meta tensor is refused here, at the edge: it has
+    a shape and no values, and would fail deep inside torch at the first value read), of ``rank``
+    and one of ``dtypes`` when given."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without data); pass a tensor on a real device")
     if rank is not None and x.dim() != rank:
         raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
     if dtypes is not None and x.dtype not in dtypes:
@@ -277,20 +282,69 @@ def check_finite_rows(tensors: dict, lens: torch.Tensor, starts: torch.Tensor, *
     one host read.
     """
     for name, x in tensors.items():
-        B, _, N, _ = x.shape
-        check = token_mask(lens, starts, B, N, x.device, values=False) if rows is None else rows  # [B, N]
-        acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
-        total = x.sum(dim=-1, dtype=acc)  # [B, H, N]
         ids = None if heads is None else heads.get(name)
-        if ids is not None:
-            total = total.index_select(1, ids.long())
-        hit = ~torch.isfinite(total) & check[:, None]  # [B, H or len(ids), N]
-        if bool(hit.any()):
-            b, h, t = (int(i) for i in hit.nonzero()[0])
-            if ids is not None:
-                h = int(ids[h])
+        hit = _first_non_finite(x, lens, starts, ids, rows)
+        if hit is not None:
+            b, h, t = hit
             raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (head {h}; token "
                              f"{t - int(starts[b])} of the row, inside its length)")
+
+
+def check_finite_kv(tensors: dict, lens: torch.Tensor, starts: torch.Tensor, *, group: int,
+                    query_heads: torch.Tensor | None = None) -> None:
+    """Raise if a key or value tensor ``[B, Hkv, N, D]`` holds NaN or inf on a token inside its
+    row in a kv head that a computed query head reads, naming the tensor, the batch row, the token,
+    the kv head and the query heads that read it (GQA: query head ``h`` reads kv head
+    ``h // group``, ``group = Hq // Hkv``). ``query_heads``: a 1-D int tensor of the computed
+    query heads (default all): kv heads none of them reads are not checked, and only computed
+    heads are named. Cost as :func:`check_finite_rows`."""
+    kv = None if query_heads is None else query_heads.long() // group
+    for name, x in tensors.items():
+        hit = _first_non_finite(x, lens, starts, kv, None)
+        if hit is not None:
+            b, j, t = hit
+            readers = (list(range(j * group, (j + 1) * group)) if query_heads is None
+                       else sorted({h for h in query_heads.tolist() if h // group == j}))
+            raise ValueError(f"{name} holds NaN or inf at batch row {b}, token {t} (kv head {j}, read by query "
+                             f"heads {readers}; token {t - int(starts[b])} of the row, inside its length)")
+
+
+def _first_non_finite(x: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor | None,
+                      rows: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """``(batch row, head, token)`` of the first non-finite element of ``x [B, H, N, D]`` on a
+    checked token (``rows [B, N]``, default the tokens inside each row) of a checked head
+    (``ids``, default all; the head named is ``x``'s own id), or ``None``."""
+    B, _, N, _ = x.shape
+    check = token_mask(lens, starts, B, N, x.device, values=False) if rows is None else rows  # [B, N]
+    acc = torch.float64 if x.dtype in (torch.float32, torch.float64) else torch.float32
+    total = x.sum(dim=-1, dtype=acc)  # [B, H, N]
+    if ids is not None:
+        total = total.index_select(1, ids.long())
+    hit = ~torch.isfinite(total) & check[:, None]  # [B, H or len(ids), N]
+    if not bool(hit.any()):
+        return None
+    b, h, t = (int(i) for i in hit.nonzero()[0])
+    return b, (h if ids is None else int(ids[h])), t
+
+
+def check_merge(out_a: object, lse_a: object, out_b: object, lse_b: object) -> torch.dtype:
+    """The arguments of ``merge_attention`` (both implementations): ``out_a, out_b [..., D]``
+    floating tensors of one shape and dtype, ``lse_a, lse_b [...]`` floating tensors of the
+    outputs' leading shape, all four on one device. Returns the dtype to merge in: float64 when
+    any of them is float64, else float32 (an integer output would be truncated: refused)."""
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        check_tensor(name, x, dtypes=_FLOAT_DTYPES)
+    if not (out_a.device == lse_a.device == out_b.device == lse_b.device):
+        raise ValueError(f"merge_attention needs its four tensors on one device, got {out_a.device}, {lse_a.device}, "
+                         f"{out_b.device}, {lse_b.device}")
+    if out_a.dtype != out_b.dtype:
+        raise TypeError(f"out_a and out_b must share a dtype, got {out_a.dtype} and {out_b.dtype}")
+    if (out_a.dim() < 1 or out_a.shape != out_b.shape or lse_a.shape != lse_b.shape
+            or tuple(out_a.shape[:-1]) != tuple(lse_a.shape)):
+        raise ValueError(f"merge_attention needs outputs [..., D] and log-sum-exps [...] of one shape, got "
+                         f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, {tuple(lse_b.shape)}")
+    wide = torch.float64 in (out_a.dtype, lse_a.dtype, lse_b.dtype)
+    return torch.float64 if wide else torch.float32
 
 
 def check_budget(name: str, value: object, *, total: int, minimum: int, values: bool,

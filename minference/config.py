@@ -20,7 +20,9 @@ The published MInference format is read too (:func:`from_minference`): a JSON li
 (``VerticalSlash(vertical, slash)``), ``"stream_llm"`` (A-shape: ``AShape(sink=vertical,
 window=slash)``) or ``"block_sparse"`` (``BlockSparse(top_k=vertical)``).
 
-Loading is safe for untrusted files: a size limit (:data:`MAX_CONFIG_BYTES`), plain :mod:`json` (no
+Loading is safe for untrusted files: regular files only (a named pipe, a directory or a device is
+refused without blocking or reading), a size limit (:data:`MAX_CONFIG_BYTES`, from the file's
+stat, before reading), plain :mod:`json` (no
 pickle, no code), duplicate keys and non-finite numbers (NaN, Infinity, and literals such as ``1e400``
 that overflow to infinity) refused, then the shapes (layer and head counts against ``model``, at most
 :data:`MAX_CONFIG_PAIRS` pairs) before any entry, then schema validation by the ``jsonschema``
@@ -38,6 +40,7 @@ import math
 import os
 import platform
 import re
+import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -630,6 +633,39 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def _read_regular_file(path: str | os.PathLike) -> bytes:
+    """The bytes of ``path`` if it is a regular file (symlinks followed) of at most
+    :data:`MAX_CONFIG_BYTES`, else a :class:`ConfigError` before anything is read.
+
+    Opened non-blocking, then the open file is ``fstat``-ed: a named pipe without a writer would
+    block ``open()`` for ever, a character device (``/dev/zero``) reads without end, and a check
+    on the path before opening could be raced by a swap. The size limit comes from the stat, not
+    from reading; the read itself stops one byte past the limit (a file that grows meanwhile).
+    A missing file stays a ``FileNotFoundError``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{os.fsdecode(path)} is {_file_kind(info.st_mode)}, not a regular file; a config is "
+                              "read from a regular file, bytes, or parsed JSON")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{os.fsdecode(path)}: {info.st_size} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit "
+                              "for configs")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
 def _read_json(source: str | os.PathLike | bytes) -> Any:
     if isinstance(source, (bytes, bytearray, memoryview)):
         raw = bytes(source)
@@ -638,11 +674,7 @@ def _read_json(source: str | os.PathLike | bytes) -> Any:
         raise TypeError(f"config source must be a path, bytes, or parsed JSON (dict or list), "
                         f"got {type(source).__name__}")
     else:
-        size = os.path.getsize(source)
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: {size} bytes exceeds the {MAX_CONFIG_BYTES}-byte limit for configs")
-        with open(source, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = _read_regular_file(source)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config exceeds the {MAX_CONFIG_BYTES}-byte limit")
     try:
@@ -669,8 +701,11 @@ def load_config(
     """Load a PatternConfig (native or MInference format) and check it against the model.
 
     Args:
-        source: a path (str or os.PathLike), raw bytes, or already-parsed JSON (dict: native
-            format; list: MInference). Anything else raises TypeError.
+        source: a path (str or os.PathLike) to a regular file, raw bytes, or already-parsed JSON
+            (dict: native format; list: MInference). Anything else raises TypeError; a path that
+            is not a regular file (a directory, a named pipe, a device such as ``/dev/zero``) or
+            is larger than :data:`MAX_CONFIG_BYTES` raises :class:`ConfigError` before any byte
+            is read (nothing blocks, nothing is read without a bound).
         model: a transformers model to check against (its signature is computed, with the weights
             fingerprint when ``fingerprint``); or pass ``signature`` directly. Neither: no check.
         allow_mismatch: use the config even if it was made for a different model (the caller

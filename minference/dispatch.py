@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from minference._checks import (
     capturing,
+    check_finite_kv,
     check_finite_rows,
     check_key_split,
+    check_merge,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
@@ -362,20 +364,23 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the same queries over the union of two disjoint key sets, from each set's
     ``(out [..., D], lse [...])`` (``return_lse=True`` of any kernel): weights ``exp(lse_a -
-    lse)`` and ``exp(lse_b - lse)`` with ``lse = log(exp(lse_a) + exp(lse_b))``, in float32.
-    A row empty in both stays 0 with ``lse = -inf``. Returns ``(out in out_a's dtype, lse
-    float32)``; the float64 twin is :func:`minference.reference.attention.merge_attention`."""
-    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or tuple(out_a.shape[:-1]) != tuple(lse_a.shape):
-        raise ValueError(f"merge_attention needs outputs [..., D] and log-sum-exps [...] of one shape, got "
-                         f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, {tuple(lse_b.shape)}")
-    la, lb = lse_a.float(), lse_b.float()
+    lse)`` and ``exp(lse_b - lse)`` with ``lse = log(exp(lse_a) + exp(lse_b))``, in float32
+    (float64 when an input is float64). A row empty in both stays 0 with ``lse = -inf``. Merging
+    is associative and commutative: several pieces merge in any order.
+
+    Floating tensors only (fp16, bf16, fp32, fp64; outputs of one dtype), all on one device
+    (:func:`minference._checks.check_merge`; a ``TypeError`` / ``ValueError`` otherwise).
+    Returns ``(out in out_a's dtype, lse in the merge dtype)``; the float64 twin is
+    :func:`minference.reference.attention.merge_attention`."""
+    acc = check_merge(out_a, lse_a, out_b, lse_b)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(la, lb)
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     wa, wb = torch.exp(la - m), torch.exp(lb - m)
     total = wa + wb
     lse = torch.where(total > 0, m + torch.log(total), torch.full_like(m, float("-inf")))
     safe = torch.where(total > 0, total, torch.ones_like(total))
-    out = (wa[..., None] * out_a.float() + wb[..., None] * out_b.float()) / safe[..., None]
+    out = (wa[..., None] * out_a.to(acc) + wb[..., None] * out_b.to(acc)) / safe[..., None]
     return out.to(out_a.dtype), lse
 
 
@@ -391,7 +396,7 @@ def _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate:
                               given_rows=seqlens is not None or seqstarts is not None)
     q_lens, q_starts = chosen if chosen is not None else (lens, starts)
     check_finite_rows({"q": q}, q_lens, q_starts)
-    check_finite_rows({"k": k, "v": v}, lens, starts)
+    check_finite_kv({"k": k, "v": v}, lens, starts, group=q.shape[1] // k.shape[1])
 
 
 def _check_triton_plan(groups, q: torch.Tensor) -> None:

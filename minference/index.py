@@ -46,6 +46,7 @@ from minference._checks import (
     arange_constant,
     capturing,
     check_budget,
+    check_finite_kv,
     check_finite_rows,
     check_int,
     check_qkv_rows,
@@ -788,10 +789,8 @@ def _check_finite_inputs(q: torch.Tensor, k: torch.Tensor, hs: torch.Tensor, len
     """Refuse NaN or inf in what a builder reads: the query rows ``q_rows [B, N]`` (``None``:
     every token of the row) of the computed heads ``hs``, and every key of the row of their kv
     heads (a host read; the caller skips it under capture)."""
-    Hq, Hkv = q.shape[1], k.shape[1]
-    kv = hs.long() // (Hq // Hkv)
     check_finite_rows({"q": q}, lens, starts, heads={"q": hs}, rows=q_rows)
-    check_finite_rows({"k": k}, lens, starts, heads={"k": kv})
+    check_finite_kv({"k": k}, lens, starts, group=q.shape[1] // k.shape[1], query_heads=hs)
 
 
 def _check_resolved(resolved, count: int, heads: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -18,6 +18,7 @@ from minference.reference.masks import (
 
 from minference._checks import (
     check_index,
+    check_merge,
     check_qkv,
     check_qkv_rows,
     check_query_rows,
@@ -291,7 +292,9 @@ def query_rows_attention(fn, q, k, v, *args, q_seqlens=None, q_seqstarts=None, s
 def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets from each set's ``(out, lse)``, in
     float64: weights ``exp(lse_a - lse)`` and ``exp(lse_b - lse)`` with ``lse =
-    log(exp(lse_a) + exp(lse_b))``; a row empty in both stays 0 / ``-inf``."""
+    log(exp(lse_a) + exp(lse_b))``; a row empty in both stays 0 / ``-inf``. The arguments are
+    checked as for :func:`minference.dispatch.merge_attention` (``_checks.check_merge``)."""
+    check_merge(out_a, lse_a, out_b, lse_b)
     la, lb = lse_a.double(), lse_b.double()
     m = torch.maximum(la, lb)
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)

@@ -4,6 +4,22 @@ One function per subcommand, registered on one ``argparse`` parser. This module 
 other modules add theirs through an ``add_cli(subparsers)`` function listed in
 :data:`SUBCOMMAND_MODULES` (each parser sets ``func=handler(args) -> int``).
 
+The error contract (docs/integration.md, "The command line"): every argument is checked before
+anything slow runs (a model load, a search, a plot), and a bad one ends the command with one
+line on stderr, ``minference CMD: error: ...``, and exit status 2, never a traceback (``--debug``,
+accepted by every subcommand, shows it). The checks run in :func:`main`, in this order:
+
+1. argparse's own (types, choices, required options), its errors made one line by
+   :class:`Parser`;
+2. :data:`OPTION_CHECKS`: options that mean the same in every subcommand (``--device``,
+   ``--tokens``, ``--depth``, ``--config``, ``--min-mass``, ``--out``, ...), checked by their
+   argparse ``dest`` wherever a subcommand has them (a new subcommand gets them for free; a new
+   shared option is one entry there);
+3. the subcommand's own cross-argument check, if its parser sets ``check=fn(args)`` (raising
+   ``ValueError`` or ``ImportError`` with the message for the user);
+4. the command itself: an error of :func:`user_errors` it raises (a config made for another
+   model, a missing model file) is printed the same way.
+
 ``minference demo`` runs every pattern on a bundled synthetic example — deterministic ``q, k,
 v`` with the structure real heads show (an attention sink, a local band, a few heavy key
 columns, and one diffuse head) — and prints, per pattern, the density of the logical index,
@@ -17,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import math
 import os
 import sys
@@ -27,7 +44,8 @@ import torch
 
 from minference.dispatch import FILL_GAPS
 
-__all__ = ["SUBCOMMAND_MODULES", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
+__all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "user_errors", "check_arguments", "Parser", "HelpFormatter",
+           "check_device", "check_config_file", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
 #: Modules whose ``add_cli(subparsers)`` adds subcommands (imported when the parser is built).
 SUBCOMMAND_MODULES = ("minference.app.main_job", "minference.app.plots", "minference.app.evaluate")
@@ -237,6 +255,171 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# ---------------------------------------------------------------------------------------------
+# Argument checks shared by every subcommand (the error contract in the module docstring).
+
+
+def check_device(name: str) -> str:
+    """``name`` if it is a torch device this machine has (``cpu``, ``cuda``, ``cuda:N``, ``mps``,
+    ...), else a ``ValueError`` saying why: checked before anything loads (a model loaded for
+    ~30 s and then moved to a missing GPU ended in ``Torch not compiled with CUDA enabled``)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return name
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")
+            raise ValueError(f"device {name!r} is not available: {why}; use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {name!r} is not available: this machine has {count} CUDA device(s)")
+        return name
+    module = torch.backends.mps if dev.type == "mps" else getattr(torch, dev.type, None)
+    if not getattr(module, "is_available", lambda: False)():
+        raise ValueError(f"device {name!r} is not available on this machine; use cpu or cuda")
+    return name
+
+
+def check_config_file(path: str) -> str:
+    """``path`` if it names a PatternConfig that loads (format, schema, limits: everything but the
+    model check, which needs the model), else a ``ValueError`` with the loader's message."""
+    from minference.config import ConfigError, load_config
+
+    try:
+        load_config(path)
+    except (ConfigError, OSError) as err:
+        raise ValueError(f"config {path}: {err}" if str(path) not in str(err) else str(err)) from None
+    return path
+
+
+def _int_at_least(minimum: int):
+    def check(value: int) -> int:
+        if value < minimum:
+            raise ValueError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return check
+
+
+def _number_in(lo: float, hi: float, *, open_low: bool = False):
+    def check(value: float) -> float:
+        if not (math.isfinite(value) and (lo < value if open_low else lo <= value) and value <= hi):
+            raise ValueError(f"must lie in {'(' if open_low else '['}{lo:g}, {hi:g}], got {value}")
+        return value
+
+    return check
+
+
+def _output_file(path: str) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"the folder of {path!r} does not exist")
+    return path
+
+
+def _image_file(path: str) -> str:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("drawing needs matplotlib: pip install matplotlib (or pip install 'minference[plot]')")
+    return _output_file(path)
+
+
+#: Checks of the options that mean the same in every subcommand, by argparse ``dest``: each
+#: takes the parsed value (never ``None``: an option left at a ``None`` default is not checked;
+#: each element of a list) and returns it or raises ``ValueError`` with the message for the
+#: user. :func:`main` applies them to every subcommand that has the option, before it runs.
+#: (``eval`` checks its own ``--lengths``, ``--samples``, ``--tasks`` and ``--config`` specs
+#: before it loads the model: ``minference.app.evaluate.run_eval``.)
+OPTION_CHECKS = {
+    "device": check_device,
+    "config": check_config_file,
+    "tokens": _int_at_least(2),
+    "depth": _number_in(0.0, 1.0),
+    "min_mass": _number_in(0.0, 1.0),
+    "target_density": _number_in(0.0, 1.0, open_low=True),
+    "prompts": _int_at_least(1),
+    "row_stride": _int_at_least(1),
+    "dpi": _int_at_least(1),
+    "seed": _int_at_least(0),
+    "dense_threshold": _int_at_least(0),
+    "dense_tail": _int_at_least(0),
+    "prefill_chunk": _int_at_least(0),
+    "layers": _int_at_least(0),
+    "layer": _int_at_least(0),
+    "head": _int_at_least(0),
+    "out": _output_file,
+    "plot": _image_file,
+}
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a command may raise that is the user's to fix (a bad argument found late, a config
+    made for another model, a missing model or package): one line, exit 2. Anything else is a
+    bug and keeps its traceback. (A function: the model module is imported only on an error.)"""
+    from minference.app.models import ModelNotAvailable
+
+    return (ValueError, OSError, ImportError, ModelNotAvailable)
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Steps 2 and 3 of the error contract: :data:`OPTION_CHECKS` on every option ``args`` has,
+    then the subcommand's own ``check(args)``. Raises ``ValueError`` naming the option."""
+    flags = {a.dest: a.option_strings[-1] for a in _all_actions(parser) if a.option_strings}
+    for dest, check in OPTION_CHECKS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, list):
+                setattr(args, dest, [check(x) for x in value])
+            else:
+                setattr(args, dest, check(value))
+        except ValueError as err:
+            raise ValueError(f"argument {flags.get(dest, '--' + dest.replace('_', '-'))}: {err}") from None
+    extra = getattr(args, "check", None)
+    if extra is not None:
+        extra(args)
+
+
+def _all_actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_actions(sub)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, with ``(default: X)`` after every option whose help does not say its
+    default already (``None`` and ``False`` defaults, which mean "off" or "chosen", are left out)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or any(action.default is off for off in (None, False, argparse.SUPPRESS))
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of ``minference`` and of each subcommand (``add_subparsers`` makes its parsers
+    of the parent's class): :class:`HelpFormatter` unless told otherwise, a ``--debug`` option on
+    every level, and usage errors on one line (``minference run: error: argument --tokens:
+    invalid int value: 'x'``, exit 2)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show the traceback instead of one line")
+        self.set_defaults(cli_prog=self.prog)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _demo_cmd(args: argparse.Namespace) -> int:
     run_demo(n=args.tokens, seed=args.seed, backend=args.backend, device=args.device)
     return 0
@@ -251,13 +434,14 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic content")
     demo.add_argument("--backend", choices=("auto", "triton", "torch", "none"), default="auto",
                       help="fast path compared with the reference (auto: Triton when importable; none: skip)")
-    demo.add_argument("--device", default="cpu", help="device of the fast path (cpu: Triton interpreter)")
+    demo.add_argument("--device", default="cpu",
+                      help="device of the fast path (cpu: Triton interpreter; checked before anything runs)")
     demo.set_defaults(func=_demo_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``minference`` parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="minference",
         description="Training-free dynamic sparse attention for long-context prefill.",
         epilog="Run `minference COMMAND --help` for the options of a command.",
@@ -270,13 +454,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``minference`` script; returns the exit status."""
+    """Entry point of the ``minference`` script; returns the exit status (2: a bad argument or
+    another error of :func:`user_errors`, printed as one line on stderr; see the module docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # argparse's errors: one line, SystemExit(2)
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        check_arguments(parser, args)
+        return int(args.func(args) or 0)
+    except Exception as err:
+        if getattr(args, "debug", False) or not isinstance(err, user_errors()):
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"{args.cli_prog}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -82,6 +82,18 @@ RUN_DESCRIPTION = (
     "query-key pairs computed, per layer), the per-layer coverage (dense attention mass the sparse index "
     "captures) and which attention path each call took. A few minutes on a 2-core CPU."
 )
+SEARCH_DESCRIPTION = (
+    "Offline per-head pattern search: run the model densely on calibration prompts (bundled prose with "
+    "hidden facts, never the eval text), score every candidate pattern and budget of every head by the dense "
+    "attention mass it captures and its tile cost, choose one per head (--select), and write the "
+    "PatternConfig JSON (with provenance) that `minference run --config` and `patch()` read. A head whose "
+    "best candidate captures less than --min-mass stays dense."
+)
+SWEEP_DESCRIPTION = (
+    "Progressive swap-in on SmolLM2-135M: for k = 1..L (or --layers), run sparse prefill in layers 0..k-1 "
+    "only, greedy-decode a passkey prompt, and compare with dense decoding; prints the first step where the "
+    "tokens diverge and whether that is a near-tie (small dense logit margin)."
+)
 #: Extra tokens decoded after the key's length (shows what follows the answer).
 EXTRA_DECODE_TOKENS = 2
 
@@ -112,6 +124,8 @@ class MainJobReport:
     backend: str = "auto"
     device: str = "cpu"
     model: str = "smollm2"
+    #: False with ``coverage=False`` (``run --no-coverage``): the per-layer lists are not measured.
+    coverage_measured: bool = True
 
     @property
     def density(self) -> float:
@@ -249,7 +263,7 @@ def run_main_job(
     return MainJobReport(
         n_tokens=n_tokens, key=key, dense=dense, sparse=sparse, config_path=str(config_path),
         pattern_counts=config.counts(), layer_density=density, layer_coverage=cover, call_counts=counts,
-        backend=backend, device=str(device), model=model_name,
+        backend=backend, device=str(device), model=model_name, coverage_measured=coverage,
     )
 
 
@@ -265,14 +279,19 @@ def format_report(r: MainJobReport) -> str:
         f"dense  prefill    : {r.dense.prefill_s:.2f} s (transformers SDPA, {r.device})",
         f"sparse prefill    : {r.sparse.prefill_s:.2f} s (minference, backend {r.backend}; "
         f"ratio {r.dense.prefill_s / r.sparse.prefill_s:.2f}x)",
-        f"sparsity          : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
-        f"coverage          : {r.coverage:.3f} of dense attention mass captured (mean over layers and heads)",
-        f"attention calls   : {r.call_counts}",
-        "",
-        "layer  density  coverage",
     ]
-    for layer, (d, c) in enumerate(zip(r.layer_density, r.layer_coverage)):
-        lines.append(f"{layer:5d}  {d:7.3f}  {c:8.3f}")
+    if r.coverage_measured:
+        lines += [
+            f"sparsity          : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
+            f"coverage          : {r.coverage:.3f} of dense attention mass captured (mean over layers and heads)",
+        ]
+    else:
+        lines.append("sparsity, coverage: not measured (--no-coverage)")
+    lines.append(f"attention calls   : {r.call_counts}")
+    if r.coverage_measured:
+        lines += ["", "layer  density  coverage"]
+        for layer, (d, c) in enumerate(zip(r.layer_density, r.layer_coverage)):
+            lines.append(f"{layer:5d}  {d:7.3f}  {c:8.3f}")
     return "\n".join(lines)
 
 
@@ -411,10 +430,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
-    run.set_defaults(func=_run_cmd)
+    run.set_defaults(func=_run_cmd, check=_check_run)
 
     search = subparsers.add_parser(
         "search", help="offline per-head pattern search on calibration prompts; writes a PatternConfig",
+        description=SEARCH_DESCRIPTION,
     )
     search.add_argument("--out", required=True, help="where to write the config JSON")
     search.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2", help="model to search")
@@ -435,10 +455,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--row-stride", type=int, default=None, help="score every k-th query row")
     search.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
-    search.set_defaults(func=_search_cmd)
+    search.set_defaults(func=_search_cmd, check=_check_search)
 
     sweep = subparsers.add_parser(
         "sweep", help="progressive swap-in on SmolLM2: sparse prefill in layers 0..k-1, greedy decode vs dense",
+        description=SWEEP_DESCRIPTION,
     )
     sweep.add_argument("--config", default=str(DEFAULT_CONFIG), help="PatternConfig (native or MInference JSON)")
     sweep.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="prompt length in tokens")
@@ -449,7 +470,41 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                        help="prompts shorter than this run dense (default 0: always sparse)")
     sweep.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sweep.set_defaults(func=_sweep_cmd)
+    sweep.set_defaults(func=_sweep_cmd, check=_check_sweep)
+
+
+# Cross-argument checks, run by minference.app.cli.main after the shared option checks and before
+# any model loads (each raises ValueError with the message for the user).
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    model, _, tokens = main_job_defaults(args.device, args.model)
+    if model == "qwen":
+        from minference.app.models import QWEN_NATIVE_CONTEXT, QWEN_YARN_FACTOR
+        from minference.app.prompts import PASSKEY_DIGITS
+
+        limit = int(QWEN_NATIVE_CONTEXT * QWEN_YARN_FACTOR)
+        n = tokens if args.tokens is None else args.tokens
+        if n + PASSKEY_DIGITS + EXTRA_DECODE_TOKENS > limit:  # one token per digit (Qwen's tokenizer)
+            raise ValueError(f"argument --tokens: {n} tokens and the answer exceed qwen's {limit}-token context "
+                             f"(YaRN x{QWEN_YARN_FACTOR:g})")
+
+
+def _check_search(args: argparse.Namespace) -> None:
+    if args.min_mass and len(args.min_mass) > 1 and "{min_mass}" not in args.out:
+        raise ValueError("several --min-mass values need '{min_mass}' in --out")
+    if args.model_path is not None and args.model != "qwen":
+        raise ValueError(f"--model-path is for --model qwen (the {args.model} weights come from their package)")
+
+
+def _check_sweep(args: argparse.Namespace) -> None:
+    from minference.config import load_config
+
+    n_layers = len(load_config(args.config).layers)  # loads: checked by the shared --config check
+    bad = [k for k in args.layers or () if k > n_layers]
+    if bad:
+        raise ValueError(f"argument --layers: layer counts must lie in [0, {n_layers}] (the config's layers), "
+                         f"got {bad}")
 
 
 def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -472,10 +527,7 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from minference.app.models import QWEN_MODEL_ID, load_model, set_context_length
     from minference.app.prompts import calibration_prompts
 
-    masses = args.min_mass or [None]
-    if len(masses) > 1 and "{min_mass}" not in args.out:
-        print("minference search: error: several --min-mass values need '{min_mass}' in --out", file=sys.stderr)
-        return 2
+    masses = args.min_mass or [None]  # checked by _check_search
     model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
     if args.model == "qwen":
         set_context_length(model, args.tokens)

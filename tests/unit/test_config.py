@@ -263,6 +263,71 @@ def test_size_limit(tmp_path, monkeypatch, sig):
         C.load_config(path)
 
 
+def test_the_size_limit_comes_from_the_stat_before_any_read(tmp_path, monkeypatch, sig):
+    """A file over the limit is refused from its stat: nothing is read (before issue 34 too, via
+    getsize; now from the open file's fstat, so the file checked is the file read)."""
+    import os
+
+    path = tmp_path / "c.json"
+    make_config(sig).save(path)
+    monkeypatch.setattr(C, "MAX_CONFIG_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr(os, "read", lambda *a: pytest.fail("read before the size check"))
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: pytest.fail("read before the size check"))
+    with pytest.raises(C.ConfigError, match=f"{path.stat().st_size} bytes exceeds the"):
+        C.load_config(path)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_without_a_writer_is_refused_without_blocking(tmp_path):
+    """Issue 34: open() on a FIFO with no writer blocked for ever. The load runs in a daemon
+    thread so that a regression fails here (and is unblocked) instead of hanging the suite."""
+    import os
+    import threading
+
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    result = {}
+
+    def load():
+        try:
+            C.load_config(str(fifo))
+        except Exception as err:  # noqa: BLE001 -- reported below
+            result["err"] = err
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    if thread.is_alive():  # blocked in open(): give it a writer so that it ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=10)
+        pytest.fail("load_config blocked on a named pipe")
+    assert isinstance(result.get("err"), C.ConfigError), result
+    assert f"{fifo} is a named pipe, not a regular file" in str(result["err"])
+
+
+@pytest.mark.parametrize("path, kind", [("/dev/zero", "a character device"), ("/dev/null", "a character device")])
+def test_a_device_is_refused_before_it_is_read(path, kind, monkeypatch):
+    """/dev/zero reports size 0 and reads without end: refused from its stat, nothing read."""
+    import os
+
+    if not os.path.exists(path):
+        pytest.skip(f"no {path} here")
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: pytest.fail(f"{path} was read"))
+    with pytest.raises(C.ConfigError, match=f"{path} is {kind}, not a regular file"):
+        C.load_config(path)
+
+
+def test_a_directory_is_refused_and_a_missing_file_is_file_not_found(tmp_path, sig):
+    with pytest.raises(C.ConfigError, match="is a directory, not a regular file"):
+        C.load_config(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        C.load_config(tmp_path / "missing.json")
+    real = tmp_path / "real.json"
+    make_config(sig).save(real)
+    (tmp_path / "link.json").symlink_to(real)  # a symlink to a regular file is that file
+    assert C.load_config(tmp_path / "link.json").layers == make_config(sig).layers
+
+
 def test_schema_is_a_valid_draft_2020_12_schema():
     from jsonschema import Draft202012Validator
     from jsonschema.validators import validator_for

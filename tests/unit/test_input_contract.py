@@ -55,8 +55,8 @@ def test_vs_builder_refuses_non_finite_rows_it_reads(name):
     for tensor, head, token, kw in (("q", 1, N - 1, {}), ("q", 0, 32, dict(extra_rows=2)), ("k", 1, 5, {})):
         bad = {"q": q.clone(), "k": k.clone()}
         bad[tensor][0, head, token, 3] = NAN
-        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token {token} "
-                                             f"\\(head {head};"):
+        named = f"head {head};" if tensor == "q" else f"kv head {head}, read by query heads \\[{head}\\];"
+        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token {token} \\({named}"):
             build(bad["q"], bad["k"], **VS_ARGS, **kw)
     q_mid = q.clone()
     q_mid[0, 0, 10] = NAN  # not sampled: last 16 rows, no extra rows
@@ -75,7 +75,8 @@ def test_bs_builder_refuses_non_finite_inputs(name):
     for tensor in ("q", "k"):
         bad = {"q": q.clone(), "k": k.clone()}
         bad[tensor][0, 1, 33, 0] = -INF
-        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token 33 \\(head 1;"):
+        named = "head 1;" if tensor == "q" else "kv head 1, read by query heads \\[1\\];"
+        with pytest.raises(ValueError, match=f"{tensor} holds NaN or inf at batch row 0, token 33 \\({named}"):
             BS_BUILDERS[name](bad["q"], bad["k"], 2, block=16)
 
 
@@ -170,7 +171,8 @@ def test_dispatcher_refuses_non_finite_and_validate_off_keeps_forced_entries():
     for name in ("q", "k", "v"):
         bad = dict(q=q.clone(), k=k.clone(), v=v.clone())
         bad[name][0, 1, 40, 2] = NAN
-        with pytest.raises(ValueError, match=f"{name} holds NaN or inf at batch row 0, token 40 \\(head 1;"):
+        named = "head 1;" if name == "q" else "kv head 1, read by query heads \\[1\\];"
+        with pytest.raises(ValueError, match=f"{name} holds NaN or inf at batch row 0, token 40 \\({named}"):
             sparse_prefill(bad["q"], bad["k"], bad["v"], plan, dense_threshold=0, backend="torch")
         with pytest.raises(ValueError, match=f"{name} holds NaN or inf"):
             dense_prefill(bad["q"], bad["k"], bad["v"])
@@ -182,6 +184,79 @@ def test_dispatcher_refuses_non_finite_and_validate_off_keeps_forced_entries():
     forced = torch.tensor([[[0, 1]]], dtype=torch.int32)
     want = ref.vertical_slash_attention(q[:, :1], k[:, :1], v[:, :1], forced, forced)
     torch.testing.assert_close(out[0, 0, : N - 1].double(), want[0, 0, : N - 1], rtol=1e-4, atol=1e-5)
+
+
+#: Grouped heads (issue 34): Hq / Hkv >= 2 and more than one kv head, so that the kv head of
+#: query head h (h // group) differs from h % Hkv and from h // Hkv.
+GQA_SHAPES = [(6, 2), (6, 3)]
+
+
+def _gqa_qkv(Hq: int, Hkv: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, N, D, generator=g)
+    return q, torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g)
+
+
+def _readers(j: int, group: int, computed=None) -> str:
+    heads = [h for h in range(j * group, (j + 1) * group) if computed is None or h in computed]
+    return f"kv head {j}, read by query heads \\[{', '.join(map(str, heads))}\\];"
+
+
+@pytest.mark.parametrize("Hq,Hkv", GQA_SHAPES)
+def test_grouped_heads_a_bad_key_or_value_names_its_kv_head_and_query_heads(Hq, Hkv):
+    """The dispatcher (validation on) and the torch builders, a NaN key or value in each kv head
+    in turn: the error names that kv head and exactly the query heads that read it; a builder
+    computing one query head refuses it iff that head reads the bad kv head."""
+    group = Hq // Hkv
+    q, k, v = _gqa_qkv(Hq, Hkv)
+    plan = [VerticalSlash(vertical=4, slash=4, last_q=16, sink_columns=2, local_diagonals=2)] * Hq
+    for j in range(Hkv):
+        for name in ("k", "v"):
+            bad = dict(q=q, k=k.clone(), v=v.clone())
+            bad[name][0, j, 21, 5] = NAN
+            with pytest.raises(ValueError, match=f"{name} holds NaN or inf at batch row 0, token 21 "
+                                                 f"\\({_readers(j, group)}"):
+                sparse_prefill(bad["q"], bad["k"], bad["v"], plan, dense_threshold=0, backend="torch")
+            with pytest.raises(ValueError, match=_readers(j, group)):
+                dense_prefill(bad["q"], bad["k"], bad["v"])
+        bad_k = k.clone()
+        bad_k[0, j, 21, 5] = INF
+        with pytest.raises(ValueError, match=f"k holds NaN or inf at batch row 0, token 21 \\({_readers(j, group)}"):
+            tb.vertical_slash_index(q, bad_k, **VS_ARGS)
+        for h in range(Hq):
+            one = torch.tensor([h])
+            if h // group == j:
+                with pytest.raises(ValueError, match=_readers(j, group, computed={h})):
+                    tb.vertical_slash_index(q, bad_k, **VS_ARGS, heads=one)
+                with pytest.raises(ValueError, match=_readers(j, group, computed={h})):
+                    tb.block_sparse_index(q, bad_k, 2, block=16, heads=one)
+            else:  # the bad kv head is not read: no error
+                tb.vertical_slash_index(q, bad_k, **VS_ARGS, heads=one)
+                tb.block_sparse_index(q, bad_k, 2, block=16, heads=one)
+        last = torch.tensor([(j + 1) * group - 1, Hq - 1] if j + 1 < Hkv else [Hq - 1])
+        with pytest.raises(ValueError, match=_readers(j, group, computed={(j + 1) * group - 1})):
+            tb.block_sparse_index(q, bad_k, 2, block=16, heads=last)
+
+
+def test_grouped_heads_kernels_and_triton_builders_name_the_query_heads_that_read_it():
+    """The same rule at the Triton entry points (interpreter): a kernel or builder computing some
+    query heads refuses a NaN value / key only in a kv head one of them reads, naming those."""
+    Hq, Hkv = 6, 2
+    group = Hq // Hkv
+    q, k, v = _gqa_qkv(Hq, Hkv, seed=1)
+    for j in range(Hkv):
+        bad_v, bad_k = v.clone(), k.clone()
+        bad_v[0, j, 9, 0] = -INF
+        bad_k[0, j, 9, 0] = NAN
+        with pytest.raises(ValueError, match=f"v holds NaN or inf at batch row 0, token 9 \\({_readers(j, group)}"):
+            kernels.ashape_attention(q, k, bad_v, 1, 4)
+        mine, other = torch.tensor([j * group + 1]), torch.tensor([(1 - j) * group])
+        with pytest.raises(ValueError, match=_readers(j, group, computed={j * group + 1})):
+            kernels.dense_attention(q, k, bad_v, heads=mine)
+        with pytest.raises(ValueError, match=_readers(j, group, computed={j * group + 1})):
+            estimate.vertical_slash_index(q, bad_k, **VS_ARGS, heads=mine)
+        out = kernels.dense_attention(q, k, bad_v, heads=other)  # reads the other kv head only
+        assert torch.isfinite(out).all()
 
 
 def test_kernels_keep_a_non_finite_value_to_the_rows_that_read_it():
@@ -614,3 +689,78 @@ def test_head_dim_zero_is_a_clear_error():
                  lambda: ref.dense_attention(z, z, z)):
         with pytest.raises(ValueError, match="head dim D >= 1"):
             call()
+
+
+# --------------------------------------------------------------------------------------------
+# 4. meta tensors (a shape without data): refused at the edge, naming the tensor (issue 34)
+# --------------------------------------------------------------------------------------------
+
+
+def _entry_points(q, k, v, *, budget=2, seqlens=None, idx=None, blocks=None):
+    """Every public entry point that takes q, k, v, called on these tensors."""
+    rows = {} if seqlens is None else dict(seqlens=seqlens)
+    idx = torch.zeros(B, H, 1, dtype=torch.int32) if idx is None else idx
+    blocks = torch.zeros(B, H, N // 16, 1, dtype=torch.int32) if blocks is None else blocks
+    plan = [VerticalSlash(vertical=4, slash=4, last_q=16)] * H
+    calls = {f"{name} vertical_slash_index": (lambda m=mod: m.vertical_slash_index(q, k, budget, 4, **rows))
+             for name, mod in (("torch", tb), ("triton", estimate))}
+    calls.update({f"{name} block_sparse_index": (lambda m=mod: m.block_sparse_index(q, k, budget, block=16, **rows))
+                  for name, mod in (("torch", tb), ("triton", estimate))})
+    calls.update({
+        "torch ashape_attention": lambda: tb.ashape_attention(q, k, v, 1, budget, **rows),
+        "torch vertical_slash_attention": lambda: tb.vertical_slash_attention(q, k, v, idx, idx, **rows),
+        "torch block_sparse_attention": lambda: tb.block_sparse_attention(q, k, v, blocks, block=16, **rows),
+        "torch dense_attention": lambda: tb.dense_attention(q, k, v, **rows),
+        "triton ashape_attention": lambda: kernels.ashape_attention(q, k, v, 1, budget, **rows),
+        "triton vertical_slash_attention": lambda: kernels.vertical_slash_attention(q, k, v, idx, idx, **rows),
+        "triton block_sparse_attention": lambda: kernels.block_sparse_attention(q, k, v, blocks, block=16, **rows),
+        "triton dense_attention": lambda: kernels.dense_attention(q, k, v, **rows),
+        "sparse_prefill torch": lambda: sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch", **rows),
+        "sparse_prefill torch unvalidated": lambda: sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch",
+                                                                   validate=False, **rows),
+        "sparse_prefill triton": lambda: sparse_prefill(q, k, v, plan, dense_threshold=0, backend="triton", **rows),
+        "dense_prefill": lambda: dense_prefill(q, k, v, **rows),
+        "dense_prefill unvalidated": lambda: dense_prefill(q, k, v, validate=False, **rows),
+    })
+    return calls
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "all"])
+def test_meta_q_k_v_are_refused_at_every_entry_point_with_their_name(which):
+    """Before: 'Tensor.item() cannot be called on meta tensors' or 'Cannot copy out of meta
+    tensor' from inside torch (the torch backend, the builders, the dispatcher)."""
+    qkv_ = dict(zip("qkv", _qkv()))
+    for name in ("qkv" if which == "all" else which):
+        qkv_[name] = qkv_[name].to("meta")
+    first = "q" if which == "all" else which
+    for entry, call in _entry_points(qkv_["q"], qkv_["k"], qkv_["v"]).items():
+        if first == "v" and "index" in entry:
+            continue  # the builders read no v
+        with pytest.raises(ValueError, match=f"^{first} is a meta tensor"):
+            call()
+            pytest.fail(f"{entry} took a meta {first}")
+
+
+def test_meta_index_budget_and_row_tensors_are_refused_with_their_name():
+    q, k, v = _qkv()
+    meta_lens = torch.full((B,), N, dtype=torch.int32, device="meta")
+    for call in _entry_points(q, k, v, seqlens=meta_lens).values():
+        with pytest.raises(ValueError, match="^seqlens is a meta tensor"):
+            call()
+    budget = torch.full((H,), 4, dtype=torch.int64, device="meta")
+    for entry, call in _entry_points(q, k, v, budget=budget).items():
+        if "ashape" in entry or "index" in entry:
+            with pytest.raises(ValueError, match="^(window|vertical|top_k) (is a meta tensor|must be on cpu, got meta)"
+                               ):
+                call()
+    idx = torch.zeros(B, H, 1, dtype=torch.int32, device="meta")
+    blocks = torch.zeros(B, H, N // 16, 1, dtype=torch.int32, device="meta")
+    for entry, call in _entry_points(q, k, v, idx=idx, blocks=blocks).items():
+        if "vertical_slash_attention" in entry:
+            with pytest.raises(ValueError, match="^vertical is a meta tensor"):
+                call()
+        elif "block_sparse_attention" in entry:
+            with pytest.raises(ValueError, match="^blocks is a meta tensor"):
+                call()
+    with pytest.raises(ValueError, match="^heads is a meta tensor"):
+        tb.vertical_slash_index(q, k, 4, 4, heads=torch.tensor([0], device="meta"))

@@ -159,8 +159,11 @@ def test_unsupported_head_dim(which):
 @pytest.mark.parametrize("which", range(3))
 def test_mixed_devices(which):
     q, k, v = _small()
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(ValueError, match="k is a meta tensor"):  # refused before the device check
         _calls(q, k.to("meta"), v)[which]()
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            _calls(q.cuda(), k.cpu(), v.cuda())[which]()
 
 
 @pytest.mark.parametrize("which", range(3))

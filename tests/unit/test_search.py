@@ -246,11 +246,11 @@ def test_cheapest_selection_takes_the_least_costly_candidate_that_holds_on_the_w
 def test_search_cli_takes_several_min_masses(capsys, monkeypatch):
     """``--min-mass`` with several values writes one config per value from one search; ``--out``
     must then name them (checked before any model loads)."""
-    from minference.app import main_job, models
-    from minference.app.cli import build_parser
+    from minference.app import models
+    from minference.app.cli import build_parser, main
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     args = build_parser().parse_args(["search", "--out", "c.json", "--min-mass", "0.9", "0.95"])
     assert args.min_mass == [0.9, 0.95]
-    assert main_job._search_cmd(args) == 2
+    assert main(["search", "--out", "c.json", "--min-mass", "0.9", "0.95"]) == 2  # main_job._check_search
     assert "{min_mass}" in capsys.readouterr().err
