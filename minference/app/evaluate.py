@@ -41,6 +41,7 @@ The loop runs length -> sample -> config, so every config sees the same prompts.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -463,10 +464,13 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     session, each within its time limit): configs and lengths in first-seen order, records and
     runs concatenated. Speed-ups stay per (config, length) against the dense run of that length,
     so every length must have been measured with dense in the same run as its other configs.
+    One (config, length) may come from several reports when they ran disjoint tasks (a RULER
+    length split over calls with ``--tasks``): its TTFTs are joined and their median taken again;
+    the warm-up, the split, density and coverage are the first report's.
 
     Raises:
         EvalError: a different model, dtype, GPU or settings, a config name with two specs, or
-            one (config, length) in two reports.
+            one (config, task, length) in two reports.
     """
     if not reports:
         raise EvalError("nothing to merge")
@@ -477,6 +481,7 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     lengths: list[int] = []
     tasks: list[str] = []
     records: list[SampleRecord] = []
+    seen: dict[tuple, set[str]] = {}  # (config, length) -> tasks merged so far
     for rep in reports:
         if any(rep.model.get(k) != first.model.get(k) for k in keys):
             raise EvalError(f"different models: {rep.model} vs {first.model}")
@@ -487,9 +492,20 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
                 raise EvalError(f"config {c.name!r} has two specs: {configs[c.name].spec!r} and {c.spec!r}")
             configs.setdefault(c.name, c)
         for r in rep.runs:
-            if (r.config, r.n_tokens) in runs:
-                raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports")
-            runs[(r.config, r.n_tokens)] = r
+            key = (r.config, r.n_tokens)
+            mine = {x.task for x in rep.records if (x.config, x.n_tokens) == key}
+            if key in runs:
+                both = seen[key] & mine
+                if both or not mine:
+                    raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports"
+                                    + (f" (tasks {', '.join(sorted(both))} in both)" if both else ""))
+                merged = runs[key]
+                merged.ttft_s = merged.ttft_s + r.ttft_s
+                merged.ttft_median_s = float(statistics.median(merged.ttft_s)) if merged.ttft_s else None
+                seen[key] |= mine
+                continue
+            runs[key] = copy.deepcopy(r)
+            seen[key] = set(mine)
         lengths += [n for n in rep.lengths if n not in lengths]
         tasks += [t for t in rep.tasks if t not in tasks]
         records += rep.records

@@ -560,3 +560,18 @@ def test_plot_draws_the_worst_case_whisker(tmp_path):
     ax = fig.axes[0]
     whiskers = [line.get_xdata() for line in ax.lines if len(line.get_xdata()) == 2]
     assert sorted(tuple(x) for x in whiskers) == [(1500.0, 2000.0), (2250.0, 4000.0)]
+
+
+def test_merge_joins_one_length_split_over_calls_by_task():
+    """A RULER length too long for one device call runs as two calls with disjoint --tasks: the
+    merged (config, length) holds every TTFT (median taken again) and the worst-case summary sees
+    every prompt; the same task in both is refused."""
+    one = _timed_report({"dense": {("a", 0): 1.0, ("a", 1): 2.0}, "fast": {("a", 0): 0.5, ("a", 1): 4.0}})
+    two = _timed_report({"dense": {("b", 0): 3.0}, "fast": {("b", 0): 1.0}})
+    merged = E.merge_reports([one, two])
+    run = merged.run("fast", N)
+    assert run.ttft_s == [0.5, 4.0, 1.0] and run.ttft_median_s == 1.0 and one.run("fast", N).ttft_s == [0.5, 4.0]
+    pooled = next(r for r in merged.ttft_summary() if (r["config"], r["task"]) == ("fast", "all"))
+    assert pooled["prompts"] == 3 and pooled["dense_max_ms"] == 3000.0 and pooled["worst_ratio"] == 2.0
+    with pytest.raises(E.EvalError, match="tasks a in both"):
+        E.merge_reports([one, one])
