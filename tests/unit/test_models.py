@@ -198,10 +198,11 @@ def test_the_15b_attention_shape_searches_and_runs_sparse():
     its config and both dispatcher backends, on a random 2-layer Qwen2 of that shape: the search
     keys the config by the 12 heads, and the Triton kernels (interpreter) agree with the torch
     backend on the searched sparse patterns."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     import minference.integration as integ
     from minference.app import search as S
     from minference.patterns import BlockSparse, VerticalSlash
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
