@@ -48,7 +48,8 @@ __all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "user_errors", "check_argument
            "check_device", "check_config_file", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
 #: Modules whose ``add_cli(subparsers)`` adds subcommands (imported when the parser is built).
-SUBCOMMAND_MODULES = ("minference.app.main_job", "minference.app.plots", "minference.app.evaluate")
+SUBCOMMAND_MODULES = ("minference.app.main_job", "minference.app.plots", "minference.app.evaluate",
+                      "minference.app.ruler")
 
 #: Demo problem size: small enough for the Triton interpreter on a laptop CPU.
 DEMO_TOKENS = 256

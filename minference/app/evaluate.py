@@ -41,6 +41,8 @@ The loop runs length -> sample -> config, so every config sees the same prompts.
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
 import math
 import os
@@ -102,6 +104,9 @@ SDPA_OPS = re.compile(r"^aten::_?scaled_dot_product")
 #: ``cudaMemcpyAsync``...): a kernel belongs to the range open when its call ran.
 _LAUNCH_CALLS = re.compile(r"^cu(da)?[A-Z]")
 REPORT_FORMAT = "minference.eval_report"
+#: Task sources of ``minference eval``: the procedural suite of :mod:`minference.app.evals`, and RULER
+#: (:mod:`minference.app.ruler`, prompts generated elsewhere and read from a folder).
+SUITES = ("procedural", "ruler")
 REPORT_VERSION = 1
 #: ``name=SPEC``: a config name is letters, digits and ``._+-``.
 _NAMED = re.compile(r"^([A-Za-z0-9_.+\-]+)=(.+)$", re.S)
@@ -271,6 +276,11 @@ class SampleRecord:
         text: the generated text (``None`` for perplexity).
         ttft_s: the timed prefill (``None`` where none was timed).
         nll: mean next-token NLL (perplexity task), ``nll_buckets`` its mean per position bucket.
+        prompt_tokens: the prompt's own length where it differs from ``n_tokens`` (RULER: ``n_tokens``
+            is the set's RULER length, each prompt is shorter), else ``None``.
+        decode_s: wall time of the greedy decode after the timed prefill (RULER suite), else ``None``.
+        stop: why decoding stopped (RULER suite): ``"eos"``, ``"max"`` (the task's RULER
+            ``max_new_tokens``) or ``"settled"`` (the score is already 1; more text cannot change it).
     """
 
     config: str
@@ -287,6 +297,9 @@ class SampleRecord:
     nll: float | None = None
     nll_buckets: list[float] | None = None
     found: float | None = None
+    prompt_tokens: int | None = None
+    decode_s: float | None = None
+    stop: str | None = None
 
 
 @dataclass
@@ -361,6 +374,47 @@ class EvalReport:
             row["found"] = None if any(x is None for x in f) else statistics.fmean(f)
         return list(out.values())
 
+    def ttft_summary(self) -> list[dict]:
+        """Median and worst-case TTFT per (config, task, length), each against dense on the same
+        prompts; ``task == "all"`` pools every timed prompt of the (config, length). Fields (times in
+        ms, ``None`` where there is no dense run or no timed prompt):
+
+        * ``config``, ``task``, ``n_tokens``, ``prompts``: the cell and its number of timed prompts;
+        * ``ttft_median_ms``, ``ttft_max_ms``: median and maximum TTFT over the cell's prompts;
+        * ``dense_median_ms``, ``dense_max_ms``: the same for dense on the same prompts (those dense
+          timed too, matched by task and sample index);
+        * ``speedup_median`` = ``dense_median_ms / ttft_median_ms`` and ``speedup_max`` =
+          ``dense_max_ms / ttft_max_ms``: > 1 is faster than dense (the worst case against dense's
+          worst case);
+        * ``worst_ratio``: the largest ``ttft / dense ttft`` of one prompt (> 1: slower than dense on
+          that prompt), ``worst_task`` and ``worst_index`` name it.
+        """
+        dense = next((c.name for c in self.configs if c.dense), None)
+        timed: dict[tuple, float] = {}
+        for r in self.records:
+            if r.ttft_s is not None:
+                timed[(r.config, r.task, r.n_tokens, r.index)] = r.ttft_s
+        cells: dict[tuple, list[tuple[str, int, float]]] = {}
+        for (config, task, n, index), t in timed.items():
+            for key in ((config, task, n), (config, "all", n)):
+                cells.setdefault(key, []).append((task, index, t))
+        out = []
+        for (config, task, n), items in cells.items():
+            times = [t for _, _, t in items]
+            pairs = [(t, timed.get((dense, k, n, i)), k, i) for k, i, t in items] if dense else []
+            pairs = [p for p in pairs if p[1] is not None]
+            d = [p[1] for p in pairs]
+            med, top = statistics.median(times), max(times)
+            worst = max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
+            ms = lambda x: None if x is None else x * 1e3
+            out.append(dict(
+                config=config, task=task, n_tokens=n, prompts=len(times), ttft_median_ms=ms(med), ttft_max_ms=ms(top),
+                dense_median_ms=ms(statistics.median(d)) if d else None, dense_max_ms=ms(max(d)) if d else None,
+                speedup_median=statistics.median(d) / med if d else None, speedup_max=max(d) / top if d else None,
+                worst_ratio=worst[0] / worst[1] if worst else None, worst_task=worst[2] if worst else None,
+                worst_index=worst[3] if worst else None))
+        return out
+
     def perplexity(self) -> list[dict]:
         """``{config, n_tokens, samples, nll, buckets}``: means over the perplexity samples."""
         groups: dict[tuple, list[SampleRecord]] = {}
@@ -376,7 +430,7 @@ class EvalReport:
 
     def to_dict(self) -> dict:
         data = {"format": REPORT_FORMAT, "version": REPORT_VERSION, **asdict(self)}
-        data["summary"] = {"accuracy": self.accuracy(), "perplexity": self.perplexity()}
+        data["summary"] = {"accuracy": self.accuracy(), "perplexity": self.perplexity(), "ttft": self.ttft_summary()}
         return data
 
     def to_json(self) -> str:
@@ -410,10 +464,13 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     session, each within its time limit): configs and lengths in first-seen order, records and
     runs concatenated. Speed-ups stay per (config, length) against the dense run of that length,
     so every length must have been measured with dense in the same run as its other configs.
+    One (config, length) may come from several reports when they ran disjoint tasks (a RULER
+    length split over calls with ``--tasks``): its TTFTs are joined and their median taken again;
+    the warm-up, the split, density and coverage are the first report's.
 
     Raises:
         EvalError: a different model, dtype, GPU or settings, a config name with two specs, or
-            one (config, length) in two reports.
+            one (config, task, length) in two reports.
     """
     if not reports:
         raise EvalError("nothing to merge")
@@ -424,6 +481,7 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     lengths: list[int] = []
     tasks: list[str] = []
     records: list[SampleRecord] = []
+    seen: dict[tuple, set[str]] = {}  # (config, length) -> tasks merged so far
     for rep in reports:
         if any(rep.model.get(k) != first.model.get(k) for k in keys):
             raise EvalError(f"different models: {rep.model} vs {first.model}")
@@ -434,9 +492,20 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
                 raise EvalError(f"config {c.name!r} has two specs: {configs[c.name].spec!r} and {c.spec!r}")
             configs.setdefault(c.name, c)
         for r in rep.runs:
-            if (r.config, r.n_tokens) in runs:
-                raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports")
-            runs[(r.config, r.n_tokens)] = r
+            key = (r.config, r.n_tokens)
+            mine = {x.task for x in rep.records if (x.config, x.n_tokens) == key}
+            if key in runs:
+                both = seen[key] & mine
+                if both or not mine:
+                    raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports"
+                                    + (f" (tasks {', '.join(sorted(both))} in both)" if both else ""))
+                merged = runs[key]
+                merged.ttft_s = merged.ttft_s + r.ttft_s
+                merged.ttft_median_s = float(statistics.median(merged.ttft_s)) if merged.ttft_s else None
+                seen[key] |= mine
+                continue
+            runs[key] = copy.deepcopy(r)
+            seen[key] = set(mine)
         lengths += [n for n in rep.lengths if n not in lengths]
         tasks += [t for t in rep.tasks if t not in tasks]
         records += rep.records
@@ -479,26 +548,50 @@ def _generate(model, ids: torch.Tensor, max_new_tokens: Sequence[int], eos: set[
     EOS (not returned), or as soon as ``settled(b, tokens)`` says more tokens cannot change the
     row's score. One prefill (in chunks of ``chunk`` tokens, 0: one call) and one decode loop for
     the batch."""
-    B = ids.shape[0]
     with torch.no_grad():
         out = forward_chunks(model, ids, chunk, logits_to_keep=1)
-        cache = output_cache(out)
-        nxt = out.logits[:, -1].argmax(-1)  # [B]
-        seqs: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
+        seqs, _ = _decode(model, output_cache(out), out.logits[:, -1].argmax(-1), max_new_tokens, eos, settled)
+    return seqs
+
+
+def _decode(model, cache, nxt: torch.Tensor, max_new_tokens: Sequence[int], eos: set[int],
+            settled: Callable[[int, list[int]], bool] | None = None) -> tuple[list[list[int]], list[str]]:
+    """The greedy loop after a prefill: ``nxt [B]`` the prefill's next tokens, ``cache`` its KV
+    cache. Returns each row's tokens (EOS dropped) and why it stopped (``"eos"``, ``"max"``,
+    ``"settled"``)."""
+    B = nxt.shape[0]
+    seqs: list[list[int]] = [[] for _ in range(B)]
+    stops: list[str | None] = [None] * B
+    with torch.no_grad():
         while True:
             for b, t in enumerate(nxt.tolist()):
-                if not done[b]:
+                if stops[b] is None:
                     seqs[b].append(t)
-                    done[b] = (t in eos or len(seqs[b]) >= max_new_tokens[b]
-                               or (settled is not None and settled(b, seqs[b])))
-            if all(done):
+                    if t in eos:
+                        stops[b] = "eos"
+                    elif settled is not None and settled(b, seqs[b]):
+                        stops[b] = "settled"
+                    elif len(seqs[b]) >= max_new_tokens[b]:
+                        stops[b] = "max"
+            if all(x is not None for x in stops):
                 break
-            out = decode_step(model, nxt, cache, ids.device)
+            out = decode_step(model, nxt, cache, nxt.device)
             cache = output_cache(out)
             nxt = out.logits[:, -1].argmax(-1)
-    del cache, out
-    return [s[:-1] if s and s[-1] in eos else s for s in seqs]
+    del cache
+    return [s[:-1] if s and s[-1] in eos else s for s in seqs], stops
+
+
+def _answer(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int],
+            settled: Callable[[list[int]], bool] | None = None, chunk: int = 0):
+    """One prompt ``ids [n]``: the timed prefill (its time is the TTFT) and the greedy decode from
+    its cache. Returns ``(ttft_s, tokens, decode_s, stop)``."""
+    ttft, cache, first = _prefill(model, ids, chunk)
+    start = time.perf_counter()
+    seqs, stops = _decode(model, cache, first.reshape(1), [max_new_tokens], eos,
+                          None if settled is None else (lambda b, tokens: settled(tokens)))
+    synchronize(ids.device)
+    return ttft, seqs[0], time.perf_counter() - start, stops[0]
 
 
 def _settled(sample, tokens: list[int], tokenizer) -> bool:
@@ -732,10 +825,10 @@ def _native_context(model) -> int:
 
 
 def _context_limit(model_name: str, model, force_length: bool) -> tuple[int, str]:
-    from minference.app.models import QWEN_YARN_FACTOR
+    from minference.app.models import QWEN_YARN_FACTOR, is_qwen
 
     native = _native_context(model)
-    if model_name == "qwen" or force_length:
+    if is_qwen(model_name) or force_length:
         return int(QWEN_YARN_FACTOR * native), f"YaRN x{QWEN_YARN_FACTOR:g} of the native {native}-token context"
     return native, f"{model_name}'s {native}-token context (force_length / --force-length: run YaRN beyond it)"
 
@@ -767,10 +860,10 @@ def run_eval(
     *,
     model_path: str | os.PathLike | None = None,
     configs: Sequence[str] | None = None,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    lengths: Sequence[int] | None = None,
     tasks: Sequence[str] | None = None,
-    samples: int = DEFAULT_SAMPLES,
-    seed: int = 0,
+    samples: int | None = None,
+    seed: int | None = None,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     dense_threshold: int | None = None,
@@ -785,19 +878,28 @@ def run_eval(
     checkpoint: Callable[[EvalReport], None] | None = None,
     cuda_graphs: bool = False,
     prefill_chunk: int = 0,
+    suite: str = "procedural",
+    prompts: str | os.PathLike | None = None,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
     keeps what it measured).
 
     Args:
-        model_name: one of :data:`minference.app.models.MODELS`; ``model_path`` the Qwen GGUF.
+        model_name: one of :data:`minference.app.models.MODEL_CHOICES`; ``model_path`` the Qwen GGUF.
+        suite: ``"procedural"`` (:mod:`minference.app.evals`, prompts made here from ``seed``) or
+            ``"ruler"`` (RULER's 13 tasks from the prompt set folder ``prompts``, made by
+            ``minference ruler generate``; :func:`_run_ruler`).
         configs: config specs (default: dense + the bundled config for SmolLM2, dense +
             :data:`DEFAULT_QWEN_PATTERN` for Qwen).
         lengths: prompt lengths in tokens (each at least what every task needs, at most the model's
-            context: SmolLM2 8K unless ``force_length``, Qwen 128K with YaRN).
-        tasks: names from :data:`minference.app.evals.TASKS` and ``PERPLEXITY_TASK`` (default all).
-        samples: prompts per (task, length).
+            context: SmolLM2 8K unless ``force_length``, Qwen 128K with YaRN; default
+            :data:`DEFAULT_LENGTHS`); RULER: lengths of the prompt set (default all of them).
+        tasks: names from :data:`minference.app.evals.TASKS` and ``PERPLEXITY_TASK`` (default all);
+            RULER: its task names (default every task of the set).
+        samples: prompts per (task, length) (default :data:`DEFAULT_SAMPLES`; RULER: every sample
+            the set holds for each task and length, the same count everywhere).
+        seed: the procedural prompts' seed (default 0); RULER prompts carry their own.
         dense_threshold: passed to :func:`minference.patch` (``None``: the dispatcher's default).
         dense_tail: passed to :func:`minference.patch`: the last prompt tokens of a sparse
             prefill that attend densely (0: none).
@@ -823,14 +925,26 @@ def run_eval(
     import minference.integration as integ
     from minference.app import evals
     from minference.app.main_job import DEFAULT_CONFIG
-    from minference.app.models import MODELS, load_model, set_context_length
+    from minference.app.models import MODEL_CHOICES, canonical_model, load_model, set_context_length
 
     t_start = time.perf_counter()
-    if model_name not in MODELS:
-        raise EvalError(f"unknown model {model_name!r}; choose from {', '.join(MODELS)}")
-    tasks = _check_tasks(tasks if tasks is not None else tuple(evals.TASKS) + (evals.PERPLEXITY_TASK,))
-    _check_int("samples", samples, 1)
-    _check_int("seed", seed, 0)
+    if model_name not in MODEL_CHOICES:
+        raise EvalError(f"unknown model {model_name!r}; choose from {', '.join(MODEL_CHOICES)}")
+    model_name = canonical_model(model_name)
+    if suite not in SUITES:
+        raise EvalError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    ruler_set = None
+    if suite == "ruler":
+        ruler_set, lengths, tasks, samples = _ruler_plan(prompts, lengths, tasks, samples, seed)
+    else:
+        if prompts is not None:
+            raise EvalError("--prompts is for --suite ruler (the procedural suite makes its prompts from --seed)")
+        lengths = DEFAULT_LENGTHS if lengths is None else lengths
+        tasks = _check_tasks(tasks if tasks is not None else tuple(evals.TASKS) + (evals.PERPLEXITY_TASK,))
+        samples = DEFAULT_SAMPLES if samples is None else samples
+        seed = 0 if seed is None else seed
+        _check_int("samples", samples, 1)
+        _check_int("seed", seed, 0)
     _check_int("dense_tail", dense_tail, 0)
     _check_int("prefill_chunk", prefill_chunk, 0)
     if not isinstance(cuda_graphs, bool):
@@ -844,6 +958,8 @@ def run_eval(
         _check_int("dense_threshold", dense_threshold, 0)
     if configs is None:
         configs = [DENSE, str(DEFAULT_CONFIG) if model_name == "smollm2" else DEFAULT_QWEN_PATTERN]
+    if ruler_set is not None and not any(_split_spec(c)[1].strip() == DENSE for c in configs):
+        raise EvalError("the RULER suite reports every TTFT against dense on the same prompts: add --config dense")
     configs = list(configs)
     if not configs:
         raise EvalError("no configs given")
@@ -866,10 +982,12 @@ def run_eval(
     with_ppl = evals.PERPLEXITY_TASK in tasks
     limit, limit_text = _context_limit(model_name, model, force_length)
 
-    # Build every task's first prompt of every length now: a length too short for a task (or too
-    # long for the model) fails here, not hours into the run.
+    # Build every task's first prompt of every length now (RULER: read every prompt): a length too
+    # short for a task (or too long for the model) fails here, not hours into the run.
     first: dict[int, dict[str, Any]] = {}
-    for n in lengths:
+    ruler_prompts = _ruler_prompts(ruler_set, tokenizer, lengths, tasks, samples, limit, limit_text,
+                                   allow_mismatch) if ruler_set is not None else {}
+    for n in lengths if ruler_set is None else ():
         first[n] = {}
         for task in gen_tasks:
             try:
@@ -898,7 +1016,8 @@ def run_eval(
                   "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
                   "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
                   "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
-                  "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk},
+                  "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "suite": suite,
+                  **({"ruler": _ruler_settings(ruler_set)} if ruler_set is not None else {})},
         configs=resolved, lengths=lengths, tasks=tasks,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -909,64 +1028,72 @@ def run_eval(
         from minference.graphs import PrefillGraphs
 
         graphs = {c.name: PrefillGraphs() for c in resolved if pattern_configs[c.name] is not None}
-    bar = tqdm(total=len(lengths) * samples * len(resolved), desc="eval", unit="run", disable=not progress)
+    rounds = sum(map(len, ruler_prompts.values())) if ruler_set is not None else len(lengths) * samples
+    bar = tqdm(total=rounds * len(resolved), desc="eval", unit="run", disable=not progress)
     try:
-        for n in lengths:
-            need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
-            yarn = set_context_length(model, need)
-            for cache in graphs.values():  # one length's shapes at a time
-                cache.clear()
-            for index in range(samples):
-                if index == 0:
-                    prompts = first[n]
-                else:
-                    prompts = {t: evals.make_sample(t, tokenizer, n, index, samples=samples, seed=seed)
-                               for t in gen_tasks}
-                    if with_ppl:
-                        prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
-                for cfg in resolved:
-                    bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
-                    _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
-                           graphs.get(cfg.name))
-                    stats = report.run(cfg.name, n)
-                    if stats is None:
-                        stats = RunStats(cfg.name, n, yarn=yarn)
-                        report.runs.append(stats)
-                        _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
-                                         coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk)
-                    if gen_tasks:
-                        # TTFT: one timed single-prompt prefill (the first task's); the answers:
-                        # every task's prompt (all n tokens) in one batch, one greedy decode loop
-                        ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
-                        stats.ttft_s.append(ttft)
-                        batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
-                        answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
-                                            settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
-                                                                                          tokenizer),
-                                            chunk=prefill_chunk)
-                        for task, tokens in zip(gen_tasks, answers):
-                            sample = prompts[task]
-                            text = tokenizer.decode(tokens, skip_special_tokens=True)
-                            report.records.append(SampleRecord(
-                                cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
-                                bool(evals.score(sample, text)), text, ttft if task == gen_tasks[0] else None,
-                                len(tokens), found=float(evals.score_fraction(sample, text))))
-                    if with_ppl:
-                        ids = prompts[evals.PERPLEXITY_TASK].to(dev)
-                        ttft = None
-                        if not gen_tasks:  # nothing else is timed: time this prompt's prefill
-                            ttft = _prefill(model, ids, prefill_chunk)[0]
+        if ruler_set is not None:
+            _ruler_rounds(model, tokenizer, report, resolved, pattern_configs, ruler_prompts, eos, dev, bar,
+                          apply=lambda name: _apply(model, pattern_configs[name], dense_threshold, backend,
+                                                    allow_mismatch, dense_tail, graphs.get(name)),
+                          graphs=graphs, coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk,
+                          checkpoint=checkpoint, t_start=t_start)
+        else:
+            for n in lengths:
+                need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+                yarn = set_context_length(model, need)
+                for cache in graphs.values():  # one length's shapes at a time
+                    cache.clear()
+                for index in range(samples):
+                    if index == 0:
+                        prompts = first[n]
+                    else:
+                        prompts = {t: evals.make_sample(t, tokenizer, n, index, samples=samples, seed=seed)
+                                   for t in gen_tasks}
+                        if with_ppl:
+                            prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
+                    for cfg in resolved:
+                        bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
+                        _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
+                               graphs.get(cfg.name))
+                        stats = report.run(cfg.name, n)
+                        if stats is None:
+                            stats = RunStats(cfg.name, n, yarn=yarn)
+                            report.runs.append(stats)
+                            _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
+                                             coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk)
+                        if gen_tasks:
+                            # TTFT: one timed single-prompt prefill (the first task's); the answers:
+                            # every task's prompt (all n tokens) in one batch, one greedy decode loop
+                            ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
                             stats.ttft_s.append(ttft)
-                        nll = sequence_nll(model, ids, prefill_chunk=prefill_chunk)
-                        buckets = [float(b) for b in evals.position_buckets(nll, NLL_BUCKETS)]
-                        report.records.append(SampleRecord(
-                            cfg.name, evals.PERPLEXITY_TASK, n, index, seed, None, [], None, None, ttft,
-                            nll=float(nll.mean()), nll_buckets=buckets))
-                    stats.ttft_median_s = float(statistics.median(stats.ttft_s))
-                    bar.update(1)
-                if checkpoint is not None:
-                    report.wall_s = time.perf_counter() - t_start
-                    checkpoint(report)
+                            batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
+                            answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
+                                                settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
+                                                                                              tokenizer),
+                                                chunk=prefill_chunk)
+                            for task, tokens in zip(gen_tasks, answers):
+                                sample = prompts[task]
+                                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                                report.records.append(SampleRecord(
+                                    cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
+                                    bool(evals.score(sample, text)), text, ttft if task == gen_tasks[0] else None,
+                                    len(tokens), found=float(evals.score_fraction(sample, text))))
+                        if with_ppl:
+                            ids = prompts[evals.PERPLEXITY_TASK].to(dev)
+                            ttft = None
+                            if not gen_tasks:  # nothing else is timed: time this prompt's prefill
+                                ttft = _prefill(model, ids, prefill_chunk)[0]
+                                stats.ttft_s.append(ttft)
+                            nll = sequence_nll(model, ids, prefill_chunk=prefill_chunk)
+                            buckets = [float(b) for b in evals.position_buckets(nll, NLL_BUCKETS)]
+                            report.records.append(SampleRecord(
+                                cfg.name, evals.PERPLEXITY_TASK, n, index, seed, None, [], None, None, ttft,
+                                nll=float(nll.mean()), nll_buckets=buckets))
+                        stats.ttft_median_s = float(statistics.median(stats.ttft_s))
+                        bar.update(1)
+                    if checkpoint is not None:
+                        report.wall_s = time.perf_counter() - t_start
+                        checkpoint(report)
     finally:
         bar.close()
         if integ.is_patched(model):
@@ -977,6 +1104,111 @@ def run_eval(
             graphs.clear()
     report.wall_s = time.perf_counter() - t_start
     return report
+
+
+def _ruler_plan(prompts, lengths, tasks, samples, seed):
+    """``(prompt set, lengths, tasks, samples)`` of a RULER run, checked against the set before any
+    model is loaded."""
+    from minference.app import ruler
+
+    if prompts is None:
+        raise EvalError("--suite ruler needs --prompts DIR (a prompt set made by `minference ruler generate`)")
+    if seed is not None:
+        raise EvalError("RULER prompts carry the seed they were generated with; drop --seed")
+    try:
+        prompt_set = ruler.load_prompt_set(prompts)
+    except (ruler.RulerError, OSError, ValueError) as err:
+        raise EvalError(str(err)) from None
+    lengths = list(prompt_set.lengths if lengths is None else lengths)
+    tasks = list(prompt_set.tasks if tasks is None else tasks)
+    if not tasks or not lengths:
+        raise EvalError(f"{prompts} holds no prompts")
+    if len(set(tasks)) != len(tasks):
+        raise EvalError(f"tasks repeat: {tasks}")
+    missing = [f"{t} @ {n}" for n in lengths for t in tasks if not prompt_set.available(t, n)]
+    if missing:
+        raise EvalError(f"{prompts} has no prompts for {', '.join(missing)} (it holds lengths {prompt_set.lengths} "
+                        f"and tasks {', '.join(prompt_set.tasks)})")
+    have = min(prompt_set.available(t, n) for n in lengths for t in tasks)
+    if samples is None:
+        samples = have
+    _check_int("samples", samples, 1)
+    if samples > have:
+        raise EvalError(f"{samples} samples asked, but {prompts} holds {have} for some task and length")
+    return prompt_set, lengths, tasks, samples
+
+
+def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_text, allow_mismatch) -> dict:
+    """Every RULER prompt per length (task order, then sample order), after checking the
+    tokenizer and the model's context."""
+    from minference.app import ruler
+
+    try:
+        prompt_set.check_tokenizer(tokenizer)
+    except ruler.RulerError as err:
+        if not allow_mismatch:
+            raise EvalError(f"{err} (--allow-mismatch runs it anyway)") from None
+    out = {}
+    for n in lengths:
+        try:
+            out[n] = [s for t in tasks for s in prompt_set.samples(t, n, samples)]
+        except ruler.RulerError as err:
+            raise EvalError(str(err)) from None
+        need = max(s.n_tokens + s.max_new_tokens for s in out[n])
+        if need > limit:
+            raise EvalError(f"RULER length {n}: a prompt plus its new tokens needs {need} tokens, beyond {limit_text}")
+    return out
+
+
+def _ruler_settings(prompt_set) -> dict:
+    m = prompt_set.manifest
+    digest = hashlib.sha256((prompt_set.folder / "manifest.json").read_bytes()).hexdigest()
+    return {"manifest_sha256": digest, "seed": m["seed"], "template": m["template"], "headroom": m["headroom"],
+            "tokenizer": m["tokenizer"]["fingerprint"], "versions": m["versions"],
+            "metrics": {t: i["metric"] for t, i in m["tasks"].items()}}
+
+
+def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_configs, prompts: dict, eos: set[int],
+                  dev: torch.device, bar, *, apply, graphs, coverage: bool, profile: bool, physical: bool, chunk: int,
+                  checkpoint, t_start: float) -> None:
+    """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
+    prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
+    ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`)."""
+    from minference.app import ruler
+    from minference.app.models import set_context_length
+
+    for n, samples in prompts.items():
+        yarn = set_context_length(model, max(s.n_tokens + s.max_new_tokens for s in samples))
+        for cache in graphs.values():
+            cache.clear()
+        firsts = {s.task: s for s in reversed(samples)}  # the first sample of each task
+        for sample in samples:
+            ids = sample.ids.to(dev)
+            for cfg in resolved:
+                bar.set_postfix_str(f"{cfg.name} @ {n}, {sample.task} #{sample.index}")
+                apply(cfg.name)
+                stats = report.run(cfg.name, n)
+                if stats is None:
+                    stats = RunStats(cfg.name, n, yarn=yarn)
+                    report.runs.append(stats)
+                    _once_per_length(model, cfg, pattern_configs[cfg.name], firsts, stats, dev, coverage=coverage,
+                                     profile=profile, physical=physical, chunk=chunk)
+                def check(tokens: list[int], s=sample) -> bool:
+                    return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
+
+                ttft, tokens, decode_s, stop = _answer(model, ids, sample.max_new_tokens, eos, check, chunk)
+                stats.ttft_s.append(ttft)
+                stats.ttft_median_s = float(statistics.median(stats.ttft_s))
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                value = ruler.score(sample.metric, text, sample.answers)
+                report.records.append(SampleRecord(
+                    cfg.name, sample.task, n, sample.index, int(report.settings["ruler"]["seed"]), None,
+                    list(sample.answers), value >= 1.0, text, ttft, len(tokens), found=value,
+                    prompt_tokens=sample.n_tokens, decode_s=decode_s, stop=stop))
+                bar.update(1)
+            if checkpoint is not None:
+                report.wall_s = time.perf_counter() - t_start
+                checkpoint(report)
 
 
 def _triton_backend(backend: str, device: torch.device) -> bool:
@@ -1039,23 +1271,29 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def format_report(report: EvalReport) -> str:
-    """Markdown: accuracy per task and length (with counts), TTFT median, speedup against dense in
-    the same run, the split, density and coverage; then perplexity by position bucket."""
+    """Markdown: accuracy per task and length (with counts; RULER: its score), TTFT median and
+    maximum with both against dense in the same run, the split, density and coverage; then TTFT per
+    task (RULER), perplexity by position bucket."""
     acc = {(a["config"], a["task"], a["n_tokens"]): a for a in report.accuracy()}
     ppl = {(p["config"], p["n_tokens"]): p for p in report.perplexity()}
+    ttft = {(t["config"], t["task"], t["n_tokens"]): t for t in report.ttft_summary()}
     gen_tasks = [t for t in report.tasks if any(k[1] == t for k in acc)]
     dense = next((c.name for c in report.configs if c.dense), None)
+    is_ruler = report.settings.get("suite") == "ruler"
     m = report.model
     gpu = report.machine.get("gpu") or report.machine.get("hardware")
+    seed = report.settings["ruler"]["seed"] if is_ruler else report.settings["seed"]
     lines = [f"## minference eval: {m['name']} ({m['dtype']}) on {report.settings['device']} ({gpu})", "",
-             f"samples {report.settings['samples']} per task and length, seed {report.settings['seed']}, "
+             ("RULER (nvidia-long-context-eval prompts, base template), " if is_ruler else "")
+             + f"samples {report.settings['samples']} per task and length, seed {seed}, "
              f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
              f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens"
              + (", CUDA graphs" if report.settings.get("cuda_graphs") else "")
              + (f", prefill in chunks of {report.settings['prefill_chunk']} tokens"
                 if report.settings.get("prefill_chunk") else ""), ""]
-    head = ["length", "config"] + gen_tasks + (["NLL"] if ppl else []) + [
-        "TTFT ms", "vs dense", "attn ms", "index ms", "other ms", "density (log/phys)", "coverage", "paths"]
+    head = ["length", "config"] + gen_tasks + (["avg"] if is_ruler else []) + (["NLL"] if ppl else []) + [
+        "TTFT ms", "vs dense", "TTFT max ms", "max vs dense", "worst / dense", "attn ms", "index ms", "other ms",
+        "density (log/phys)", "coverage", "paths"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in report.lengths:
         base = report.run(dense, n) if dense else None
@@ -1064,14 +1302,20 @@ def format_report(report: EvalReport) -> str:
             if s is None:
                 continue
             row = [str(n), c.name]
+            scores = []
             for t in gen_tasks:
                 a = acc.get((c.name, t, n))
                 if a is None:
                     row.append("-")
+                elif is_ruler:  # RULER's score: the mean per-sample metric, x100
+                    scores.append(100 * a["found"])
+                    row.append(f"{scores[-1]:.1f}")
                 else:  # all answers found / samples, and for multi-answer tasks the mean share found
                     part = a.get("found")
                     multi = part is not None and a["correct"] < a["total"] and part > a["correct"] / a["total"]
                     row.append(f"{a['correct']}/{a['total']}" + (f" ({part:.2f})" if multi else ""))
+            if is_ruler:
+                row.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
             if ppl:
                 p = ppl.get((c.name, n))
                 row.append("-" if p is None else f"{p['nll']:.3f}")
@@ -1079,6 +1323,10 @@ def format_report(report: EvalReport) -> str:
             row.append(_fmt(None if med is None else med * 1e3, ".1f"))
             speed = (base.ttft_median_s / med) if base is not None and base.ttft_median_s and med else None
             row.append("-" if speed is None else f"{speed:.2f}x")
+            w = ttft.get((c.name, "all", n))
+            row.append(_fmt(None if w is None else w["ttft_max_ms"], ".1f"))
+            row.append("-" if w is None or w["speedup_max"] is None else f"{w['speedup_max']:.2f}x")
+            row.append("-" if w is None or w["worst_ratio"] is None else f"{w['worst_ratio']:.2f}")
             sp = s.split
             parts = ("attention_ms", "index_ms", "other_ms")
             row += [_fmt(None if sp is None else getattr(sp, f), ".1f") for f in parts]
@@ -1086,13 +1334,37 @@ def format_report(report: EvalReport) -> str:
             row.append(_fmt(s.coverage))
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "
-              "share of answers found (RULER's partial credit for multi-answer tasks).",
-              "", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up). "
+    cells = ("Task cells: RULER's score, the mean of its per-sample metric x 100 (string_match_all: share of the "
+             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown."
+             if is_ruler else
+             "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "
+             "share of answers found (RULER's partial credit for multi-answer tasks).")
+    lines += ["", cells,
+              "", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up); "
+              "TTFT max: the slowest of them; vs dense: dense median / median; max vs dense: dense max / max; "
+              "worst / dense: the largest TTFT / dense TTFT of one prompt (> 1: slower than dense there). "
               "attn / index / other: device (CUDA kernel) time of one separate profiled prefill, not a split of the "
               "TTFT (n/a on the CPU: no device timer). density: fraction of causal pairs computed, logical on "
               f"~{COVERAGE_ROWS} sampled rows / physical tile area (n/a: torch backend or A-shape heads). coverage: "
               "dense attention mass captured (mean over layers). paths: attention calls per path in one prefill."]
+    if is_ruler:
+        head = ["length", "config"] + gen_tasks
+        lines += ["", "TTFT per task: median / max ms (dense median / median, dense max / max)", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for n in report.lengths:
+            for c in report.configs:
+                row = [str(n), c.name]
+                for t in gen_tasks:
+                    w = ttft.get((c.name, t, n))
+                    if w is None:
+                        row.append("-")
+                        continue
+                    cell = f"{w['ttft_median_ms']:.0f} / {w['ttft_max_ms']:.0f}"
+                    if not c.dense and w["speedup_median"] is not None:
+                        cell += f" ({w['speedup_median']:.2f}x, {w['speedup_max']:.2f}x)"
+                    row.append(cell)
+                if len(row) > 2 and any(x != "-" for x in row[2:]):
+                    lines.append("| " + " | ".join(row) + " |")
     if ppl:
         buckets = max(len(p["buckets"]) for p in ppl.values())
         head = ["length", "config"] + [f"b{i + 1}" for i in range(buckets)] + ["all"]
@@ -1116,8 +1388,9 @@ def format_report(report: EvalReport) -> str:
 
 
 def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
-    """Accuracy (all generation tasks pooled) against median TTFT, one colour per config and one
-    marker per length; dense drawn as black stars. With the perplexity task, a second panel draws
+    """Accuracy (all generation tasks pooled; RULER: the mean score) against median TTFT, one colour
+    per config and one marker per length; dense drawn as black stars; a whisker from each point
+    reaches the maximum TTFT of that (config, length) (the worst case). With the perplexity task, a second panel draws
     the mean next-token NLL against the same TTFT (at a few samples per task the accuracy cannot
     tell configs apart; the NLL can). Returns the matplotlib figure. Needs matplotlib (the ``plot``
     extra)."""
@@ -1134,8 +1407,14 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
         c[0] += a["correct"]
         c[1] += a["total"]
     pooled = {key: c[0] / c[1] for key, c in counts.items() if c[1]}
+    if report.settings.get("suite") == "ruler":  # RULER's score, averaged over tasks
+        scores: dict[tuple, list[float]] = {}
+        for a in report.accuracy():
+            scores.setdefault((a["config"], a["n_tokens"]), []).append(a["found"])
+        pooled = {key: statistics.fmean(v) for key, v in scores.items()}
     nll = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
-    panels = [(pooled, "accuracy (generation tasks pooled)", "accuracy")]
+    panels = [(pooled, "RULER score / 100 (mean over tasks)" if report.settings.get("suite") == "ruler"
+               else "accuracy (generation tasks pooled)", "accuracy")]
     if nll:
         panels.append((nll, "mean next-token NLL (nats, lower is better)", "NLL"))
     markers = "osD^vP<>Xh"
@@ -1153,6 +1432,10 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
                 x = s.ttft_median_s * 1e3
                 xs.append(x)
                 ys.append(y)
+                worst = max(s.ttft_s) * 1e3 if s.ttft_s else x  # the worst case: a whisker to the slowest prefill
+                if worst > x:
+                    ax.plot([x, worst], [y, y], color="black" if c.dense else color, lw=1.0, alpha=0.6, zorder=2)
+                    ax.scatter([worst], [y], marker="|", s=80, color="black" if c.dense else color, zorder=2)
                 if c.dense:
                     ax.scatter([x], [y], marker="*", s=160, color="black", zorder=3)
                 else:
@@ -1162,7 +1445,7 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
             if len(xs) > 1:
                 ax.plot(xs, ys, color="black" if c.dense else color, lw=0.8, alpha=0.5, ls="--" if c.dense else "-")
         ax.set_xscale("log")
-        ax.set_xlabel("TTFT, median (ms, log scale)")
+        ax.set_xlabel("TTFT, median; whisker to the maximum (ms, log scale)")
         ax.set_ylabel(ylabel)
         if what == "accuracy":
             ax.set_ylim(-0.05, 1.05)
@@ -1192,20 +1475,28 @@ EVAL_DESCRIPTION = (
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``eval`` subcommand to ``minference``'s CLI."""
-    from minference.app.models import MODELS
+    from minference.app.models import MODEL_CHOICES
 
     p = subparsers.add_parser("eval", help="accuracy and TTFT of a real model: sparse configs vs dense, same run",
                               description=EVAL_DESCRIPTION)
-    p.add_argument("--model", choices=MODELS, default="smollm2", help="which real model")
-    p.add_argument("--model-path", default=None, help="Qwen GGUF file (default: $MINFERENCE_QWEN_GGUF or the cache)")
+    p.add_argument("--model", choices=MODEL_CHOICES, default="smollm2",
+                   help="which real model (qwen = qwen0.5b)")
+    p.add_argument("--model-path", default=None,
+                   help="Qwen GGUF file (default: $MINFERENCE_QWEN_GGUF / $MINFERENCE_QWEN15_GGUF or the cache)")
+    p.add_argument("--suite", choices=SUITES, default="procedural",
+                   help="task source: the procedural suite (prompts made here) or RULER (prompts read from --prompts)")
+    p.add_argument("--prompts", default=None, metavar="DIR",
+                   help="RULER prompt set made by `minference ruler generate` (with --suite ruler)")
     p.add_argument("--config", dest="configs", action="extend", nargs="+", default=None, metavar="SPEC",
                    help="'dense', a PatternConfig file, or a pattern JSON for every head, optionally 'name=SPEC' "
                         "(repeatable; default: dense + the bundled config, or dense + uniform VS(1000,6096) for qwen)")
-    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="N",
-                   help="prompt lengths in tokens")
-    p.add_argument("--tasks", nargs="+", default=None, metavar="T", help="tasks (default: all, perplexity included)")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="prompts per task and length")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
+                   help=f"prompt lengths in tokens (default {DEFAULT_LENGTHS[0]}; RULER: the set's lengths)")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="T",
+                   help="tasks (default: all, perplexity included; RULER: every task of the set)")
+    p.add_argument("--samples", type=int, default=None,
+                   help=f"prompts per task and length (default {DEFAULT_SAMPLES}; RULER: all the set holds)")
+    p.add_argument("--seed", type=int, default=None, help="prompt seed of the procedural suite (default 0)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dense-threshold", type=int, default=None,
                    help="prompts shorter than this run dense (default: the dispatcher's)")
@@ -1253,6 +1544,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
         dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
+        suite=args.suite, prompts=args.prompts,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
     )
 

