@@ -68,6 +68,9 @@ __all__ = [
     "ModelSignature",
     "Provenance",
     "PatternConfig",
+    "GUARD_MODES",
+    "GuardSettings",
+    "RuntimeSettings",
     "validate_schema",
     "load_config",
     "from_minference",
@@ -111,7 +114,8 @@ _SCHEMA_TEXT = r"""{
       "minItems": 1,
       "items": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/pattern"}}
     },
-    "provenance": {"$ref": "#/$defs/provenance"}
+    "provenance": {"$ref": "#/$defs/provenance"},
+    "runtime": {"$ref": "#/$defs/runtime"}
   },
   "$defs": {
     "model": {
@@ -227,6 +231,28 @@ _SCHEMA_TEXT = r"""{
       "required": ["kind"],
       "additionalProperties": false,
       "properties": {"kind": {"const": "dense"}}
+    },
+    "runtime": {
+      "description": "How the config is run, set by the operator, not found by the search (optional; defaults apply).",
+      "type": "object",
+      "additionalProperties": false,
+      "properties": {"guard": {"$ref": "#/$defs/guard"}}
+    },
+    "guard": {
+      "description": "The quality guard (minference.guard, docs/guard.md); fields left out take their defaults.",
+      "type": "object",
+      "additionalProperties": false,
+      "properties": {
+        "mode": {"enum": ["off", "observe", "enforce"]},
+        "sample_rate": {"type": "number", "minimum": 0, "maximum": 1},
+        "tail_rows": {"type": "integer", "minimum": 0, "maximum": 65536},
+        "spread_rows": {"type": "integer", "minimum": 0, "maximum": 65536},
+        "min_mass": {"type": "number", "minimum": 0, "maximum": 1},
+        "flag_rate": {"type": "number", "minimum": 0, "maximum": 1},
+        "flag_min_calls": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+        "max_saved_prompts": {"type": "integer", "minimum": 0, "maximum": 65536},
+        "seed": {"type": "integer", "minimum": 0, "maximum": 2147483647}
+      }
     }
   }
 }
@@ -476,6 +502,100 @@ def _positive_int(n: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Runtime settings: how a config is run (set by the operator), kept apart from the searched pattern
+# data. Optional in the file ("runtime"); every field left out takes its default here.
+
+#: Modes of the quality guard (:mod:`minference.guard`, docs/guard.md).
+GUARD_MODES = ("off", "observe", "enforce")
+
+
+def _setting_error(name: str, rule: str, value: Any) -> ValueError:
+    return ValueError(f"guard.{name} must be {rule}, got {value!r}")
+
+
+def _int_setting(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _setting_error(name, f"an int in [{lo}, {hi}]", value)
+
+
+def _unit_setting(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise _setting_error(name, "a number in [0, 1]", value)  # NaN fails the comparison too
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """Settings of the quality guard (:class:`minference.guard.QualityGuard`; docs/guard.md).
+
+    Attributes:
+        mode: ``"off"`` (default: nothing runs), ``"observe"`` (sampled calls are checked and
+            reported) or ``"enforce"`` (also: on a checked call, a head whose captured mass is
+            below ``min_mass`` is recomputed densely).
+        sample_rate: fraction of prefill calls (model forwards that run a sparse layer) that are
+            checked, drawn at random (``seed``); 1 checks every call.
+        tail_rows: query rows checked per batch row at the end of the rows the pattern computes
+            (the rows that make the first generated token; with a dense tail, the rows just before it).
+        spread_rows: query rows checked per batch row, spread evenly over the earlier rows.
+        min_mass: the floor on a head's captured attention mass (mean over its checked rows).
+        flag_rate: the config is flagged for re-search once at least this fraction of the
+            checked calls had a head below the floor ...
+        flag_min_calls: ... over at least this many checked calls.
+        max_saved_prompts: prompt ids kept of the calls that had a head below the floor.
+        seed: seed of the sampling draws.
+    """
+
+    mode: str = "off"
+    sample_rate: float = 0.0625
+    tail_rows: int = 16
+    spread_rows: int = 16
+    min_mass: float = 0.5
+    flag_rate: float = 0.05
+    flag_min_calls: int = 20
+    max_saved_prompts: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in GUARD_MODES:
+            raise _setting_error("mode", f"one of {GUARD_MODES}", self.mode)
+        for name in ("sample_rate", "min_mass", "flag_rate"):
+            _unit_setting(name, getattr(self, name))
+        for name, hi in (("tail_rows", 65536), ("spread_rows", 65536), ("max_saved_prompts", 65536),
+                         ("flag_min_calls", 2**31 - 1), ("seed", 2**31 - 1)):
+            _int_setting(name, getattr(self, name), 1 if name == "flag_min_calls" else 0, hi)
+        if self.tail_rows + self.spread_rows == 0:
+            raise ValueError("guard.tail_rows + guard.spread_rows must be >= 1 (no query row to check)")
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """How a config is run: settings an operator sets, which the offline search never writes."""
+
+    guard: GuardSettings = field(default_factory=GuardSettings)
+
+    def to_dict(self) -> dict:
+        """The fields that differ from their defaults (``{}`` when all are defaults)."""
+        guard = {k: v for k, v in dataclasses.asdict(self.guard).items() if v != getattr(GuardSettings, k)}
+        return {"guard": guard} if guard else {}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RuntimeSettings:
+        """From the ``runtime`` object of a config (already schema-checked, or a plain dict)."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict) or set(data) - {"guard"}:
+            raise ConfigError(f"$.runtime: must be an object with the field 'guard' only, got {_short(data)}")
+        guard = data.get("guard", {})
+        if not isinstance(guard, dict):
+            raise ConfigError(f"$.runtime.guard: must be an object, got {_short(guard)}")
+        try:
+            return cls(GuardSettings(**guard))
+        except TypeError as err:  # an unknown field
+            raise ConfigError(f"$.runtime.guard: {err}") from None
+        except ValueError as err:
+            raise ConfigError(f"$.runtime.{err}") from None
+
+
+# ---------------------------------------------------------------------------------------------
 # The config objects.
 
 
@@ -519,11 +639,14 @@ class PatternConfig:
         model: the model signature the config was made for.
         layers: ``layers[l][h]`` is the pattern of layer ``l``, global query head ``h``.
         provenance: how it was made.
+        runtime: how it is run (:class:`RuntimeSettings`: the quality guard's mode and thresholds);
+            not searched, written to the file only where it differs from the defaults.
     """
 
     model: ModelSignature
     layers: list[list[Pattern]]
     provenance: Provenance = field(default_factory=Provenance)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 
     def __post_init__(self) -> None:
         _check_shape(self.model.num_layers, self.model.num_heads, self.layers)
@@ -554,6 +677,7 @@ class PatternConfig:
             "model": dataclasses.asdict(self.model),
             "layers": [[pattern_to_dict(p) for p in row] for row in self.layers],
             "provenance": dataclasses.asdict(self.provenance),
+            **({"runtime": runtime} if (runtime := self.runtime.to_dict()) else {}),
         }
 
     @classmethod
@@ -575,7 +699,8 @@ class PatternConfig:
                 except (TypeError, ValueError) as err:
                     raise ConfigError(f"$.layers[{l}][{h}]: {err}") from None
             layers.append(built)
-        return cls(ModelSignature(**data["model"]), layers, Provenance(**data["provenance"]))
+        return cls(ModelSignature(**data["model"]), layers, Provenance(**data["provenance"]),
+                   RuntimeSettings.from_dict(data.get("runtime")))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the config as indented JSON (one head per line)."""

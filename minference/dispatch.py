@@ -203,6 +203,7 @@ def sparse_prefill(
     dense_over: float | None = None,
     dense_tail: int = 0,
     validate: bool = True,
+    shadow=None,
 ) -> torch.Tensor:
     """Prefill attention of one layer with each head's sparse pattern.
 
@@ -239,6 +240,11 @@ def sparse_prefill(
             over q, k, v and a host sync; ``False`` skips it (the path is then sync-free), and
             non-finite inputs give non-finite outputs only on rows whose candidate set reaches
             them (the index builders keep their forced entries: ``docs/contract.md``).
+        shadow: the quality guard's check of this layer in a checked call
+            (:class:`minference.guard.ShadowCheck`, from ``QualityGuard.layer_check``; docs/guard.md):
+            it receives every group's index and, after the output is written, compares a few query
+            rows with dense attention; in ``enforce`` mode the heads it returns are recomputed
+            densely here. ``None`` (default): no check, nothing added to the call.
 
     Returns:
         ``out [B, Hq, Nq, D]`` in q's dtype.
@@ -260,6 +266,8 @@ def sparse_prefill(
         raise ValueError("dense_over needs the triton backend (the torch backend has no tile cost model)")
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
+    if shadow is not None and not all(callable(getattr(shadow, m, None)) for m in ("add_index", "finish")):
+        raise TypeError(f"shadow must be a minference.guard.ShadowCheck or None, got {type(shadow).__name__}")
     qrows = q_seqlens is not None or q_seqstarts is not None or Nq != N
     few_queries = qrows and dense_threshold > 0 and query_rows_bound(q_seqlens, Nq) < MIN_SPARSE_QUERIES
     rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
@@ -289,6 +297,8 @@ def sparse_prefill(
                     tiles = ops.tiles(q)
                     index = ops.convert(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
                                         dense_over=dense_over, block_n=tiles.block_n)
+            if shadow is not None:  # the quality guard's checked call: the sets it compares with dense
+                shadow.add_index(dg, vertical=vertical, slash=slash, dense=None if ops.convert is None else index.dense)
             if ops.convert is not None:
                 ops.vertical_slash_physical(q, k, v, index, heads=dg.heads, out=out, validate=False, **guard,
                                             **rows)
@@ -298,6 +308,8 @@ def sparse_prefill(
         elif kind == "block_sparse":
             with profile_range(INDEX_RANGE):
                 blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+            if shadow is not None:
+                shadow.add_index(dg, blocks=blocks)
             # Triton: an index the one-launch selection wrote is ascending already (no sort in the launcher)
             sorted_ = {} if ops.ascending is None else dict(
                 ascending=ops.ascending(dg.group.key[2], dg.rules[0] if dg.rules else None))
@@ -307,6 +319,11 @@ def sparse_prefill(
             _dense_heads(ops, q, k, v, dg.heads, out=out, **guard, **rows)
     if dense_tail:
         dense_tail_attention(q, k, v, dense_tail, out=out, backend=name, **guard, **rows)
+    if shadow is not None:  # a checked call: compare sampled rows with dense; enforce: heads below the floor go dense
+        fallback = shadow.finish(q, k, v, out, groups, head_offset=head_offset, dense_tail=dense_tail,
+                                 fill_gaps=fill_gaps, **rows)
+        if fallback is not None:
+            _dense_heads(ops, q, k, v, fallback, out=out, **guard, **rows)
     return out
 
 

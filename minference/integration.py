@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from minference._checks import token_mask
-from minference.config import PatternConfig, load_config, model_signature
+from minference.config import GuardSettings, PatternConfig, load_config, model_signature
 from minference.dispatch import ATTENTION_RANGE, profile_range
 from minference.distributed import check_head_partition, row_shard
 from minference.patterns import Dense, Pattern
@@ -90,6 +90,7 @@ __all__ = [
     "prompt_continues",
     "attention_modules",
     "tensor_parallel_kwargs",
+    "guard_of",
 ]
 
 #: Name registered with transformers' AttentionInterface and AttentionMaskInterface.
@@ -122,6 +123,8 @@ class LayerState:
             wrong global heads of the plan.
         graphs: the :class:`minference.graphs.PrefillGraphs` the sparse path runs through, keyed
             by ``layer`` (shared by the model's layers; ``None``: direct calls).
+        guard: the model's :class:`minference.guard.QualityGuard` (shared by its layers; ``None``:
+            no quality checks). A checked call's sparse layers run directly (not from graphs).
     """
 
     layer: int
@@ -136,6 +139,7 @@ class LayerState:
     heads: int | None = None
     dense_tail: int = 0
     graphs: Any = None
+    guard: Any = None
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -305,8 +309,11 @@ def minference_attention(
         seqlens, seqstarts, q_seqlens, q_seqstarts = rows
     if state.observer is not None and L == S:
         state.observer(state.layer, query, key, seqlens, seqstarts)
+    # the quality guard: None unless this call is a checked one (an attribute read otherwise)
+    shadow = None if state.guard is None else state.guard.layer_check(state.layer, state.head_offset)
     # patch(cuda_graphs=...): square prefills through the layer's graph (a chunk's key length grows: direct)
-    run = sparse_prefill if state.graphs is None or L != S else partial(state.graphs, state.layer)
+    direct = state.graphs is None or L != S or shadow is not None
+    run = sparse_prefill if direct else partial(state.graphs, state.layer)
     with profile_range(ATTENTION_RANGE):
         out = run(
             query, key, value, state.plan, scale=scaling, seqlens=seqlens, seqstarts=seqstarts,
@@ -314,6 +321,7 @@ def minference_attention(
             head_offset=state.head_offset, dense_threshold=0, backend=state.backend, dense_tail=state.dense_tail,
             validate=False,  # the model's own activations: no host sync per layer (as SDPA checks nothing)
             **({} if state.fill_gaps is None else {"fill_gaps": state.fill_gaps}),
+            **({} if shadow is None else {"shadow": shadow}),
         )  # [B, Hq, L, D], zeros at padding positions; the thresholds were applied above
     return out.transpose(1, 2), None
 
@@ -515,6 +523,7 @@ def patch(
     fill_gaps: int | None = None,
     dense_tail: int = 0,
     cuda_graphs: Any = False,
+    guard: Any = None,
 ) -> torch.nn.Module:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
@@ -543,6 +552,12 @@ def patch(
             length changes every chunk), or pass a ``PrefillGraphs`` to use (and
             keep across ``patch`` calls). ``False`` (default): direct calls. docs/integration.md,
             "CUDA graphs".
+        guard: the quality guard (docs/guard.md): a :class:`minference.guard.QualityGuard` (kept by
+            the caller, e.g. across patches), a :class:`~minference.config.GuardSettings` (a new
+            guard), or ``None`` (default): a new guard from the config's ``runtime.guard``
+            settings, none when their mode is ``"off"``. The guard's calls follow the model's
+            forwards (a forward pre-hook and hook, removed by :func:`unpatch`); :func:`guard_of`
+            returns it.
         head_offset: global id of local query head 0. ``None`` (default): read from the model:
             the rows of the DTensor ``q_proj`` shard this rank holds under transformers' tensor
             parallelism, else 0. Given on a DTensor model, it must equal what the weights say.
@@ -577,11 +592,18 @@ def patch(
     if cuda_graphs is not False and cuda_graphs is not True and not isinstance(cuda_graphs, PrefillGraphs):
         raise TypeError(f"cuda_graphs must be a bool or a PrefillGraphs, got {type(cuda_graphs).__name__}")
     graphs = PrefillGraphs() if cuda_graphs is True else None if cuda_graphs is False else cuda_graphs
+    from minference.guard import QualityGuard
+
+    if guard is not None and not isinstance(guard, (QualityGuard, GuardSettings)):
+        raise TypeError(f"guard must be a QualityGuard, a GuardSettings or None, got {type(guard).__name__}")
     tensor_parallel = _is_tensor_parallel(model)
     if isinstance(config, (str, os.PathLike)):
         config = load_config(config, model, allow_mismatch=allow_mismatch, fingerprint=check_fingerprint)
     if not isinstance(config, PatternConfig):
         raise TypeError(f"config must be a PatternConfig or a path to one, got {type(config).__name__}")
+    if not isinstance(guard, QualityGuard):
+        settings = config.runtime.guard if guard is None else guard
+        guard = QualityGuard(settings) if settings.mode != "off" else None
     entries = _attention_entries(model)
     if not entries:
         raise ValueError("model has no attention modules with a layer_idx (not a transformers decoder?)")
@@ -660,10 +682,13 @@ def patch(
         active = plan[head_offset : head_offset + local]
         sparse = idx in chosen and not all(isinstance(p, Dense) for p in active)
         setattr(module, STATE_ATTR, LayerState(idx, plan, sparse, head_offset, dense_threshold, backend, fill_gaps,
-                                               heads=local, dense_tail=dense_tail, graphs=graphs))
+                                               heads=local, dense_tail=dense_tail, graphs=graphs, guard=guard))
     register()
     previous = getattr(model.config, "_attn_implementation", None)
-    setattr(model, MODEL_ATTR, {"previous": previous})
+    hooks = [] if guard is None else [  # one guard call per model forward
+        model.register_forward_pre_hook(lambda _module, _args: guard.begin_call()),
+        model.register_forward_hook(lambda _module, _args, _output: guard.end_call())]
+    setattr(model, MODEL_ATTR, {"previous": previous, "guard": guard, "hooks": hooks})
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
@@ -676,6 +701,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         if hasattr(module, STATE_ATTR):
             delattr(module, STATE_ATTR)
+    for hook in saved.get("hooks", ()):
+        hook.remove()
+    if saved.get("guard") is not None:
+        saved["guard"].end_call()  # a forward cut short by an error leaves its call open
     model.set_attn_implementation(saved["previous"] or "sdpa")
     delattr(model, MODEL_ATTR)
     return model
@@ -684,6 +713,12 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 def is_patched(model: torch.nn.Module) -> bool:
     """True between :func:`patch` and :func:`unpatch`."""
     return getattr(model, MODEL_ATTR, None) is not None
+
+
+def guard_of(model: torch.nn.Module) -> Any:
+    """The :class:`minference.guard.QualityGuard` of a patched model (``None``: no guard or not patched)."""
+    saved = getattr(model, MODEL_ATTR, None)
+    return None if saved is None else saved.get("guard")
 
 
 def layer_states(model: torch.nn.Module) -> dict[int, LayerState]:

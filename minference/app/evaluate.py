@@ -58,6 +58,7 @@ from typing import Any, TextIO
 
 import torch
 
+from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
 from minference.app.models import decode_step, forward_chunks, output_cache, synchronize
 
 __all__ = [
@@ -314,6 +315,7 @@ class RunStats:
         layer_*: per layer.
         calls: attention calls per path in one prefill (``{}`` for dense: unpatched).
         yarn: the rotary embedding ran YaRN at this length.
+        guard: the quality guard's summary (``QualityGuard.summary``; ``None``: no guard).
     """
 
     config: str
@@ -330,6 +332,7 @@ class RunStats:
     layer_coverage: list[float] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     yarn: bool = False
+    guard: dict | None = None
 
 
 def _build(cls, data: dict):
@@ -880,6 +883,7 @@ def run_eval(
     prefill_chunk: int = 0,
     suite: str = "procedural",
     prompts: str | os.PathLike | None = None,
+    guard=None,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
@@ -916,6 +920,9 @@ def run_eval(
             0 (default): one call.
         coverage: measure density and coverage; ``profile``: the CUDA split (ignored on the CPU).
         loaded: an already loaded, unpatched ``(model, tokenizer)`` (left unpatched).
+        guard: :class:`minference.app.guard_options.GuardOptions` over each config's
+            ``runtime.guard``: one quality guard per sparse (config, length), its summary in
+            ``RunStats.guard`` (docs/guard.md). ``None``: the configs' own settings.
 
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range.
@@ -1028,6 +1035,7 @@ def run_eval(
         from minference.graphs import PrefillGraphs
 
         graphs = {c.name: PrefillGraphs() for c in resolved if pattern_configs[c.name] is not None}
+    guard_opts, guards = guard or guard_options.GuardOptions(), {}  # one quality guard per sparse (config, length)
     rounds = sum(map(len, ruler_prompts.values())) if ruler_set is not None else len(lengths) * samples
     bar = tqdm(total=rounds * len(resolved), desc="eval", unit="run", disable=not progress)
     try:
@@ -1053,8 +1061,12 @@ def run_eval(
                             prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
                     for cfg in resolved:
                         bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
+                        if pattern_configs[cfg.name] is not None and (cfg.name, n) not in guards:
+                            guards[(cfg.name, n)] = guard_opts.make(pattern_configs[cfg.name], f"{cfg.name}@{n}")
+                        run_guard = guards.get((cfg.name, n))
+                        guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in prompts])
                         _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
-                               graphs.get(cfg.name))
+                               graphs.get(cfg.name), run_guard or guard_options.OFF)
                         stats = report.run(cfg.name, n)
                         if stats is None:
                             stats = RunStats(cfg.name, n, yarn=yarn)
@@ -1064,9 +1076,11 @@ def run_eval(
                         if gen_tasks:
                             # TTFT: one timed single-prompt prefill (the first task's); the answers:
                             # every task's prompt (all n tokens) in one batch, one greedy decode loop
+                            guard_options.set_prompt(run_guard, f"{gen_tasks[0]}/{n}/{index}")
                             ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
                             stats.ttft_s.append(ttft)
                             batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
+                            guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in gen_tasks])
                             answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
                                                 settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
                                                                                               tokenizer),
@@ -1080,6 +1094,7 @@ def run_eval(
                                     len(tokens), found=float(evals.score_fraction(sample, text))))
                         if with_ppl:
                             ids = prompts[evals.PERPLEXITY_TASK].to(dev)
+                            guard_options.set_prompt(run_guard, f"{evals.PERPLEXITY_TASK}/{n}/{index}")
                             ttft = None
                             if not gen_tasks:  # nothing else is timed: time this prompt's prefill
                                 ttft = _prefill(model, ids, prefill_chunk)[0]
@@ -1102,6 +1117,10 @@ def run_eval(
         if graphs:
             report.settings["cuda_graph_stats"] = {name: cache.stats for name, cache in graphs.items()}
             graphs.clear()
+        for (name, n), run_guard in guards.items():  # the quality guards' summaries
+            if run_guard is not None and report.run(name, n) is not None:
+                report.run(name, n).guard = run_guard.summary()
+                run_guard.close()
     report.wall_s = time.perf_counter() - t_start
     return report
 
@@ -1219,13 +1238,15 @@ def _triton_backend(backend: str, device: torch.device) -> bool:
 
 
 def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, dense_tail: int = 0,
-           graphs=None) -> None:
+           graphs=None, guard=None) -> None:
     import minference.integration as integ
 
     if integ.is_patched(model):
         integ.unpatch(model)
     if config is not None:
         extra = {} if graphs is None else {"cuda_graphs": graphs}  # the config's PrefillGraphs, kept across patches
+        if guard is not None:  # the (config, length)'s quality guard, kept across patches
+            extra["guard"] = guard
         integ.patch(model, config, dense_threshold=dense_threshold, backend=backend, allow_mismatch=allow_mismatch,
                     check_fingerprint=False, dense_tail=dense_tail,  # fingerprint checked once by resolve_config
                     **extra)
@@ -1518,6 +1539,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                    help="run nothing: merge these report JSONs (runs of one model and machine) into --out / --plot")
+    guard_options.add_arguments(p)
     p.set_defaults(func=_eval_cmd)
 
 
@@ -1546,11 +1568,14 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
         suite=args.suite, prompts=args.prompts,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
+        guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)
     )
 
 
 def _write_outputs(report: EvalReport, args: argparse.Namespace, out: TextIO) -> int:
     print(format_report(report), file=out)
+    if any(r.guard for r in report.runs):  # the quality guard (docs/guard.md)
+        print(guard_options.format_summaries({f"{r.config} @ {r.n_tokens}": r.guard for r in report.runs}), file=out)
     if args.out:
         report.save(args.out)
         print(f"wrote {args.out}", file=out)

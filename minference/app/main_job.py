@@ -25,6 +25,7 @@ from typing import TextIO
 
 import torch
 
+from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
 from minference.app.models import decode_step, output_cache, synchronize
 
 __all__ = [
@@ -131,6 +132,7 @@ class MainJobReport:
     model: str = "smollm2"
     #: False with ``coverage=False`` (``run --no-coverage``): the per-layer lists are not measured.
     coverage_measured: bool = True
+    guard: dict | None = None  # the quality guard's summary of the sparse run (docs/guard.md)
 
     @property
     def density(self) -> float:
@@ -176,6 +178,7 @@ def run_main_job(
     loaded: tuple | None = None,
     model_name: str | None = None,
     dense_tail: int | None = None,
+    guard=None,
 ) -> MainJobReport:
     """Dense and sparse prefill of one passkey prompt; see the module docstring.
 
@@ -188,6 +191,8 @@ def run_main_job(
     for Qwen, as its config was measured, 0 for SmolLM2).
     ``loaded``: an already loaded ``(model, tokenizer)`` from
     :func:`minference.app.models.load_smollm2` (unpatched; it is left unpatched).
+    ``guard``: :class:`minference.app.guard_options.GuardOptions` over the config's
+    ``runtime.guard`` (the sparse run's quality guard, docs/guard.md; ``None``: the config's own).
     """
     from tqdm.auto import tqdm
 
@@ -235,8 +240,11 @@ def run_main_job(
 
         layer_bar.reset()
         stages.set_postfix_str("sparse prefill")
+        run_guard = (guard or guard_options.GuardOptions()).make(config, "sparse")  # the quality guard, or None
+        if run_guard is not None:
+            run_guard.prompt_id = f"passkey/{n_tokens}/{seed}"
         integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
-                    check_fingerprint=False, dense_tail=dense_tail)
+                    check_fingerprint=False, dense_tail=dense_tail, guard=run_guard or guard_options.OFF)
         density = [float("nan")] * len(modules)
         cover = [float("nan")] * len(modules)
         spent = [0.0]
@@ -271,6 +279,7 @@ def run_main_job(
         n_tokens=n_tokens, key=key, dense=dense, sparse=sparse, config_path=str(config_path),
         pattern_counts=config.counts(), layer_density=density, layer_coverage=cover, call_counts=counts,
         backend=backend, device=str(device), model=model_name, coverage_measured=coverage,
+        guard=None if run_guard is None else run_guard.summary(),
     )
 
 
@@ -299,6 +308,8 @@ def format_report(r: MainJobReport) -> str:
         lines += ["", "layer  density  coverage"]
         for layer, (d, c) in enumerate(zip(r.layer_density, r.layer_coverage)):
             lines.append(f"{layer:5d}  {d:7.3f}  {c:8.3f}")
+    if r.guard:  # the quality guard (docs/guard.md)
+        lines += ["", guard_options.format_summaries({"sparse": r.guard})]
     return "\n".join(lines)
 
 
@@ -439,6 +450,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    guard_options.add_arguments(run)
     run.set_defaults(func=_run_cmd, check=_check_run)
 
     search = subparsers.add_parser(
@@ -524,6 +536,7 @@ def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
         backend=args.backend,
         dense_threshold=args.dense_threshold, allow_mismatch=args.allow_mismatch, device=args.device,
         coverage=not args.no_coverage, progress=not args.no_progress, dense_tail=args.dense_tail,
+        guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)
     )
     print(format_report(report), file=out or sys.stdout)
     return 0
