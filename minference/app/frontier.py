@@ -728,8 +728,16 @@ class TTFTStats:
 
 def ttft_stats(report, config: str, n_tokens: int) -> TTFTStats | None:
     """TTFT of ``config`` at ``n_tokens`` in an eval report: median and max over its timed
-    prefills (``RunStats.ttft_s``, one per sample), ``None`` when none was timed. The one place
-    that reads them: per-task fields of the report, once it has them, are read here too."""
+    prefills, ``None`` when none was timed. The one place that reads them: from the report's
+    ``ttft_summary()`` row of task ``"all"`` (every timed prompt of the (config, length), the
+    ``ruler`` branch's per-task TTFT) where the report has one, else from ``RunStats.ttft_s``
+    (one timed prefill per sample)."""
+    summary = getattr(report, "ttft_summary", None)
+    if callable(summary):
+        row = next((t for t in summary() if (t["config"], t["task"], t["n_tokens"]) == (config, "all", n_tokens)),
+                   None)
+        if row is not None and row.get("ttft_median_ms") is not None:
+            return TTFTStats(float(row["ttft_median_ms"]), float(row["ttft_max_ms"]), int(row["prompts"]))
     run = report.run(config, n_tokens)
     values = [t for t in (run.ttft_s if run is not None else []) if t is not None]
     if not values:

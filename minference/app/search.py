@@ -17,6 +17,10 @@ highest mean mass wins; a head whose best mass stays below ``min_mass`` gets
 :class:`~minference.patterns.Dense` (broad heads, typically in the first layers). The result is
 a :class:`~minference.config.PatternConfig` with provenance (calibration fingerprint, length,
 seed, metric, per-head scores and densities, versions, hardware).
+
+The per-prompt tile densities it also keeps (:attr:`SearchResult.tiles`, ``max_tiles``) feed the
+cost-aware frontier (:mod:`minference.app.frontier`, docs/search.md), whose candidates are
+:func:`frontier_candidates` and whose worst case is :func:`flat_tiles`.
 """
 
 from __future__ import annotations

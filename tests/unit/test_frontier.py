@@ -423,6 +423,20 @@ def test_ttft_stats_from_the_timed_prefills():
     assert F.ttft_stats(rep, "x", 5) is None
 
 
+def test_ttft_stats_read_the_per_task_summary_when_the_report_has_one():
+    class WithSummary(EvalReport):  # the ruler branch's EvalReport.ttft_summary(), task "all" pooled
+        def ttft_summary(self):
+            return [dict(config="x", task="all", n_tokens=1000, prompts=30, ttft_median_ms=420.0, ttft_max_ms=480.0),
+                    dict(config="x", task="multi_key", n_tokens=1000, prompts=10, ttft_median_ms=1.0,
+                         ttft_max_ms=2.0)]
+
+    base = report({"x": dict(ttft=[0.3] * 10, correct=(8, 5), nll=2.0)})
+    rep = WithSummary(**{f: getattr(base, f) for f in ("model", "machine", "settings", "configs", "lengths", "tasks",
+                                                          "records", "runs")})
+    assert F.ttft_stats(rep, "x", 1000) == F.TTFTStats(420.0, 480.0, 30)
+    assert F.ttft_stats(rep, "dense", 1000) == F.TTFTStats(1000.0, 1000.0, 10)  # no row: the timed prefills
+
+
 # ---------------------------------------------------------------------------------------------
 # The cost-calibration script.
 
