@@ -463,9 +463,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--select", choices=("best_mass", "cheapest"), default="best_mass",
                         help="best_mass: highest mean mass at a common budget; cheapest: least tile cost whose "
                              "worst calibration prompt reaches --min-mass")
-    search.add_argument("--candidates", choices=("budgeted", "adaptive"), default="budgeted",
+    search.add_argument("--candidates", choices=("budgeted", "adaptive", "frontier"), default="budgeted",
                         help="budgeted: fixed budgets at --target-density; adaptive: the budget rules of "
-                             "minference.app.search.adaptive_candidates")
+                             "minference.app.search.adaptive_candidates; frontier: frontier_candidates (with caps)")
     search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
@@ -476,6 +476,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--row-stride", type=int, default=None, help="score every k-th query row")
     search.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
+    search.add_argument("--frontier", type=float, nargs="+", default=None, metavar="E",
+                        help="write a family along the cost/quality frontier, one config per budget E (mean missed "
+                             "attention mass per head; --out holds '{budget}'), plus a summary (docs/search.md)")
+    search.add_argument("--cost-table", default=None, help="frontier: cost table of benchmarks/calibrate_costs.py "
+                                                            "(default: the tile-count proxy)")
+    search.add_argument("--worst-ratio", type=float, default=1.2,
+                        help="frontier: flat-score worst case at most this times the modelled prefill")
+    search.add_argument("--fixed-ms", type=float, default=0.0,
+                        help="frontier: the prefill's time outside attention (ms; needs --cost-table)")
     search.set_defaults(func=_search_cmd, check=_check_search)
 
     sweep = subparsers.add_parser(
@@ -512,10 +521,18 @@ def _check_run(args: argparse.Namespace) -> None:
 
 
 def _check_search(args: argparse.Namespace) -> None:
+    from minference.app.models import is_qwen
+
     if args.min_mass and len(args.min_mass) > 1 and "{min_mass}" not in args.out:
         raise ValueError("several --min-mass values need '{min_mass}' in --out")
-    if args.model_path is not None and args.model != "qwen":
-        raise ValueError(f"--model-path is for --model qwen (the {args.model} weights come from their package)")
+    if args.model_path is not None and not is_qwen(args.model):
+        raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
+    if args.frontier is not None:
+        from minference.app.frontier import check_family_args
+
+        problem = check_family_args(args)  # the model's own shape is checked against the table after its load
+        if problem:
+            raise ValueError(problem)
 
 
 def _check_sweep(args: argparse.Namespace) -> None:
@@ -551,6 +568,13 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     masses = args.min_mass or [None]  # checked by _check_search
     model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
+    if args.frontier is not None:  # the cost table against the model's head dim and heads, before the search
+        from minference.app.frontier import check_family_args
+        from minference.config import model_signature
+
+        problem = check_family_args(args, model_signature(model, fingerprint=False))
+        if problem:
+            raise ValueError(problem)
     if is_qwen(args.model):
         set_context_length(model, args.tokens)
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
@@ -558,9 +582,17 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
                                               ("row_stride", args.row_stride)) if value is not None}
     if args.candidates == "adaptive":
         kwargs["candidates"] = S.adaptive_candidates()
+    elif args.candidates == "frontier":
+        kwargs["candidates"] = S.frontier_candidates(args.tokens)
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
                       model_id=QWEN_MODELS[canonical_model(args.model)].model_id if is_qwen(args.model)
                       else SMOLLM2_MODEL_ID, **kwargs)
+    if args.frontier is not None:
+        from minference.app.frontier import write_family
+
+        write_family(result, args.frontier, args.out, cost_table=args.cost_table, worst_ratio=args.worst_ratio,
+                     fixed=args.fixed_ms, stream=out or sys.stdout)
+        return 0
     for i, mass in enumerate(masses):
         config = result.config if i == 0 else result.rechoose(mass)
         path = args.out.replace("{min_mass}", f"{result.min_mass if mass is None else mass:g}")

@@ -3,6 +3,12 @@
 * :func:`plot_config`: a layer x global-head grid of a :class:`~minference.config.PatternConfig`,
   coloured by pattern kind and annotated with each head's budget, with the per-layer expected
   density (and search score) from the provenance in a side panel when it was recorded.
+* :func:`plot_search_frontier`: the predicted cost against the predicted error of a frontier
+  search (:func:`minference.app.frontier.frontier_summary`): the Lagrangian curve, the family's
+  configs with their flat-score worst case, and the per-head rule of earlier searches.
+* :func:`plot_eval_frontier`: an eval report's median and worst TTFT against accuracy and NLL at
+  one length, for dense, the frontier family, the uniform rules and other configs, with the
+  config the ship rule picks (:func:`minference.app.frontier.ship_choice`) ringed.
 * :func:`plot_head`: for one head, the dense causal attention map (log scale) next to the
   candidate set of a pattern (or an explicit mask), with the kept pairs in blue and the dense
   probability the set misses in red, plus the captured mass of every query. The candidate
@@ -39,6 +45,9 @@ __all__ = [
     "head_mask",
     "plot_config",
     "plot_head",
+    "plot_search_frontier",
+    "plot_eval_frontier",
+    "config_group",
     "add_cli",
 ]
 
@@ -468,6 +477,129 @@ def plot_head(
 
 
 # ---------------------------------------------------------------------------------------------
+# The frontier: predicted (search) and measured (eval).
+
+#: Marker and colour per group of :func:`config_group`.
+GROUP_STYLE = {"dense": ("*", "black"), "family": ("o", "#0072B2"), "uniform": ("s", "#E69F00"),
+               "config": ("D", "#009E73")}
+GROUP_LABELS = {"dense": "dense", "family": "frontier family", "uniform": "uniform rule", "config": "other config"}
+#: What the provenance notes of a family config start with (minference.app.frontier).
+FAMILY_NOTE = "frontier point"
+
+
+def config_group(cfg) -> str:
+    """``"dense"``, ``"family"`` (a config file whose provenance notes say it is a frontier point),
+    ``"uniform"`` (one pattern for every head) or ``"config"`` (any other file) of an
+    :class:`~minference.app.evaluate.EvalConfig`."""
+    if cfg.dense:
+        return "dense"
+    if cfg.kind == "uniform":
+        return "uniform"
+    notes = ((cfg.config or {}).get("provenance") or {}).get("notes") or ""
+    return "family" if notes.startswith(FAMILY_NOTE) else "config"
+
+
+def plot_search_frontier(summary: dict, path: str | os.PathLike, *, dpi: int = DEFAULT_DPI) -> Path:
+    """Draw a frontier summary: modelled prefill (``fixed + cost``) against predicted error (mean
+    missed attention mass per head), the Lagrangian curve as a line, each family config as a
+    point labelled with its budget and a hollow marker at its flat-score worst case, and the
+    per-head min-mass rule's configs as crosses. Returns ``path``."""
+    out = _check_path(path)
+    check_int("dpi", dpi, 1)
+    if not isinstance(summary, dict) or summary.get("format") != "minference.frontier":
+        raise ValueError("summary must be a frontier summary (minference.app.frontier.frontier_summary)")
+    Figure, _, _ = _matplotlib()
+    fig = Figure(figsize=(7.5, 5.0), dpi=dpi, layout="constrained")
+    ax = fig.subplots()
+    fixed = summary["fixed"]
+    curve = summary["curve"]
+    ax.plot(curve["error"], [fixed + c for c in curve["cost"]], color="#888888", lw=1.0,
+            label="Lagrangian path (no worst-case bound)")
+    for p in summary["points"]:
+        ax.plot([p["error"]] * 2, [p["prefill"], p["worst_prefill"]], color="#0072B2", lw=0.6, alpha=0.6)
+        ax.scatter([p["error"]], [p["worst_prefill"]], facecolors="none", edgecolors="#0072B2", s=30, zorder=3)
+        ax.scatter([p["error"]], [p["prefill"]], color="#0072B2", s=40, zorder=4)
+        ax.annotate(f"{p['budget']:g}", (p["error"], p["prefill"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=7)
+    for r in summary["rules"]:
+        ax.scatter([r["error"]], [r["prefill"]], marker="x", color="#D55E00", s=40, zorder=4)
+        ax.annotate(f"min mass {r['min_mass']:g}", (r["error"], r["prefill"]), textcoords="offset points",
+                    xytext=(4, -10), fontsize=7, color="#D55E00")
+    ax.axhline(fixed + summary["dense_cost"], color="black", ls=":", lw=1, label="all dense")
+    ax.scatter([], [], color="#0072B2", label="family config (budget)")
+    ax.scatter([], [], facecolors="none", edgecolors="#0072B2", label="its flat-score worst case")
+    ax.scatter([], [], marker="x", color="#D55E00", label="per-head min-mass rule")
+    ax.set_xlabel("predicted error: mean missed attention mass per head")
+    ax.set_ylabel(f"modelled prefill ({summary['unit']}: fixed {fixed:g} + attention + index)")
+    ax.set_title(f"{summary['model']['model_id']}\nfrontier at {summary['n_tokens']} tokens ({summary['cost_source']})",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.savefig(out)
+    return out
+
+
+def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = None, ship: str | None = None,
+                       dpi: int = DEFAULT_DPI) -> Path:
+    """Draw an eval report at one ``length`` (default the longest): per config its median TTFT
+    (marker) with a whisker to its worst TTFT, against accuracy (generation tasks pooled) and, when
+    the perplexity task ran, NLL. Dense is a black star, the frontier family blue circles joined
+    in TTFT order, uniform rules orange squares, other configs green diamonds; ``ship`` (a config
+    name) is ringed. TTFT from :func:`minference.app.frontier.ttft_stats`. Returns ``path``."""
+    from minference.app.frontier import ttft_stats
+
+    out = _check_path(path)
+    check_int("dpi", dpi, 1)
+    if not report.lengths:
+        raise ValueError("the report has no lengths")
+    n = max(report.lengths) if length is None else length
+    if n not in report.lengths:
+        raise ValueError(f"length {n} is not in the report ({report.lengths})")
+    Figure, _, _ = _matplotlib()
+    counts: dict[str, list[int]] = {}
+    for a in report.accuracy():
+        if a["n_tokens"] == n:
+            c = counts.setdefault(a["config"], [0, 0])
+            c[0] += a["correct"]
+            c[1] += a["total"]
+    accuracy = {k: c[0] / c[1] for k, c in counts.items() if c[1]}
+    nll = {p["config"]: p["nll"] for p in report.perplexity() if p["n_tokens"] == n}
+    panels = [(accuracy, "accuracy (generation tasks pooled)")] + ([(nll, "mean next-token NLL (nats)")] if nll else [])
+    fig = Figure(figsize=(6.5 * len(panels), 4.8), dpi=dpi, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (values, ylabel) in zip(axes, panels):
+        family = []
+        seen = set()
+        for cfg in report.configs:
+            t, y = ttft_stats(report, cfg.name, n), values.get(cfg.name)
+            if t is None or y is None:
+                continue
+            group = config_group(cfg)
+            marker, color = GROUP_STYLE[group]
+            ax.plot([t.median_ms, t.max_ms], [y, y], color=color, lw=1.2, alpha=0.7)
+            ax.scatter([t.max_ms], [y], marker="|", color=color, s=60)
+            ax.scatter([t.median_ms], [y], marker=marker, color=color, s=140 if group == "dense" else 45, zorder=3,
+                       label=GROUP_LABELS[group] if group not in seen else None)
+            seen.add(group)
+            if cfg.name == ship:
+                ax.scatter([t.median_ms], [y], s=260, facecolors="none", edgecolors="#CC79A7", linewidths=2,
+                           zorder=4, label="ship rule's choice")
+            ax.annotate(cfg.name, (t.median_ms, y), textcoords="offset points", xytext=(4, 5), fontsize=7)
+            if group == "family":
+                family.append((t.median_ms, y))
+        if len(family) > 1:
+            xs, ys = zip(*sorted(family))
+            ax.plot(xs, ys, color=GROUP_STYLE["family"][1], lw=0.8, alpha=0.5)
+        ax.set_xlabel("TTFT ms: median (marker) to worst (bar)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+        ax.set_title(f"{report.model.get('name', '')} at {n} tokens ({report.settings.get('device', '')})", fontsize=9)
+    fig.savefig(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The ``show`` subcommand.
 
 
@@ -540,8 +672,38 @@ def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    import json
+
+    from minference.app.evaluate import EvalReport, merge_reports
+    from minference.app.frontier import FrontierError, ship_choice
+
+    out = out or sys.stdout
+    _check_path(args.out)
+    try:
+        data = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.paths]
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"minference show frontier: cannot read {err}") from None
+    if data[0].get("format") == "minference.frontier":
+        if len(data) > 1:
+            raise SystemExit("minference show frontier: one frontier summary at a time")
+        path = plot_search_frontier(data[0], args.out)
+        print(f"wrote {path}", file=out)
+        return 0
+    try:
+        reports = [EvalReport.from_dict(d) for d in data]
+        report = reports[0] if len(reports) == 1 else merge_reports(reports)
+        decision = ship_choice(report, length=args.length)
+    except (ValueError, FrontierError) as err:
+        raise SystemExit(f"minference show frontier: {err}") from None
+    print(decision.text(), file=out)
+    path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen)
+    print(f"wrote {path}", file=out)
+    return 0
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``minference show config`` and ``minference show head`` (need matplotlib)."""
+    """Add ``minference show config``, ``show head`` and ``show frontier`` (need matplotlib)."""
     from minference.app.main_job import DEFAULT_CONFIG
 
     show = subparsers.add_parser("show", help="pictures: a config's pattern grid, one head's attention vs its mask",
@@ -570,3 +732,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     head.add_argument("--device", default="cpu", help="torch device")
     head.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     head.set_defaults(func=_show_head_cmd)
+    front = kinds.add_parser(
+        "frontier", help="a frontier search's summary, or eval reports' TTFT (median, worst) vs accuracy and NLL",
+        description="With a frontier summary (minference search --frontier): predicted cost vs predicted error. "
+                    "With eval reports (merged when several): median and worst TTFT against accuracy and NLL for "
+                    "dense, the frontier family and the uniform rules, and the config the ship rule picks "
+                    "(printed, with why each faster config was rejected).")
+    front.add_argument("paths", nargs="+", help="frontier summary JSON, or eval report JSON(s)")
+    front.add_argument("--out", required=True, help="image file to write")
+    front.add_argument("--length", type=int, default=None, help="eval: the length to draw and rank (default longest)")
+    front.set_defaults(func=_show_frontier_cmd)

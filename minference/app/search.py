@@ -17,6 +17,10 @@ highest mean mass wins; a head whose best mass stays below ``min_mass`` gets
 :class:`~minference.patterns.Dense` (broad heads, typically in the first layers). The result is
 a :class:`~minference.config.PatternConfig` with provenance (calibration fingerprint, length,
 seed, metric, per-head scores and densities, versions, hardware).
+
+The per-prompt tile densities it also keeps (:attr:`SearchResult.tiles`, ``max_tiles``) feed the
+cost-aware frontier (:mod:`minference.app.frontier`, docs/search.md), whose candidates are
+:func:`frontier_candidates` and whose worst case is :func:`flat_tiles`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ __all__ = [
     "search",
     "adaptive_candidates",
     "tile_density",
+    "flat_tiles",
+    "frontier_candidates",
+    "is_adaptive",
     "SELECTIONS",
 ]
 
@@ -187,6 +194,51 @@ def adaptive_candidates(
     return out
 
 
+#: A-shape candidates of the frontier search (sink, window): the adaptive ones and a wide window.
+FRONTIER_ASHAPES = ((64, 1024), (128, 4096), (128, 16384))
+#: Caps of the frontier's adaptive block-sparse candidates, as fractions of the target length: a
+#: relative-rule head keeps at most ``ceil(f * n / block)`` blocks per query block, so a flat-score
+#: input (every block passes the rule) costs at most that many (:func:`flat_tiles`). The cap is part
+#: of the candidate: the search scores each (α, cap) pair with the cap in place.
+FRONTIER_CAP_FRACTIONS = (1 / 32, 1 / 8, 1 / 2)
+
+
+def frontier_candidates(
+    n: int,
+    *,
+    gammas: Sequence[float] = ADAPTIVE_GAMMAS,
+    alphas: Sequence[float] = ADAPTIVE_ALPHAS,
+    ashapes: Sequence[tuple[int, int]] = FRONTIER_ASHAPES,
+    cap_fractions: Sequence[float] = FRONTIER_CAP_FRACTIONS,
+    block: int = ADAPTIVE_BLOCK,
+) -> list[Pattern]:
+    """Candidates of the cost-aware frontier search for an ``n``-token target length: A-shapes,
+    block-sparse with the query-aware score under the relative rule for every (α, cap) pair,
+    vertical-slash under the mass rule (each γ, the adaptive caps), and :class:`Dense` (no error,
+    the most expensive choice). Candidates equal after the caps are rounded appear once."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    for f in cap_fractions:
+        if not 0 < f <= 1:
+            raise ValueError(f"cap fractions must lie in (0, 1], got {f!r}")
+    out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
+    nb = -(-n // block)
+    for alpha in alphas:
+        for f in cap_fractions:
+            cap = min(nb, max(2, math.ceil(f * n / block)))
+            out.append(BlockSparse(top_k=cap, block=block, rule="relative", threshold=alpha, estimate="query"))
+    for gamma in gammas:
+        out.append(VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass",
+                                 threshold=gamma))
+    out.append(Dense())
+    return list(dict.fromkeys(out))
+
+
+def is_adaptive(pattern: Pattern) -> bool:
+    """Whether ``pattern``'s budget is decided per input (the ``mass`` and ``relative`` rules)."""
+    return getattr(pattern, "rule", "top_k") != "top_k"
+
+
 def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(columns [H, n], offsets [H, n])`` bool: the online builder's vertical-slash index for
     ``q, k [H, n, D]``, as the sets the dispatcher runs (offsets closed over gaps of at most
@@ -309,6 +361,35 @@ def tile_density(pattern: Pattern, sets, H: int, n: int, device) -> torch.Tensor
     raise TypeError(f"unknown pattern {type(pattern).__name__}")
 
 
+def flat_tiles(pattern: Pattern, n: int) -> float:
+    """:func:`tile_density` of ``pattern`` on a flat-score input of ``n`` tokens, counted with every
+    adaptive count at its cap (``top_k`` / ``vertical`` / ``slash``: on equal scores the relative
+    rule keeps everything and the mass rule a γ share, both up to the cap, so this bounds them),
+    and equal scores resolved to the lowest positions as the selection does on ties
+    (vertical-slash: the first ``vertical`` columns and the offsets ``0 .. slash - 1``, a band;
+    block-sparse: ``min(top_k, I + 1)`` blocks of every query block ``I``, whichever they are).
+    The worst case of a rule with a cap; static patterns give their own density (the top-k rules
+    keep their counts on every input)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    T = COST_TILE
+    nt = -(-n // T)
+    causal = nt * (nt + 1) // 2
+    if isinstance(pattern, (Dense, AShape)):
+        return float(tile_density(pattern, None, 1, n, "cpu")[0])
+    if isinstance(pattern, BlockSparse):
+        nb = -(-n // pattern.block)
+        blocks = sum(min(pattern.top_k, I + 1) for I in range(nb))
+        return blocks * (pattern.block / T) ** 2 / causal
+    if isinstance(pattern, VerticalSlash):
+        cols = torch.zeros(1, n, dtype=torch.bool)
+        offs = torch.zeros(1, n, dtype=torch.bool)
+        cols[:, : min(pattern.vertical, n)] = True
+        offs[:, : min(pattern.slash, n)] = True
+        return float(tile_density(pattern, (cols, offs), 1, n, "cpu")[0])
+    raise TypeError(f"unknown pattern {type(pattern).__name__}")
+
+
 def head_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -410,6 +491,9 @@ class SearchResult:
         density: ``[L, H, C]`` mean density likewise.
         worst_mass: ``[L, H, C]`` the smallest captured mass over the calibration prompts.
         cost: ``[L, H, C]`` mean :func:`tile_density` times the kind's :func:`tile_cost` at the head dim.
+        tiles: ``[L, H, C]`` mean :func:`tile_density` (fraction of the causal 64 x 64 tiles).
+        max_tiles: ``[L, H, C]`` the largest :func:`tile_density` over the calibration prompts.
+        n_tokens: the calibration length; head_dim: the model's.
     """
 
     config: PatternConfig
@@ -420,6 +504,10 @@ class SearchResult:
     cost: torch.Tensor | None = None
     select: str = "best_mass"
     min_mass: float = 0.0
+    tiles: torch.Tensor | None = None
+    max_tiles: torch.Tensor | None = None
+    n_tokens: int | None = None
+    head_dim: int | None = None
 
     def rechoose(self, min_mass: float, select: str | None = None) -> PatternConfig:
         """The config this search gives under another ``min_mass`` (and ``select``), from the
@@ -490,6 +578,8 @@ def search(
     density = torch.zeros(L, H, len(cands), dtype=torch.float64)
     worst = torch.ones(L, H, len(cands), dtype=torch.float64)
     cost = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    tiles = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    max_tiles = torch.zeros(L, H, len(cands), dtype=torch.float64)
     device = next(model.parameters()).device
     bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
 
@@ -500,6 +590,8 @@ def search(
         density[layer] += d
         worst[layer] = torch.minimum(worst[layer], m)
         cost[layer] += t * torch.tensor([tile_cost(c.kind, query.shape[-1]) for c in cands], dtype=torch.float64)
+        tiles[layer] += t
+        max_tiles[layer] = torch.maximum(max_tiles[layer], t)
         bar.update(1)
 
     from minference.integration import attention_modules
@@ -512,6 +604,7 @@ def search(
     mass /= len(prompts)
     density /= len(prompts)
     cost /= len(prompts)
+    tiles /= len(prompts)
     layers, scores, dens = _choose(cands, mass, density, worst, cost, min_mass, select)
     provenance = Provenance(
         source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
@@ -521,7 +614,8 @@ def search(
                f"selection {select}; candidates: {[repr(c) for c in cands]}"),
     )
     config = PatternConfig(signature, layers, provenance)
-    return SearchResult(config, cands, mass, density, worst, cost, select, min_mass)
+    return SearchResult(config, cands, mass, density, worst, cost, select, min_mass, tiles, max_tiles, n,
+                        signature.head_dim)
 
 
 def _check_choice(min_mass: float, select: str) -> None:

@@ -166,3 +166,80 @@ def test_import_minference_does_not_import_matplotlib() -> None:
     code = ("import sys, minference, minference.app.plots, minference.app.cli; minference.app.cli.build_parser(); "
             "sys.exit(1 if 'matplotlib' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The frontier pictures.
+
+
+def _frontier_summary() -> dict:
+    from minference.app.frontier import FRONTIER_FORMAT
+
+    point = {"cost": 5.0, "error": 0.02, "worst": 6.0, "prefill": 15.0, "worst_prefill": 16.0, "speedup": 2.0,
+             "counts": {"a_shape": 1, "vertical_slash": 2, "block_sparse": 3, "dense": 0}}
+    return {"format": FRONTIER_FORMAT, "version": 1, "model": {"model_id": "tiny"}, "n_tokens": 1000, "unit": "ms",
+            "cost_source": "t.json", "fixed": 10.0, "worst_ratio": 1.2, "heads": 6, "dense_cost": 20.0,
+            "points": [dict(point, budget=0.02, config="a_0.02.json"),
+                       dict(point, budget=0.05, error=0.05, cost=3.0, prefill=13.0, config="a_0.05.json")],
+            "rules": [dict(point, min_mass=0.9, error=0.03, cost=6.0, prefill=16.0)],
+            "curve": {"error": [0.0, 0.02, 0.05, 0.1], "cost": [20.0, 5.0, 3.0, 2.0], "worst": [20.0, 6, 4, 3]}}
+
+
+def _eval_report():
+    from minference.app.evaluate import EvalConfig, EvalReport, RunStats, SampleRecord
+
+    family = {"provenance": {"notes": "frontier point: error budget 0.02 ..."}}
+    other = {"provenance": {"notes": "2 prompt(s) ..."}}
+    configs = [EvalConfig("dense", "dense", "dense"), EvalConfig("f1", "f1.json", "file", config=family),
+               EvalConfig("f2", "f2.json", "file", config=family), EvalConfig("u", "{}", "uniform"),
+               EvalConfig("old", "old.json", "file", config=other)]
+    ttft = {"dense": [1.0] * 10, "f1": [0.5] * 9 + [0.55], "f2": [0.4] * 9 + [0.7], "u": [0.3] * 10,
+            "old": [0.6] * 10}
+    correct = {"dense": 8, "f1": 8, "f2": 7, "u": 4, "old": 8}
+    nll = {"dense": 2.0, "f1": 2.01, "f2": 2.015, "u": 2.5, "old": 2.005}
+    records, runs = [], []
+    for name in ttft:
+        runs.append(RunStats(name, 1000, ttft_s=ttft[name]))
+        records += [SampleRecord(name, "single_needle", 1000, i, 0, None, ["1"], i < correct[name], "", None)
+                    for i in range(10)]
+        records.append(SampleRecord(name, "perplexity", 1000, 0, 0, None, [], None, None, None, nll=nll[name],
+                                    nll_buckets=[nll[name]]))
+    return EvalReport(model={"name": "m", "dtype": "bf16", "model_id": "m"}, machine={}, settings={"device": "cuda"},
+                      configs=configs, lengths=[1000], tasks=["single_needle", "perplexity"], records=records,
+                      runs=runs)
+
+
+def test_config_groups() -> None:
+    report = _eval_report()
+    assert [P.config_group(c) for c in report.configs] == ["dense", "family", "family", "uniform", "config"]
+
+
+def test_plot_search_frontier(tmp_path) -> None:
+    assert _is_png(P.plot_search_frontier(_frontier_summary(), tmp_path / "f.png", dpi=50))
+    with pytest.raises(ValueError, match="frontier summary"):
+        P.plot_search_frontier({"format": "x"}, tmp_path / "g.png")
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_plot_eval_frontier(tmp_path) -> None:
+    report = _eval_report()
+    assert _is_png(P.plot_eval_frontier(report, tmp_path / "e.png", ship="f1", dpi=50))
+    with pytest.raises(ValueError, match="length 5"):
+        P.plot_eval_frontier(report, tmp_path / "x.png", length=5)
+
+
+def test_show_frontier_cli_prints_the_ship_decision(tmp_path, capsys) -> None:
+    import json
+
+    rep = tmp_path / "r.json"
+    rep.write_text(_eval_report().to_json())
+    assert cli.main(["show", "frontier", str(rep), "--out", str(tmp_path / "r.png")]) == 0
+    text = capsys.readouterr().out
+    # u (fastest) loses 4 samples, f2 has worst 0.7 > 1.2 x 0.4; f1 passes
+    assert "ship: f1" in text and "u: 300.0 ms, rejected: single_needle at 1000: 4/10 vs dense 8/10" in text
+    assert "f2: 400.0 ms, rejected: TTFT at 1000: worst 700.0 ms > 1.2 x median 400.0 ms" in text
+    assert _is_png(tmp_path / "r.png")
+    summary = tmp_path / "s.json"
+    summary.write_text(json.dumps(_frontier_summary()))
+    assert cli.main(["show", "frontier", str(summary), "--out", str(tmp_path / "s.png")]) == 0
+    assert _is_png(tmp_path / "s.png")

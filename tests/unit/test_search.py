@@ -254,3 +254,110 @@ def test_search_cli_takes_several_min_masses(capsys, monkeypatch):
     assert args.min_mass == [0.9, 0.95]
     assert main(["search", "--out", "c.json", "--min-mass", "0.9", "0.95"]) == 2  # main_job._check_search
     assert "{min_mass}" in capsys.readouterr().err
+
+
+def test_frontier_candidates():
+    n = 120000
+    cands = S.frontier_candidates(n)
+    assert cands[-1] == Dense() and len(cands) == len(set(cands))
+    kinds = [c.kind for c in cands]
+    assert kinds.count("a_shape") == len(S.FRONTIER_ASHAPES)
+    assert kinds.count("vertical_slash") == len(S.ADAPTIVE_GAMMAS)
+    bs = [c for c in cands if isinstance(c, BlockSparse)]
+    assert len(bs) == len(S.ADAPTIVE_ALPHAS) * len(S.FRONTIER_CAP_FRACTIONS)
+    assert {c.top_k for c in bs} == {-(-int(f * n) // 128) for f in S.FRONTIER_CAP_FRACTIONS} == {30, 118, 469}
+    assert all(c.rule == "relative" and c.estimate == "query" and S.is_adaptive(c) for c in bs)
+    assert not S.is_adaptive(AShape()) and not S.is_adaptive(BlockSparse(top_k=4))
+    # at a short length the caps collapse onto one candidate per threshold
+    short = [c for c in S.frontier_candidates(300) if isinstance(c, BlockSparse)]
+    assert len(short) == len(S.ADAPTIVE_ALPHAS) and {c.top_k for c in short} == {2}
+    with pytest.raises(ValueError, match="cap fractions"):
+        S.frontier_candidates(1000, cap_fractions=(0.0,))
+
+
+@pytest.mark.parametrize("n", [640, 1000])
+@pytest.mark.parametrize("pattern", [
+    BlockSparse(top_k=3, block=64, rule="relative", threshold=0.1, estimate="query", sink_blocks=1),
+    BlockSparse(top_k=5, block=32, rule="relative", threshold=0.3, sink_blocks=0),
+    VerticalSlash(vertical=40, slash=150, sink_columns=4, local_diagonals=8, rule="relative", threshold=0.1),
+    VerticalSlash(vertical=70, slash=300, sink_columns=0, local_diagonals=1, rule="relative", threshold=0.5),
+])
+def test_flat_tiles_is_what_the_builders_pick_on_flat_scores(n, pattern):
+    """On equal logits (zero queries) the relative rule keeps every candidate up to the cap, ties
+    resolved to the lowest positions: the sets the builders choose cost exactly flat_tiles."""
+    q = torch.zeros(2, n, 16)
+    k = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1))
+    sets = S.pattern_sets(pattern, q, k, 0.25)
+    got = S.tile_density(pattern, sets, 2, n, "cpu")
+    assert torch.allclose(got, torch.full((2,), S.flat_tiles(pattern, n), dtype=torch.float64))
+    if isinstance(pattern, BlockSparse):
+        # a block head's cost is its block count: no input costs more than the flat one. (Not so for
+        # vertical-slash: scattered offsets reach more tiles than the band; docs/search.md.)
+        peaked = S.tile_density(pattern, S.pattern_sets(pattern, torch.randn(2, n, 16) * 4, k, 0.25), 2, n, "cpu")
+        assert bool((peaked <= S.flat_tiles(pattern, n) + 1e-12).all())
+
+
+def test_flat_tiles_of_static_patterns_and_caps():
+    n = 1000
+    assert S.flat_tiles(Dense(), n) == 1.0
+    a = AShape(sink=64, window=200)
+    assert S.flat_tiles(a, n) == float(S.tile_density(a, None, 1, n, "cpu")[0])
+    caps = [S.flat_tiles(BlockSparse(top_k=k, block=64, rule="relative", threshold=0.1), n) for k in (1, 2, 4, 16)]
+    assert caps == sorted(caps) and caps[-1] == 1.0  # 16 blocks of 64 cover 1000 tokens
+    with pytest.raises(ValueError, match="n must"):
+        S.flat_tiles(Dense(), 0)
+
+
+def test_search_records_tiles_per_prompt():
+    model, prompts = _tiny_llama_and_prompts(256)
+    cands = [AShape(sink=8, window=64), BlockSparse(top_k=2, block=32, rule="relative", threshold=0.3), Dense()]
+    res = S.search(model, prompts, candidates=cands, min_mass=0.5, select="cheapest", progress=False, row_stride=4)
+    assert res.n_tokens == 256 and res.head_dim == 16
+    assert res.tiles.shape == res.max_tiles.shape == (2, 4, 3)
+    assert bool((res.max_tiles >= res.tiles - 1e-12).all())
+    cost_ratio = torch.tensor([S.tile_cost(c.kind, 16) for c in cands], dtype=torch.float64)
+    assert torch.allclose(res.cost, res.tiles * cost_ratio)
+    assert torch.equal(res.tiles[..., 2], torch.ones(2, 4, dtype=torch.float64))
+
+
+def _search_args(*extra):
+    from minference.app.cli import build_parser
+
+    return build_parser().parse_args(["search", *extra])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "c.json", "--frontier", "0.01"], "{budget}"),
+    (["--out", "c_{budget}.json", "--frontier", "0.01", "1.5"], "in [0, 1]"),
+    (["--out", "c_{budget}.json", "--frontier", "0.01", "--fixed-ms", "270"], "needs a calibrated --cost-table"),
+    (["--out", "c_{budget}.json", "--frontier", "0.01", "--worst-ratio", "0.9"], "--worst-ratio"),
+    (["--out", "c_{budget}.json", "--frontier", "0.01", "--cost-table", "/nonexistent.json"], "cannot read"),
+])
+def test_search_cli_frontier_arguments_are_checked_before_the_model_loads(capsys, monkeypatch, extra, message):
+    from minference.app import main_job, models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main_job._search_cmd(_search_args(*extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp_path, capsys, monkeypatch):
+    import json
+
+    from minference.app import main_job, models
+    from minference.app.frontier import COST_TABLE_FORMAT
+
+    table = {"format": COST_TABLE_FORMAT, "version": 1, "unit": "ms",
+             "shape": {"n_tokens": 512, "head_dim": 64, "num_heads": 4, "num_kv_heads": 2},
+             "attention": {k: {"intercept_ms": 0.0, "ms_per_tile": 1.0}
+                           for k in ("dense", "a_shape", "vertical_slash", "block_sparse@128")},
+             "index": {"vertical_slash:mass": {"ms": 1.0}, "block_sparse:query:relative@128": {"ms": 1.0}}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    model, _ = _tiny_llama_and_prompts(8)  # head dim 16, not the table's 64
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(S, "search", lambda *a, **k: pytest.fail("searched"))
+    args = _search_args("--out", str(tmp_path / "c_{budget}.json"), "--frontier", "0.01", "--tokens", "512",
+                        "--candidates", "frontier", "--cost-table", str(path))
+    assert main_job._search_cmd(args) == 2
+    assert "head dim 64" in capsys.readouterr().err

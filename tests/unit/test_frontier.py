@@ -1,0 +1,466 @@
+"""The frontier search (minference.app.frontier): the allocation against brute force over every
+assignment, monotone in the budget, the worst-case bound; the cost model; per-head options; the
+family files; the ship rule on synthetic eval reports; the cost-calibration script in the
+interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from minference.app import frontier as F
+from minference.app import search as S
+from minference.app.evaluate import EvalConfig, EvalReport, RunStats, SampleRecord
+from minference.config import ModelSignature, PatternConfig, Provenance, load_config
+from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation against brute force.
+
+
+def options(cost, error, worst=None, allowed=None) -> F.HeadOptions:
+    """HeadOptions of one layer with ``M`` heads from ``[M, C]`` tables."""
+    cost = torch.as_tensor(cost, dtype=torch.float64)
+    error = torch.as_tensor(error, dtype=torch.float64)
+    worst = cost if worst is None else torch.as_tensor(worst, dtype=torch.float64)
+    allowed = torch.ones_like(cost, dtype=torch.bool) if allowed is None else torch.as_tensor(allowed)
+    C = cost.shape[1]
+    cands = [AShape(sink=0, window=i + 1) for i in range(C)]
+    return F.HeadOptions(cands, cost[None], error[None], error[None], worst[None], 1 - error[None], error[None] * 0,
+                         allowed[None], "ms", 1000)
+
+
+def random_instance(seed: int, M: int = 4, C: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    cost = torch.rand(M, C, generator=g, dtype=torch.float64) * 10
+    error = torch.rand(M, C, generator=g, dtype=torch.float64) * 0.2
+    error[:, 0] = 0.0  # a lossless option per head (dense)
+    cost[:, 0] = 10.0
+    worst = cost * (1 + 3 * torch.rand(M, C, generator=g, dtype=torch.float64) * (torch.arange(C) % 2 == 1))
+    allowed = torch.rand(M, C, generator=g) > 0.2
+    allowed[:, 0] = True
+    if seed % 3 == 0:  # exact ties of error and of cost between options
+        error[:, 2] = error[:, 1]
+        cost[:, 3] = cost[:, 1]
+    return cost, error, worst, allowed
+
+
+def assignments(allowed):
+    return itertools.product(*[[c for c in range(allowed.shape[1]) if allowed[m, c]] for m in range(allowed.shape[0])])
+
+
+def totals(x, a):
+    return sum(float(x[m, c]) for m, c in enumerate(a))
+
+
+def brute_min_cost(cost, error, allowed, max_error, worst=None, max_slack=None, ratio=None):
+    best = math.inf
+    for a in assignments(allowed):
+        if totals(error, a) > max_error + 1e-12:
+            continue
+        if max_slack is not None and totals(worst, a) - ratio * totals(cost, a) > max_slack + 1e-9:
+            continue
+        best = min(best, totals(cost, a))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_path_point_is_the_cheapest_assignment_of_at_most_its_error(seed):
+    cost, error, worst, allowed = random_instance(seed)
+    path = F.lagrangian_path(cost, error, allowed, worst=worst)
+    assert len(path.cost) > 1
+    for k in range(len(path.cost)):
+        choice = path.choice(k)
+        assert all(bool(allowed[m, c]) for m, c in enumerate(choice.tolist()))
+        assert float(path.cost[k]) == pytest.approx(totals(cost, choice.tolist()))
+        assert float(path.error[k]) == pytest.approx(totals(error, choice.tolist()))
+        assert float(path.worst[k]) == pytest.approx(totals(worst, choice.tolist()))
+        assert float(path.cost[k]) == pytest.approx(brute_min_cost(cost, error, allowed, float(path.error[k])))
+    assert float(path.error[0]) == pytest.approx(float(torch.where(allowed, error, math.inf).min(1).values.sum()))
+    assert bool((path.cost[1:] <= path.cost[:-1] + 1e-12).all()) and bool((path.error[1:] >= path.error[:-1]).all())
+
+
+def test_collinear_steps_of_a_head_stay_in_hull_order():
+    # exactly collinear in the hull test, but float rounding makes the second rate the larger
+    # (71.19999999999999 < 71.2): the path must still take the first step first
+    cost = torch.tensor([[10.0, 8.7896, 6.8672], [10.0, 9.0, 9.5]], dtype=torch.float64)
+    error = torch.tensor([[0.0, 0.017, 0.044], [0.0, 0.05, 0.3]], dtype=torch.float64)
+    path = F.lagrangian_path(cost, error, torch.ones(2, 3, dtype=torch.bool))
+    assert path.choice(len(path.heads)).tolist() == [2, 1]
+    assert path.heads.tolist()[:2] == [0, 0] and path.choices.tolist()[:2] == [1, 2]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_within_a_budget_is_optimal_up_to_one_step(seed):
+    cost, error, worst, allowed = random_instance(seed)
+    opts = options(cost, error, worst, allowed)
+    path = F.lagrangian_path(cost, error, allowed)
+    step = float((path.cost[:-1] - path.cost[1:]).max())
+    M = cost.shape[0]
+    for budget in torch.linspace(0, 0.2, 17).tolist():
+        a = F.allocate(opts, budget)
+        assert a.error <= budget * M + 1e-9
+        choice = a.choice[0].tolist()
+        assert a.cost == pytest.approx(totals(cost, choice)) and a.error == pytest.approx(totals(error, choice))
+        best = brute_min_cost(cost, error, allowed, budget * M)
+        assert best - 1e-9 <= a.cost <= best + step + 1e-9
+        # exact for its own error: nothing of at most that error is cheaper
+        assert a.cost == pytest.approx(brute_min_cost(cost, error, allowed, a.error))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_monotone_in_the_budget(seed):
+    cost, error, worst, allowed = random_instance(seed, M=5)
+    opts = options(cost, error, worst, allowed)
+    budgets = torch.linspace(0, 0.25, 26).tolist()
+    free = [F.allocate(opts, b) for b in budgets]
+    assert all(b.cost <= a.cost + 1e-12 and b.error >= a.error - 1e-12 for a, b in zip(free, free[1:]))
+    bounded = [F.allocate(opts, b, worst_ratio=1.5, fixed=5.0) for b in budgets]
+    assert all(b.cost <= a.cost + 1e-12 for a, b in zip(bounded, bounded[1:]))
+
+
+def test_allocation_respects_the_worst_case_bound():
+    # per head: dense (lossless), an adaptive option cheap on the calibration prompts but costly on
+    # flat scores, a static option in between
+    M = 4
+    cost = torch.tensor([[10.0, 1.0, 4.0]] * M)
+    error = torch.tensor([[0.0, 0.01, 0.02]] * M)
+    worst = torch.tensor([[10.0, 30.0, 4.0]] * M)
+    opts = options(cost, error, worst)
+    free = F.allocate(opts, 0.05)
+    assert free.choice[0].tolist() == [1] * M  # unbounded, the adaptive option everywhere
+    assert free.worst > 1.2 * free.cost  # ... whose flat-score worst case is 30x
+    for fixed in (0.0, 20.0):
+        a = F.allocate(opts, 0.05, worst_ratio=1.2, fixed=fixed)
+        assert fixed + a.worst <= 1.2 * (fixed + a.cost) + 1e-9
+        best = brute_min_cost(cost, error, torch.ones(M, 3, dtype=torch.bool), 0.05 * M, worst,
+                              (1.2 - 1) * fixed, 1.2)
+        assert a.cost >= best - 1e-9
+        assert a.cost <= best + 6.0 + 1e-9  # at most one head's step from the constrained optimum
+        # optimal among assignments of at most its error and its worst-case slack
+        slack = a.worst - 1.2 * a.cost
+        assert a.cost == pytest.approx(brute_min_cost(cost, error, torch.ones(M, 3, dtype=torch.bool), a.error,
+                                                      worst, slack, 1.2))
+    # more time outside attention leaves adaptive heads more room
+    assert F.allocate(opts, 0.05, worst_ratio=1.2, fixed=200.0).choice[0].tolist().count(1) > \
+        F.allocate(opts, 0.05, worst_ratio=1.2).choice[0].tolist().count(1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bounded_allocation_against_brute_force(seed):
+    cost, error, worst, allowed = random_instance(seed)
+    opts = options(cost, error, worst, allowed)
+    for budget in (0.02, 0.05, 0.1, 0.3):
+        a = F.allocate(opts, budget, worst_ratio=1.3, fixed=3.0)
+        assert 3.0 + a.worst <= 1.3 * (3.0 + a.cost) + 1e-9 and a.error <= budget * 4 + 1e-9
+        best = brute_min_cost(cost, error, allowed, budget * 4, worst, 0.3 * 3.0, 1.3)
+        assert a.cost >= best - 1e-9
+        assert a.cost == pytest.approx(brute_min_cost(cost, error, allowed, a.error, worst,
+                                                      a.worst - 1.3 * a.cost, 1.3))
+
+
+def test_allocation_errors():
+    opts = options([[1.0, 2.0]], [[0.0, 0.1]], worst=[[2.0, 4.0]])
+    with pytest.raises(F.FrontierError, match="budget"):
+        F.allocate(opts, -0.1)
+    with pytest.raises(F.FrontierError, match="worst_ratio"):
+        F.allocate(opts, 0.1, worst_ratio=0.5)
+    with pytest.raises(F.FrontierError, match="no assignment"):
+        F.allocate(opts, 0.1, worst_ratio=1.2)  # every option's worst case is twice its cost
+    with pytest.raises(F.FrontierError, match="no allowed option"):
+        F.allocate(options([[1.0]], [[0.0]], allowed=[[False]]), 0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model.
+
+
+def table(n=1000, heads=2, head_dim=16) -> dict:
+    return {"format": F.COST_TABLE_FORMAT, "version": 1, "unit": "ms",
+            "shape": {"n_tokens": n, "head_dim": head_dim, "num_heads": heads, "num_kv_heads": 1},
+            "attention": {"dense": {"intercept_ms": 0.2, "ms_per_tile": 0.01},
+                          "a_shape": {"intercept_ms": 0.1, "ms_per_tile": 0.012},
+                          "vertical_slash": {"intercept_ms": 0.4, "ms_per_tile": 0.015},
+                          "block_sparse@64": {"intercept_ms": 0.3, "ms_per_tile": 0.011}},
+            "index": {"vertical_slash:mass": {"ms": 0.5}, "block_sparse:query:relative@64": {"ms": 0.6}},
+            "provenance": {"gpu": "test"}}
+
+
+def test_fit_line():
+    a, b = F.fit_line([10, 20, 40], [1.5, 2.5, 4.5])
+    assert a == pytest.approx(0.5) and b == pytest.approx(0.1)
+    a, b = F.fit_line([10, 20, 40], [0.5, 1.9, 4.1])  # free fit's intercept < 0: through the origin
+    assert a == 0.0 and b == pytest.approx((5 + 38 + 164) / (100 + 400 + 1600))
+    assert F.fit_line([8], [2.0]) == (0.0, 0.25)
+    with pytest.raises(F.FrontierError):
+        F.fit_line([1, 2], [1.0])
+
+
+def test_cost_model_from_table_and_proxy():
+    m = F.CostModel.from_dict(table(), source="t.json")
+    assert m.calibrated and m.unit == "ms"
+    n, ct = 1000, F.causal_tiles(1000)
+    bs = BlockSparse(top_k=4, block=64, rule="relative", threshold=0.1, estimate="query")
+    assert float(m.head_cost(bs, 0.5, n)) == pytest.approx((0.3 + 0.6) / 2 + 0.011 * 0.5 * ct)
+    assert float(m.head_cost(Dense(), 1.0, n)) == pytest.approx(0.1 + 0.01 * ct)
+    m.check([bs, Dense(), AShape()], head_dim=16, num_heads=2, n_tokens=1050)
+    with pytest.raises(F.FrontierError, match="measured at 1000 tokens"):
+        m.check([Dense()], head_dim=16, num_heads=2, n_tokens=2000)
+    with pytest.raises(F.FrontierError, match="head dim"):
+        m.check([Dense()], head_dim=64, num_heads=2, n_tokens=1000)
+    with pytest.raises(F.FrontierError, match=r"block_sparse@128"):
+        m.check([BlockSparse(top_k=4, block=128)], head_dim=16, num_heads=2, n_tokens=1000)
+    bad = table()
+    bad["attention"]["dense"]["ms_per_tile"] = -1
+    with pytest.raises(F.FrontierError, match="finite and >= 0"):
+        F.CostModel.from_dict(bad)
+    with pytest.raises(F.FrontierError, match="not a cost table"):
+        F.CostModel.from_dict({"format": "x"})
+    del bad["index"]
+    with pytest.raises(F.FrontierError, match="malformed"):
+        F.CostModel.from_dict(bad)
+    p = F.CostModel.proxy(64, n, num_heads=14)
+    assert not p.calibrated
+    assert float(p.head_cost(Dense(), 1.0, n)) == pytest.approx(S.tile_cost("dense", 64))
+    assert float(p.head_cost(bs, 0.25, n)) == pytest.approx(
+        0.25 * S.tile_cost("block_sparse", 64) + F.INDEX_PROXY["block_sparse"] * S.tile_cost("dense", 64))
+    assert float(p.head_cost(AShape(), 0.1, n)) == pytest.approx(0.1 * S.tile_cost("a_shape", 64))
+
+
+def fake_result(n=1000) -> S.SearchResult:
+    """A search result of one layer, two heads, over three candidates (no Dense among them)."""
+    vs = VerticalSlash(vertical=64, slash=128, rule="mass", threshold=0.9)
+    bs = BlockSparse(top_k=4, block=64, rule="relative", threshold=0.1, estimate="query")
+    cands = [AShape(sink=4, window=64), vs, bs]
+    t = lambda rows: torch.tensor([rows], dtype=torch.float64)  # noqa: E731
+    sig = ModelSignature("tiny", "llama", 1, 2, 1, 16)
+    config = PatternConfig(sig, [[Dense(), Dense()]], Provenance(source="search", notes="2 prompt(s)"))
+    return S.SearchResult(config, cands, mass=t([[0.9, 0.95, 0.97], [0.5, 0.99, 0.8]]),
+                          density=t([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]]),
+                          worst_mass=t([[0.85, 0.9, 0.96], [0.4, 0.98, 0.7]]),
+                          cost=t([[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]]), select="cheapest",
+                          tiles=t([[0.1, 0.05, 0.02], [0.1, 0.06, 0.03]]),
+                          max_tiles=t([[0.1, 0.07, 0.025], [0.1, 0.08, 0.035]]), n_tokens=n, head_dim=16)
+
+
+def test_head_options_costs_errors_and_worst_cases():
+    res = fake_result()
+    m = F.CostModel.from_dict(table())
+    opts = F.head_options(res, m, min_mass=0.6)
+    assert opts.candidates == res.candidates + [Dense()]
+    n = res.n_tokens
+    for i, c in enumerate(opts.candidates):
+        tiles = res.tiles[..., i] if i < 3 else torch.ones(1, 2, dtype=torch.float64)
+        assert torch.allclose(opts.cost[..., i], m.head_cost(c, tiles, n))
+    assert torch.allclose(opts.error[..., :3], 1 - res.mass) and bool((opts.error[..., 3] == 0).all())
+    assert torch.allclose(opts.worst_error[..., :3], 1 - res.worst_mass)
+    # static: the costliest prompt; adaptive: at least the flat-score input (every count at its cap)
+    assert torch.allclose(opts.worst_cost[..., 0], m.head_cost(res.candidates[0], res.max_tiles[..., 0], n))
+    for i in (1, 2):
+        flat = S.flat_tiles(res.candidates[i], n)
+        want = m.head_cost(res.candidates[i], torch.clamp(res.max_tiles[..., i], min=flat), n)
+        assert torch.allclose(opts.worst_cost[..., i], want)
+        assert bool((opts.worst_cost[..., i] >= opts.cost[..., i]).all())
+    # min_mass 0.6: head 1's A-shape (worst 0.4) is out, dense always in
+    assert opts.allowed[0].tolist() == [[True, True, True, True], [False, True, True, True]]
+    with pytest.raises(F.FrontierError, match="head dim"):
+        F.head_options(res, F.CostModel.from_dict(table(head_dim=64)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The family on a tiny model.
+
+
+def _tiny_llama_and_prompts(n: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    return LlamaForCausalLM(cfg).eval(), prompts
+
+
+def test_family_files_load_and_record_their_prediction(tmp_path):
+    pytest.importorskip("matplotlib")
+    model, prompts = _tiny_llama_and_prompts(512)
+    cands = S.frontier_candidates(512, block=64)
+    res = S.search(model, prompts, candidates=cands, select="cheapest", min_mass=0.9, progress=False, row_stride=8)
+    budgets = [0.0, 0.05, 0.2, 0.5]
+    points, summary = F.write_family(res, budgets, str(tmp_path / "fam_{budget}.json"))
+    assert [p.path for p in points] == [str(tmp_path / f"fam_{b:g}.json") for b in budgets]
+    costs = []
+    for p, s in zip(points, summary["points"]):
+        loaded = load_config(p.path, model)  # the model check passes: the search's signature
+        assert loaded.layers == p.config.layers
+        assert loaded.provenance.notes.startswith("frontier point: error budget")
+        assert f"predicted cost {p.allocation.cost:.6g}" in loaded.provenance.notes
+        assert s["cost"] == p.allocation.cost and s["error"] == pytest.approx(p.allocation.error / 8)
+        assert s["error"] <= p.budget + 1e-9 and s["config"] == p.path
+        # the recorded scores are the chosen candidates' masses
+        for l, row in enumerate(loaded.layers):
+            for h, pat in enumerate(row):
+                c = cands.index(pat)
+                assert loaded.provenance.scores[l][h] == pytest.approx(float(res.mass[l, h, c]), abs=1e-6)
+        costs.append(s["cost"])
+    assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]  # the budgets bought something
+    assert points[0].config.counts()["dense"] == 8 or summary["points"][0]["error"] == 0.0
+    for ext in (".json", ".md", ".png"):
+        assert (tmp_path / f"fam_frontier{ext}").is_file()
+    assert json.loads((tmp_path / "fam_frontier.json").read_text())["points"][1]["budget"] == 0.05
+    with pytest.raises(F.FrontierError, match="budget"):
+        F.write_family(res, budgets, str(tmp_path / "no_placeholder.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The ship rule.
+
+TASKS = ("single_needle", "multi_key")
+
+
+def report(configs: dict, *, lengths=(1000,), dense_correct=(8, 5), samples=10) -> EvalReport:
+    """``configs``: name -> dict(ttft=[s...], correct=(c1, c2), nll=x, length=n: overrides)."""
+    spec = {"dense": dict(ttft=[1.0] * samples, correct=dense_correct, nll=2.0), **configs}
+    cfgs = [EvalConfig(name, name if name == "dense" else f"{name}.json", "dense" if name == "dense" else "file")
+            for name in spec]
+    records, runs = [], []
+    for n in lengths:
+        for name, s in spec.items():
+            s = {**s, **s.get(n, {})}
+            if s.get("skip"):
+                continue
+            count = s.get("samples", samples)
+            runs.append(RunStats(name, n, ttft_s=list(s["ttft"])))
+            for task, correct in zip(TASKS, s["correct"]):
+                for i in range(count):
+                    records.append(SampleRecord(name, task, n, i, 0, None, ["1"], i < correct, "", None))
+            if s.get("nll") is not None:
+                records.append(SampleRecord(name, "perplexity", n, 0, 0, None, [], None, None, None,
+                                            nll=s["nll"], nll_buckets=[s["nll"]]))
+    return EvalReport(model={"name": "m", "dtype": "bf16", "model_id": "m"}, machine={}, settings={"device": "cuda"},
+                      configs=cfgs, lengths=list(lengths), tasks=[*TASKS, "perplexity"], records=records, runs=runs)
+
+
+def ttft(median: float, worst: float | None = None, samples: int = 10) -> list[float]:
+    values = [median] * samples
+    if worst is not None:
+        values[-1] = worst
+    return values
+
+
+def test_ship_rule_picks_the_fastest_passing_config_and_says_why_faster_ones_failed():
+    rep = report({
+        "tasks_short": dict(ttft=ttft(0.30), correct=(6, 5), nll=2.0),  # 2 samples short on one task
+        "worst_only": dict(ttft=ttft(0.35, worst=0.50), correct=(8, 5), nll=2.0),  # 0.50 > 1.2 x 0.35
+        "nll_high": dict(ttft=ttft(0.40), correct=(8, 5), nll=2.03),
+        "tie_a": dict(ttft=ttft(0.50), correct=(7, 4), nll=2.015),  # one sample short each: passes
+        "tie_b": dict(ttft=ttft(0.50), correct=(8, 6), nll=2.005),  # same median, lower NLL: first
+        "slow_ok": dict(ttft=ttft(0.80, worst=0.95), correct=(8, 5), nll=2.0),
+    })
+    d = F.ship_choice(rep)
+    assert d.chosen == "tie_b" and d.length == 1000 and d.dense == "dense"
+    assert [r[0] for r in d.ranking] == ["tasks_short", "worst_only", "nll_high", "tie_b", "tie_a", "slow_ok"]
+    assert len(d.rejected["tasks_short"]) == 1 and "single_needle at 1000: 6/10 vs dense 8/10" in \
+        d.rejected["tasks_short"][0]
+    assert len(d.rejected["worst_only"]) == 1 and "worst 500.0 ms > 1.2 x median 350.0 ms" in \
+        d.rejected["worst_only"][0]
+    assert len(d.rejected["nll_high"]) == 1 and "+0.030 > +0.02" in d.rejected["nll_high"][0]
+    assert d.rejected["tie_a"] == [] and d.rejected["slow_ok"] == []
+    text = d.text()
+    assert "ship: tie_b" in text and "worst_only" in text and "slow_ok" not in text
+    # the worst-case rule alone decides: without it the faster config ships
+    assert F.ship_choice(rep, worst_ratio=2.0).chosen == "worst_only"
+    # ties broken by NLL, then by name
+    same = report({"b": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.01),
+                   "a": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.01)})
+    assert F.ship_choice(same).chosen == "a"
+
+
+def test_ship_rule_rejections():
+    rep = report({
+        "few": dict(ttft=ttft(0.3, samples=9), correct=(8, 5), nll=2.0, samples=9),
+        "no_nll": dict(ttft=ttft(0.4), correct=(8, 5), nll=None),
+        "slower": dict(ttft=ttft(1.2), correct=(8, 5), nll=2.0),
+        "other_length": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.0) | {2000: dict(correct=(5, 5))},
+    }, lengths=(1000, 2000))
+    d = F.ship_choice(rep)
+    assert d.chosen is None and d.length == 2000
+    assert any("9 samples < 10" in r for r in d.rejected["few"])
+    assert any("NLL at 1000: not measured" in r for r in d.rejected["no_nll"])
+    assert any("not faster than dense" in r for r in d.rejected["slower"])
+    assert d.rejected["other_length"] == ["single_needle at 2000: 5/10 vs dense 8/10 (3 samples short)"]
+    assert "no sparse config passes" in d.text()
+    with pytest.raises(F.FrontierError, match="length 5"):
+        F.ship_choice(rep, length=5)
+    missing = report({"x": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.0) | {2000: dict(skip=True)}},
+                     lengths=(1000, 2000))
+    assert F.ship_choice(missing, length=1000).rejected["x"] == ["not run at 2000"]
+
+
+def test_ship_rule_merges_reports_and_needs_dense():
+    a = report({"x": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.0)}, lengths=(1000,))
+    b = report({"x": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.0)}, lengths=(2000,))
+    assert F.ship_choice([a, b]).chosen == "x"
+    no_dense = report({})
+    no_dense.configs = [c for c in no_dense.configs if not c.dense]
+    with pytest.raises(F.FrontierError, match="no dense"):
+        F.ship_choice(no_dense)
+
+
+def test_ttft_stats_from_the_timed_prefills():
+    rep = report({"x": dict(ttft=[0.3, 0.1, 0.2, 0.9], correct=(8, 5), nll=2.0)})
+    t = F.ttft_stats(rep, "x", 1000)
+    assert (t.median_ms, t.max_ms, t.count) == (pytest.approx(250.0), pytest.approx(900.0), 4)
+    assert F.ttft_stats(rep, "x", 5) is None
+
+
+def test_ttft_stats_read_the_per_task_summary_when_the_report_has_one():
+    class WithSummary(EvalReport):  # the ruler branch's EvalReport.ttft_summary(), task "all" pooled
+        def ttft_summary(self):
+            return [dict(config="x", task="all", n_tokens=1000, prompts=30, ttft_median_ms=420.0, ttft_max_ms=480.0),
+                    dict(config="x", task="multi_key", n_tokens=1000, prompts=10, ttft_median_ms=1.0,
+                         ttft_max_ms=2.0)]
+
+    base = report({"x": dict(ttft=[0.3] * 10, correct=(8, 5), nll=2.0)})
+    rep = WithSummary(**{f: getattr(base, f) for f in ("model", "machine", "settings", "configs", "lengths", "tasks",
+                                                          "records", "runs")})
+    assert F.ttft_stats(rep, "x", 1000) == F.TTFTStats(420.0, 480.0, 30)
+    assert F.ttft_stats(rep, "dense", 1000) == F.TTFTStats(1000.0, 1000.0, 10)  # no row: the timed prefills
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost-calibration script.
+
+
+def test_calibrate_costs_runs_at_a_tiny_length_in_the_interpreter(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("calibrate_costs", ROOT / "benchmarks" / "calibrate_costs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "costs.json"
+    n = 128
+    assert script.main(["--tokens", str(n), "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--layers", "3",
+                        "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["attention"]) == {"dense", "a_shape", "vertical_slash", "block_sparse@128", "block_sparse@64"}
+    for fit in data["attention"].values():
+        assert all(p["tiles"] > 0 and p["ms"] > 0 for p in fit["points"])
+        assert fit["intercept_ms"] >= 0 and fit["ms_per_tile"] >= 0
+    dense = data["attention"]["dense"]["points"][0]
+    assert dense["tiles"] == 2 * F.causal_tiles(n)
+    assert data["shape"] == {"n_tokens": n, "head_dim": 16, "num_heads": 2, "num_kv_heads": 1, "dtype": "float32",
+                             "tile": 64, "num_layers": 3}
+    prov = data["provenance"]
+    assert prov["interpreted"] is True and prov["torch"] == torch.__version__ and prov["created"]
+    model = F.CostModel.load(out)
+    # the table covers every candidate of the frontier search and the adaptive one at its length
+    model.check([*S.frontier_candidates(n), *S.adaptive_candidates()], head_dim=16, num_heads=2, n_tokens=n)
+    assert "wrote" in capsys.readouterr().out
