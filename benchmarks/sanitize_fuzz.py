@@ -1,5 +1,5 @@
-"""Fuzz each kernel (the key-split dense kernel included; on whole rows and on query rows) and both index builders on small random
-shapes once (meant to run under ``compute-sanitizer --tool memcheck`` with
+"""Fuzz each kernel (the key-split dense kernel included; on whole rows and on query rows) and both
+index builders on small random shapes once (meant to run under ``compute-sanitizer --tool memcheck`` with
 ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so every tensor is its own allocation and an out-of-bounds
 read or write is caught). Also checks each result
 (the builders' scores) against the float64 twin."""

@@ -14,14 +14,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from minference.kernels import ashape as A
+from minference.kernels._common import INTERPRET_TILES, Tiles
 from test_kernel_common import COMBOS, CUDA, DEVICE, MAX_N, problem, run_and_check
 from test_kernel_query_rows import _query_problem, _run
 
 from minference import kernels
 from minference import reference as ref
 from minference._checks import token_mask
-from minference.kernels import ashape as A
-from minference.kernels._common import INTERPRET_TILES, Tiles
 from minference.testing import assert_close_to_reference, assert_not_written, poison
 from minference.testing.strategies import AttnShape, qkv
 
