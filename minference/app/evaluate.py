@@ -1516,8 +1516,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", nargs="+", default=None, metavar="T",
                    help="tasks (default: all, perplexity included; RULER: every task of the set)")
     p.add_argument("--samples", type=int, default=None,
-                   help=f"prompts per task and length (default {DEFAULT_SAMPLES}; RULER: all the set holds)")
-    p.add_argument("--seed", type=int, default=None, help="prompt seed of the procedural suite (default 0)")
+                   help=f"prompts per task and length (default: {DEFAULT_SAMPLES}); RULER: every prompt the set holds")
+    p.add_argument("--seed", type=int, default=None, help="prompt seed of the procedural suite (default: 0)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dense-threshold", type=int, default=None,
                    help="prompts shorter than this run dense (default: the dispatcher's)")

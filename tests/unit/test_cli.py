@@ -161,7 +161,7 @@ BAD_ARGUMENTS = {
         (["--out", "c.json", "--row-stride", "0"], "argument --row-stride: must be >= 1"),
         (["--out", "c.json", "--tokens", "0"], "argument --tokens: must be >= 2"),
         (["--out", "/no/such/folder/c.json"], "argument --out: the folder of '/no/such/folder/c.json' does not exist"),
-        (["--out", "c.json", "--model-path", "q.gguf"], "--model-path is for --model qwen"),
+        (["--out", "c.json", "--model-path", "q.gguf"], "--model-path is for the Qwen models"),
         (["--out", "c.json", "--device", "bogus"], "argument --device: unknown device"),
         (["--min-mass", "0.5"], "the following arguments are required: --out"),
     ],
@@ -238,7 +238,7 @@ def test_errors_after_the_checks_are_one_line_too(capsys, monkeypatch):
     from minference.app import models
 
     def missing(*args, **kwargs):
-        raise models.ModelNotAvailable(f"the Qwen GGUF is missing; {models._QWEN_HINT}")
+        raise models.ModelNotAvailable(f"the Qwen GGUF is missing; {models.QWEN_MODELS['qwen0.5b'].hint()}")
 
     monkeypatch.setattr(models, "load_model", missing)
     for argv in (["run", "--model", "qwen", "--no-progress"], ["search", "--out", "c.json", "--model", "qwen"]):
