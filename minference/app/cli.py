@@ -332,6 +332,8 @@ def _image_file(path: str) -> str:
 #: takes the parsed value (never ``None``: an option left at a ``None`` default is not checked;
 #: each element of a list) and returns it or raises ``ValueError`` with the message for the
 #: user. :func:`main` applies them to every subcommand that has the option, before it runs.
+#: A dest means one thing in every subcommand (``eval``'s prompt folder is ``prompt_set``, not
+#: ``prompts``, which is ``search``'s count).
 #: (``eval`` checks its own ``--lengths``, ``--samples``, ``--tasks`` and ``--config`` specs
 #: before it loads the model: ``minference.app.evaluate.run_eval``.)
 OPTION_CHECKS = {

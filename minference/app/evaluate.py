@@ -1506,7 +1506,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                    help="Qwen GGUF file (default: $MINFERENCE_QWEN_GGUF / $MINFERENCE_QWEN15_GGUF or the cache)")
     p.add_argument("--suite", choices=SUITES, default="procedural",
                    help="task source: the procedural suite (prompts made here) or RULER (prompts read from --prompts)")
-    p.add_argument("--prompts", default=None, metavar="DIR",
+    p.add_argument("--prompts", dest="prompt_set", default=None, metavar="DIR",
                    help="RULER prompt set made by `minference ruler generate` (with --suite ruler)")
     p.add_argument("--config", dest="configs", action="extend", nargs="+", default=None, metavar="SPEC",
                    help="'dense', a PatternConfig file, or a pattern JSON for every head, optionally 'name=SPEC' "
@@ -1566,7 +1566,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
         dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
-        suite=args.suite, prompts=args.prompts,
+        suite=args.suite, prompts=args.prompt_set,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
         guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)
     )

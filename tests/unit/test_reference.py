@@ -404,8 +404,11 @@ def test_qkv_errors() -> None:
             fn(q, k[:, :, :4], v[:, :, :4])
         with pytest.raises(ValueError, match="same shape"):
             fn(q, k, v[..., :3])
-        with pytest.raises(ValueError, match="one device"):
+        with pytest.raises(ValueError, match="k is a meta tensor"):  # refused before the device check
             fn(q, k.to("meta"), v)
+        if torch.cuda.is_available():
+            with pytest.raises(ValueError, match="one device"):
+                fn(q, k.cuda(), v)
         with pytest.raises(TypeError, match="torch.Tensor"):
             fn(q.tolist(), k, v)
         with pytest.raises(ValueError, match="scale"):
@@ -440,8 +443,11 @@ def test_index_errors() -> None:
         _vs(q, k, v, slash=_t([[0, 0]]))
     with pytest.raises(TypeError, match="slash must have dtype"):
         _vs(q, k, v, slash=torch.zeros(1, 2, 1))
-    with pytest.raises(ValueError, match="vertical must be on"):
+    with pytest.raises(ValueError, match="vertical is a meta tensor"):
         _vs(q, k, v, vertical=_t([[[0], [1]]]).to("meta"))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="vertical must be on"):
+            _vs(q, k, v, vertical=_t([[[0], [1]]]).cuda())
     with pytest.raises(ValueError, match="blocks entries"):
         block_sparse_attention(q, k, v, _t([[[[1]], [[0]]]]), block=8)
     with pytest.raises(ValueError, match="blocks axis 2"):

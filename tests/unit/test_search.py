@@ -334,17 +334,19 @@ def _search_args(*extra):
     (["--out", "c_{budget}.json", "--frontier", "0.01", "--cost-table", "/nonexistent.json"], "cannot read"),
 ])
 def test_search_cli_frontier_arguments_are_checked_before_the_model_loads(capsys, monkeypatch, extra, message):
-    from minference.app import main_job, models
+    from minference.app import models
+    from minference.app.cli import main
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert main_job._search_cmd(_search_args(*extra)) == 2
+    assert main(["search", *extra]) == 2  # the CLI's checks, before any load
     assert message in capsys.readouterr().err
 
 
 def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp_path, capsys, monkeypatch):
     import json
 
-    from minference.app import main_job, models
+    from minference.app import models
+    from minference.app.cli import main
     from minference.app.frontier import COST_TABLE_FORMAT
 
     table = {"format": COST_TABLE_FORMAT, "version": 1, "unit": "ms",
@@ -357,7 +359,7 @@ def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp
     model, _ = _tiny_llama_and_prompts(8)  # head dim 16, not the table's 64
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(S, "search", lambda *a, **k: pytest.fail("searched"))
-    args = _search_args("--out", str(tmp_path / "c_{budget}.json"), "--frontier", "0.01", "--tokens", "512",
-                        "--candidates", "frontier", "--cost-table", str(path))
-    assert main_job._search_cmd(args) == 2
+    argv = ["search", "--out", str(tmp_path / "c_{budget}.json"), "--frontier", "0.01", "--tokens", "512",
+            "--candidates", "frontier", "--cost-table", str(path)]
+    assert main(argv) == 2  # the table's shape against the model's, after the load, before the search
     assert "head dim 64" in capsys.readouterr().err
