@@ -35,3 +35,38 @@ def _smollm2_left_unpatched(request):
         from minference.integration import is_patched
 
         assert not is_patched(request.getfixturevalue("smollm2")[0]), "the test left the shared SmolLM2 patched"
+
+
+@pytest.fixture(scope="session")
+def smollm2_layers(smollm2):
+    """``make(layers)``: a deep copy of the session's SmolLM2 cut to its first ``layers`` layers, with
+    the tokenizer (the session's model stays whole)."""
+    import copy
+
+    def make(layers: int):
+        model, tokenizer = smollm2
+        model = copy.deepcopy(model)
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
+        return model, tokenizer
+
+    return make
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: enough of a Hugging Face tokenizer for the task suite."""
+
+    eos_token_id = None
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [list(t.encode()) for t in texts]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+@pytest.fixture
+def byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()

@@ -3,7 +3,6 @@ the chunked perplexity, the profiler ranges and the eq. 13 split."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import io
 import json
@@ -29,16 +28,10 @@ UNIFORM = '{"kind": "block_sparse", "top_k": 4, "block": 64}'
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2):
+def smollm2(smollm2_layers):
     """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched): a deep copy of the
     session's model (``tests/conftest.py``), which stays whole."""
-    model, tokenizer = smollm2
-    model = copy.deepcopy(model)
-    model.model.layers = model.model.layers[:LAYERS]
-    model.config.num_hidden_layers = LAYERS
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:LAYERS]
-    return model, tokenizer
+    return smollm2_layers(LAYERS)
 
 
 @pytest.fixture(scope="module")
@@ -405,20 +398,8 @@ def test_gpu_split_and_physical_density_on_a_random_model():
             assert len(named) <= E.TOP_KERNELS and (named or ms == 0)
 
 
-class _ByteTokenizer:
-    """One token per UTF-8 byte: enough of a Hugging Face tokenizer for the task suite."""
-
-    eos_token_id = None
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [list(t.encode()) for t in texts]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-
 @pytest.mark.gpu
-def test_gpu_run_eval_end_to_end_on_a_random_model():
+def test_gpu_run_eval_end_to_end_on_a_random_model(byte_tokenizer):
     """The whole run on CUDA (Triton backend): warm-up, profiled split, physical density, timed
     prefills, greedy decode and perplexity, for dense and two uniform configs."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -429,7 +410,7 @@ def test_gpu_run_eval_end_to_end_on_a_random_model():
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     specs = ["dense", '{"kind": "vertical_slash", "vertical": 128, "slash": 512}', "bs=" + UNIFORM]
     report = E.run_eval("smollm2", configs=specs, lengths=[8192], tasks=["single_needle", "perplexity"], samples=1,
-                        device="cuda", dense_threshold=0, progress=False, loaded=(model, _ByteTokenizer()))
+                        device="cuda", dense_threshold=0, progress=False, loaded=(model, byte_tokenizer))
     print(E.format_report(report))
     assert report.machine["gpu"] and report.settings["profile"]
     dense, vs, bs = (report.run(c.name, 8192) for c in report.configs)

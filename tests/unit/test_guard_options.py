@@ -65,7 +65,7 @@ def test_options_override_the_configs_runtime_settings() -> None:
         G.GuardOptions({"min_mass": 2.0})
 
 
-def test_eval_runs_one_guard_per_sparse_config_and_length(tmp_path) -> None:
+def test_eval_runs_one_guard_per_sparse_config_and_length(tmp_path, byte_tokenizer) -> None:
     """run_eval on a tiny random model (CPU, torch backend): the sparse config's runs carry the
     guard's summary, each checked prefill is a JSON line naming the task prompts it ran, and the
     printed output ends with the summary; the dense config has no guard."""
@@ -74,7 +74,7 @@ def test_eval_runs_one_guard_per_sparse_config_and_length(tmp_path) -> None:
     options = G.GuardOptions({"mode": "observe", "sample_rate": 1.0}, str(log))
     report = E.run_eval("smollm2", configs=["dense", "a=" + spec], lengths=[2048], tasks=["single_needle"],
                         samples=2, dense_threshold=0, backend="torch", coverage=False, progress=False,
-                        loaded=(_tiny(), _ByteTokenizer()), guard=options)
+                        loaded=(_tiny(), byte_tokenizer), guard=options)
     dense, sparse = report.run("dense", 2048), report.run("a", 2048)
     assert dense.guard is None and sparse.guard["name"] == "a@2048"
     assert sparse.guard["checked_calls"] == sparse.guard["calls"] >= 4  # warm-up, TTFT and answer prefills
@@ -106,13 +106,3 @@ def _report() -> J.MainJobReport:
                            guard=guard.summary())
 
 
-class _ByteTokenizer:
-    """One token per UTF-8 byte: enough of a Hugging Face tokenizer for the task suite."""
-
-    eos_token_id = None
-
-    def __call__(self, texts, add_special_tokens=False):
-        return {"input_ids": [list(t.encode()) for t in texts]}
-
-    def decode(self, ids, skip_special_tokens=False):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")

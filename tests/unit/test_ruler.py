@@ -4,7 +4,6 @@ the ``ruler`` extra is installed, and ``minference eval --suite ruler`` on a tru
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import io
@@ -291,14 +290,8 @@ LAYERS = 2
 
 
 @pytest.fixture(scope="module")
-def small(smollm2):
-    model, tokenizer = smollm2
-    model = copy.deepcopy(model)
-    model.model.layers = model.model.layers[:LAYERS]
-    model.config.num_hidden_layers = LAYERS
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:LAYERS]
-    return model, tokenizer
+def small(smollm2_layers):
+    return smollm2_layers(LAYERS)
 
 
 @pytest.fixture(scope="module")
