@@ -70,3 +70,19 @@ class ByteTokenizer:
 @pytest.fixture
 def byte_tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
+
+
+@pytest.fixture
+def tiny_llama():
+    """``make(n)``: a random 2-layer Llama (4 query / 2 kv heads, head dim 16) and two random prompts
+    of ``n`` tokens, for the search's tests."""
+    def make(n: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2)
+        prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+        return LlamaForCausalLM(cfg).eval(), prompts
+
+    return make

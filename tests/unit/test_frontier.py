@@ -280,19 +280,9 @@ def test_head_options_costs_errors_and_worst_cases():
 # The family on a tiny model.
 
 
-def _tiny_llama_and_prompts(n: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    return LlamaForCausalLM(cfg).eval(), prompts
-
-
-def test_family_files_load_and_record_their_prediction(tmp_path):
+def test_family_files_load_and_record_their_prediction(tmp_path, tiny_llama):
     pytest.importorskip("matplotlib")
-    model, prompts = _tiny_llama_and_prompts(512)
+    model, prompts = tiny_llama(512)
     cands = S.frontier_candidates(512, block=64)
     res = S.search(model, prompts, candidates=cands, select="cheapest", min_mass=0.9, progress=False, row_stride=8)
     budgets = [0.0, 0.05, 0.2, 0.5]

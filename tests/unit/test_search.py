@@ -96,19 +96,8 @@ def test_candidates_have_comparable_worst_case_cost(n, rho):
     assert int(block_sparse_mask(n, keep, bs.block).sum()) <= budget
 
 
-def _tiny_llama_and_prompts(n: int):
-    """A random 2-layer Llama (4 query / 2 kv heads) and two random prompts of ``n`` tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    return LlamaForCausalLM(cfg).eval(), prompts
-
-
-def test_search_on_tiny_model_picks_patterns_and_writes_valid_config():
-    model, prompts = _tiny_llama_and_prompts(160)
+def test_search_on_tiny_model_picks_patterns_and_writes_valid_config(tiny_llama):
+    model, prompts = tiny_llama(160)
     res = S.search(model, prompts, target_density=0.4, min_mass=0.0, seed=7, progress=False)
     assert model.config._attn_implementation == "sdpa"  # the observer is gone again
     assert not any(hasattr(m, "minference_observer") for m in model.modules())
@@ -214,8 +203,8 @@ def test_tile_density_of_slashes_counts_their_key_tiles(offsets):
     assert extra.item() == pytest.approx(10 / (10 * 11 / 2))
 
 
-def test_cheapest_selection_takes_the_least_costly_candidate_that_holds_on_the_worst_prompt():
-    model, prompts = _tiny_llama_and_prompts(1024)
+def test_cheapest_selection_takes_the_least_costly_candidate_that_holds_on_the_worst_prompt(tiny_llama):
+    model, prompts = tiny_llama(1024)
     cands = [AShape(sink=16, window=128), AShape(sink=16, window=512), BlockSparse(top_k=8, block=64), Dense()]
     res = S.search(model, prompts, candidates=cands, min_mass=0.5, select="cheapest", progress=False, row_stride=8)
     assert res.worst_mass.shape == res.cost.shape == (2, 4, 4)
@@ -308,8 +297,8 @@ def test_flat_tiles_of_static_patterns_and_caps():
         S.flat_tiles(Dense(), 0)
 
 
-def test_search_records_tiles_per_prompt():
-    model, prompts = _tiny_llama_and_prompts(256)
+def test_search_records_tiles_per_prompt(tiny_llama):
+    model, prompts = tiny_llama(256)
     cands = [AShape(sink=8, window=64), BlockSparse(top_k=2, block=32, rule="relative", threshold=0.3), Dense()]
     res = S.search(model, prompts, candidates=cands, min_mass=0.5, select="cheapest", progress=False, row_stride=4)
     assert res.n_tokens == 256 and res.head_dim == 16
@@ -342,7 +331,7 @@ def test_search_cli_frontier_arguments_are_checked_before_the_model_loads(capsys
     assert message in capsys.readouterr().err
 
 
-def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp_path, capsys, monkeypatch):
+def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp_path, capsys, monkeypatch, tiny_llama):
     import json
 
     from minference.app import models
@@ -356,7 +345,7 @@ def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp
              "index": {"vertical_slash:mass": {"ms": 1.0}, "block_sparse:query:relative@128": {"ms": 1.0}}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps(table))
-    model, _ = _tiny_llama_and_prompts(8)  # head dim 16, not the table's 64
+    model, _ = tiny_llama(8)  # head dim 16, not the table's 64
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, None))
     monkeypatch.setattr(S, "search", lambda *a, **k: pytest.fail("searched"))
     argv = ["search", "--out", str(tmp_path / "c_{budget}.json"), "--frontier", "0.01", "--tokens", "512",
