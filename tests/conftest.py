@@ -4,6 +4,7 @@ GPU every Triton kernel runs in the interpreter on CPU tensors.
 The real SmolLM2 model is one session fixture (:func:`smollm2`) for every tier that runs it."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -26,15 +27,21 @@ def smollm2():
     return load_smollm2()
 
 
+#: The truncated copies :func:`smollm2_layers` made: module fixtures share them between tests too.
+_COPIES: "weakref.WeakSet" = weakref.WeakSet()
+
+
 @pytest.fixture(autouse=True)
 def _smollm2_left_unpatched(request):
-    """A test that reads the shared model (directly or through another fixture) must not leave it
-    patched for the next one."""
+    """A test that reads the shared model or one of its truncated copies (directly or through another
+    fixture) must not leave it patched for the next one."""
     yield
-    if "smollm2" in request.fixturenames:
+    shared = [request.getfixturevalue("smollm2")[0]] if "smollm2" in request.fixturenames else []
+    if shared or _COPIES:
         from minference.integration import is_patched
 
-        assert not is_patched(request.getfixturevalue("smollm2")[0]), "the test left the shared SmolLM2 patched"
+        for model in shared + list(_COPIES):
+            assert not is_patched(model), "the test left a shared SmolLM2 patched"
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +57,7 @@ def smollm2_layers(smollm2):
         model.config.num_hidden_layers = layers
         if getattr(model.config, "layer_types", None):
             model.config.layer_types = model.config.layer_types[:layers]
+        _COPIES.add(model)
         return model, tokenizer
 
     return make

@@ -28,14 +28,14 @@ UNIFORM = '{"kind": "block_sparse", "top_k": 4, "block": 64}'
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_layers):
+def small(smollm2_layers):
     """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched): a deep copy of the
     session's model (``tests/conftest.py``), which stays whole."""
     return smollm2_layers(LAYERS)
 
 
 @pytest.fixture(scope="module")
-def tiny_run(smollm2):
+def tiny_run(small):
     """One real run: 1 length, 2 tasks + perplexity, 1 sample, dense + bundled + uniform config,
     with every ``evals.score`` call recorded."""
     calls = []
@@ -49,7 +49,7 @@ def tiny_run(smollm2):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(evals, "score", spy)
         report = E.run_eval("smollm2", configs=["dense", str(DEFAULT_CONFIG), UNIFORM], lengths=[N], tasks=TASKS,
-                            samples=1, dense_threshold=0, allow_mismatch=True, progress=False, loaded=smollm2)
+                            samples=1, dense_threshold=0, allow_mismatch=True, progress=False, loaded=small)
     return report, calls
 
 
@@ -81,7 +81,7 @@ def test_report_structure_and_counts(tiny_run):
         assert stats.warmup_s > 0
 
 
-def test_generation_records_are_scored_with_evals_score(tiny_run, smollm2):
+def test_generation_records_are_scored_with_evals_score(tiny_run, small):
     report, calls = tiny_run
     generated = [r for r in report.records if r.correct is not None]
     # every record's score is a call on its final text (decoding also asks score whether a
@@ -90,7 +90,7 @@ def test_generation_records_are_scored_with_evals_score(tiny_run, smollm2):
     for r in generated:
         sample, result = final[(r.task, r.text)]
         assert result is r.correct
-        again = evals.make_sample(r.task, smollm2[1], N, r.index, samples=1, seed=r.seed)
+        again = evals.make_sample(r.task, small[1], N, r.index, samples=1, seed=r.seed)
         assert torch.equal(again.ids, sample.ids) and list(again.answers) == r.answers
         assert evals.score(again, r.text) is r.correct
         assert r.found == evals.score_fraction(again, r.text)
@@ -145,8 +145,8 @@ def test_table_and_plot(tiny_run, tmp_path):
     assert len(E.plot_eval(no_ppl, tmp_path / "eval2.png").axes) == 1
 
 
-def test_chunked_nll_equals_full_logits(smollm2):
-    model, tokenizer = smollm2
+def test_chunked_nll_equals_full_logits(small):
+    model, tokenizer = small
     ids = evals.perplexity_ids(tokenizer, 48, 0)
     got = E.sequence_nll(model, ids, chunk=7)
     with torch.no_grad():
@@ -174,18 +174,18 @@ def test_chunked_prefill_decodes_as_one_call():
     assert int(E._prefill(model, ids[0], 6)[2]) == int(E._prefill(model, ids[0])[2])
 
 
-def test_run_eval_prefills_in_chunks(smollm2):
+def test_run_eval_prefills_in_chunks(small):
     """``prefill_chunk``: the later chunks of a sparse config run the ``sparse_continue`` path,
     recorded with the setting; the dense config is unpatched."""
     report = E.run_eval("smollm2", configs=["dense", UNIFORM], lengths=[N], tasks=["perplexity"], samples=1,
-                        dense_threshold=0, allow_mismatch=True, progress=False, loaded=smollm2, coverage=False,
+                        dense_threshold=0, allow_mismatch=True, progress=False, loaded=small, coverage=False,
                         prefill_chunk=N // 3)
     assert report.settings["prefill_chunk"] == N // 3
     calls = report.run("BS(top4,b64)", N).calls
     assert calls["sparse"] == LAYERS and calls["sparse_continue"] == 2 * LAYERS  # chunks 2 and 3 of every layer
     assert "prefill in chunks of" in E.format_report(report)
     with pytest.raises(E.EvalError, match="prefill_chunk"):
-        E.run_eval("smollm2", configs=["dense"], lengths=[N], tasks=["perplexity"], prefill_chunk=-1, loaded=smollm2,
+        E.run_eval("smollm2", configs=["dense"], lengths=[N], tasks=["perplexity"], prefill_chunk=-1, loaded=small,
                    progress=False)
 
 
@@ -246,8 +246,8 @@ def test_cli_errors_before_loading_anything(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
-def test_model_dependent_errors(smollm2):
-    kw = dict(samples=1, progress=False, loaded=smollm2, coverage=False)
+def test_model_dependent_errors(small):
+    kw = dict(samples=1, progress=False, loaded=small, coverage=False)
     with pytest.raises(E.EvalError, match="does not fit task 'multi_value'.*n_tokens >="):
         E.run_eval("smollm2", configs=["dense"], lengths=[60], tasks=["multi_value"], **kw)
     with pytest.raises(E.EvalError, match="perplexity task"):
@@ -262,8 +262,8 @@ def test_model_dependent_errors(smollm2):
         E.run_eval("llama", configs=["dense"], lengths=[256], tasks=["perplexity"], **kw)
 
 
-def test_config_specs(smollm2):
-    model, _ = smollm2
+def test_config_specs(small):
+    model, _ = small
     named = E.resolve_config("fast=" + UNIFORM, model)
     assert (named.name, named.kind, named.pattern["top_k"]) == ("fast", "uniform", 4)
     cfg = named.pattern_config()
@@ -307,14 +307,14 @@ def test_profiler_ranges_in_a_cpu_trace_of_sparse_prefill():
     assert not isinstance(dispatch.profile_range("x"), torch.profiler.record_function)  # off: a no-op
 
 
-def test_profiler_ranges_in_a_patched_model_and_the_split(smollm2):
+def test_profiler_ranges_in_a_patched_model_and_the_split(small):
     """Every attention call of a patched model runs inside one attention range (index ranges
     nested in it); the split adds up, on CPU time here (the CUDA split reads device time)."""
     from torch.profiler import ProfilerActivity, profile
 
     import minference.integration as integ
 
-    model, tokenizer = smollm2
+    model, tokenizer = small
     ids = evals.perplexity_ids(tokenizer, 96, 0)[None]
     cfg = E.resolve_config(UNIFORM.replace('"block": 64', '"block": 16'), model).pattern_config()
     integ.patch(model, cfg, dense_threshold=0, backend="torch")
@@ -443,10 +443,10 @@ def test_batched_generation_decodes_each_row_as_alone():
     assert len(batch[1]) == 3 and len(batch[2]) == 2
 
 
-def test_decoding_stops_once_the_score_is_settled(smollm2):
+def test_decoding_stops_once_the_score_is_settled(small):
     """A row stops as soon as its answers are whole words followed by a non-word character; the
     stop never changes the score (a longer decode would score the same)."""
-    model, tokenizer = smollm2
+    model, tokenizer = small
     sample = evals.make_sample("single_needle", tokenizer, 300, 0, samples=1)
     (answer,) = sample.answers
     good = tokenizer(f" {answer}.", add_special_tokens=False)["input_ids"]
