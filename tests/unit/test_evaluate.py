@@ -8,6 +8,7 @@ import io
 import json
 import math
 import statistics
+import types
 
 import pytest
 import torch
@@ -240,8 +241,10 @@ def test_cli_errors_before_loading_anything(argv, message, capsys, monkeypatch):
     import minference.app.models as M
 
     monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model for a bad command line"))
-    if message == "config names repeat":  # needs the model: a stand-in that loads nothing
-        monkeypatch.setattr(M, "load_model", lambda *a, **kw: (torch.nn.Linear(1, 1), None))
+    if message == "config names repeat":  # needs the model (and the tokenizer): a stand-in model
+        stand_in = torch.nn.Linear(1, 1)
+        stand_in.config = types.SimpleNamespace(max_position_embeddings=8192)
+        monkeypatch.setattr(M, "load_model", lambda *a, **kw: (stand_in, M.load_smollm2_tokenizer()))
     assert main(["eval", "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
 

@@ -138,6 +138,33 @@ def test_tokenizer_folder_is_the_saved_conversion(tmp_path, monkeypatch):
     assert models.tokenizer_folder("qwen1.5b") == saved
 
 
+def test_native_context_is_the_loaded_models(smollm2):
+    """eval checks its lengths against :func:`models.native_context` before the model loads; the
+    loaded config must agree (the Qwen side: test_the_15b_attention_shape... reads its config)."""
+    assert models.native_context("smollm2") == smollm2[0].config.max_position_embeddings
+    assert models.native_context("qwen") == models.native_context("qwen1.5b") == models.QWEN_NATIVE_CONTEXT
+
+
+def test_the_saved_tokenizer_encodes_as_the_gguf_conversion(tmp_path, monkeypatch, smollm2):
+    """load_smollm2_tokenizer converts the GGUF once and reads the saved copy after: the copy must
+    give the same ids, special tokens and chat template as the conversion it was saved from."""
+    monkeypatch.setenv("MINFERENCE_CACHE", str(tmp_path))
+    models.load_smollm2_tokenizer.cache_clear()
+    try:
+        converted = models.load_smollm2_tokenizer()
+        assert list(tmp_path.glob("*.tokenizer/tokenizer_config.json")), "the conversion was not saved"
+        models.load_smollm2_tokenizer.cache_clear()
+        saved = models.load_smollm2_tokenizer()
+    finally:
+        models.load_smollm2_tokenizer.cache_clear()
+    assert saved is not converted
+    text = "The pass key is 71432. Remember it: 71432!\n\tdef f(x):  return x ** 2  # ünïcödé"
+    assert saved(text)["input_ids"] == converted(text)["input_ids"] == smollm2[1](text)["input_ids"]
+    chat = [{"role": "user", "content": text}]
+    assert saved.apply_chat_template(chat, tokenize=False) == converted.apply_chat_template(chat, tokenize=False)
+    assert (saved.eos_token_id, saved.bos_token_id) == (converted.eos_token_id, converted.bos_token_id)
+
+
 def test_load_model_refuses_unknown_names_and_paths_for_smollm2():
     with pytest.raises(ValueError, match="unknown model"):
         models.load_model("llama")
