@@ -78,12 +78,16 @@ def _present() -> set[str]:
 
 
 def _archived() -> set[str] | None:
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", "results-archive:" + RESULTS],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return set(out.stdout.split()) if out.returncode == 0 else None
+    """The archive branch's file names (a local branch, or a clone's remote one), None without git."""
+    for ref in ("results-archive", "origin/results-archive"):
+        try:
+            out = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", f"{ref}:{RESULTS}"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode == 0:
+            return set(out.stdout.split())
+    return None
 
 
 def test_every_cited_report_is_in_the_tree_or_cited_in_the_archive_form():
