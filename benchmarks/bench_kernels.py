@@ -29,7 +29,7 @@ Index geometries (documented, reproducible from ``--seed``):
   methods), twice: with the automatic key split (its count in the label) and unsplit
   (``key_split=1``, the A-shape kernel's one program per query block and head).
 * ``guard``: the value guard alone (``kernels.value_guard``, docs/contract.md), its one Triton
-  pass next to the six torch ops it replaced (s15: one ``aminmax`` over ``v``, ``lt``, ``gt``,
+  pass next to the six torch ops it replaced (the first guard's formula: one ``aminmax`` over ``v``, ``lt``, ``gt``,
   ``and``, two ``where``), with the bytes each moves as GB/s (not in the default methods).
 """
 

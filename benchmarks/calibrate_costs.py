@@ -3,7 +3,7 @@ against the tiles it computes, and each online index builder's time, at one mode
 head counts and target length.
 
     python benchmarks/calibrate_costs.py --tokens 120000 --head-dim 64 --heads 14 --kv-heads 2 \
-        --layers 24 --out benchmarks/results/h200_costs_qwen0.5b_120k.json
+        --layers 24 --out $OUT/h200_costs_qwen0.5b_120k.json
 
 On CUDA every call is timed by ``triton.testing.do_bench`` (median, warm-up and compilation
 excluded) on random bf16 inputs (never zeros), with one value guard made per layer as the

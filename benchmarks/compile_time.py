@@ -7,10 +7,10 @@ empty Triton cache, or every variant after the first run is a cache hit:
 
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/compile_time.py --dtypes float32 --head-dims 128
 
-s13 (H200, D = 128): fp32 with 64x32 ieee tiles took 22.8 s (A-shape) and 68.4 s
+On the H200 at D = 128: fp32 with 64x32 ieee tiles took 22.8 s (A-shape) and 68.4 s
 (vertical-slash) a variant, with 32x32 tiles 9.2 and 24.7 s, bf16 4.8 and 7.9 s
-(``benchmarks/results/h200_s13_run2_sweep_d64.md``; the probe of that run was this script's first
-version). Several processes with their own cache dirs run in parallel on a many-core host.
+(``benchmarks/results/h200_s13_run2_sweep_d64.md``, measured by this script's first version;
+docs/tuning.md#fp32-tiles). Several processes with their own cache dirs run in parallel on a many-core host.
 """
 
 from __future__ import annotations

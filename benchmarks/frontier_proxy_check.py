@@ -10,7 +10,7 @@ eval suite (:func:`minference.app.evals.perplexity_ids`) with the portable backe
 the first token (``dense_threshold=0``), against dense in the same run. It prints a markdown table
 and the Spearman rank correlation of predicted error with the NLL increase.
 
-    python benchmarks/frontier_proxy_check.py --tokens 2048 --out benchmarks/results/cpu_frontier_proxy_smollm2.md
+    python benchmarks/frontier_proxy_check.py --tokens 2048 --out benchmarks/results/cpu_frontier_proxy_smollm2_2k.md
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Every Triton launch is stubbed out (the interpreter's ``run`` returns at once) and the tensors are
 tiny CPU tensors, so what is timed is the dispatcher, the checks, the launch preparation and each
 aten op's dispatch: a proxy for the host time a GPU prefill spends per layer (on the H200 the
-sparse prefill of Qwen at 16K took 149 ms TTFT for 79 ms of device time, s10). Runs the bundled
+sparse prefill of Qwen at 16K took 149 ms TTFT for 79 ms of device time,
+``benchmarks/results/h200_s10_qwen_eval.md``). Runs the bundled
 Qwen config's 24 layers (14 q / 2 kv heads, D = 64, dense tail 128) ``--rounds`` times and prints
 the minimum and median per forward; ``--profile`` adds a cProfile of one forward (our functions,
 by cumulative time); ``--count`` adds, per layer of one forward, the aten ops dispatched (and of

@@ -2,9 +2,10 @@
 ``benchmarks/bench_end_to_end.py --json`` writes (one or more files; for each length and inputs,
 every value comes from the last file that measured it).
 
-``python benchmarks/plot_end_to_end.py benchmarks/results/h200_s4_run5_e2e.json
-benchmarks/results/h200_s4_run7_e2e.json --lengths 16384 24576 32768 131072 1048576
---out docs/img/e2e_h200.png``
+``python benchmarks/plot_end_to_end.py a.json b.json --lengths 16384 24576 32768 131072 1048576
+--out docs/img/e2e_h200.png`` (archived reports first: ``git show
+results-archive:benchmarks/results/h200_s4_run5_e2e.json > a.json``, the same for
+``results-archive:benchmarks/results/h200_s4_run7_e2e.json``; see benchmarks/results/README.md)
 
 Needs matplotlib (the ``plot`` extra); reads only measured numbers, draws no fit.
 """

@@ -1,5 +1,5 @@
 """Registers, spills and shared memory of the attention kernels compiled for sm_90, on a machine
-without a GPU (docs/kernels.md, "Facts learned": an sm_90 compile on the CPU must specialise like
+without a GPU (docs/kernels_history.md, "Facts learned": an sm_90 compile on the CPU must specialise like
 the GPU's JIT to be read).
 
 Each public kernel entry runs once on CPU tensors with the GPU's tiles and tensor descriptors; its

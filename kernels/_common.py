@@ -222,9 +222,8 @@ class Tiles:
 #: GPU tiles for 2-byte inputs (FlashAttention-style: 128 queries x 64 keys, 8 warps, 3 stages).
 GPU_TILES = Tiles(block_m=128, block_n=64, num_warps=8, num_stages=3)
 #: GPU tiles for fp32 inputs (twice the bytes per element: smaller tiles, fewer stages). Their ieee
-#: dots compile to unrolled FMA loops, so compile time follows the tile area: at D = 128 the first
-#: call took 22.8 s (A-shape) and 68.4 s (vertical-slash) with 64x32 tiles, 9.2 and 24.7 s with
-#: 32x32 (H200, s13 probe); fp32 is for exactness, not speed.
+#: dots compile to unrolled FMA loops, so compile time follows the tile area: 32x32 compiles in well
+#: under half the time of 64x32 (see docs/tuning.md#fp32-tiles); fp32 is for exactness, not speed.
 GPU_TILES_FP32 = Tiles(block_m=32, block_n=32, num_warps=4, num_stages=2)
 #: Interpreter tiles: small, so that short test sequences still span several tiles.
 INTERPRET_TILES = Tiles(block_m=16, block_n=16, num_warps=1, num_stages=1)

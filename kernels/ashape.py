@@ -160,10 +160,9 @@ def _ashape_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_
 
 
 #: GPU tiles for 2-byte inputs by padded head dim (``BLOCK_D``). The window interior is long runs of
-#: contiguous unmasked tiles. ``BLOCK_D = 128``: 128-key tiles beat 64 (H200 loop-ceiling run: 511
-#: vs 501 TFLOP/s with descriptor loads). ``BLOCK_D <= 64`` (Qwen2.5's D = 64): 128x64 tiles in 4
-#: warps and 4 stages; H200, s13, 120K, Hq 14, Hkv 2: dense (window N) 65.1 ms against 67.9 with
-#: 128x128/8 warps/3 stages, A-shape 128/4096 4.73 against 5.19 (``bench_kernels.py --sweep tiles``).
+#: contiguous unmasked tiles. ``BLOCK_D = 128``: 128-key tiles beat 64. ``BLOCK_D <= 64`` (Qwen2.5's
+#: D = 64): 128x64 tiles in 4 warps and 4 stages beat 128x128/8 warps/3 stages, dense and A-shape
+#: (see docs/tuning.md#ashape-tiles).
 _GPU_TILES_2BYTE = {64: Tiles(block_m=128, block_n=64, num_warps=4, num_stages=4),
                     128: Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3)}
 

@@ -43,12 +43,12 @@ BLOCK_SIZES = (16, 32, 64, 128)
 #: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
 _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 #: Pipeline stages by block size (K and V tiles of a 128 block in 3 stages overflow shared memory).
-#: 64: 5 stages, 28.44 ms against 31.89 with 3 at 128K, top-100, bf16, Hkv=8 (H200, s3 run 3,
-#: ``bench_kernels.py --sweep``): each block is a random jump, so deeper prefetch hides it.
+#: 64: 5 stages, faster than 3 (each block is a random jump, so deeper prefetch hides it; see
+#: docs/tuning.md#bs-stages).
 _GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 2}
 #: ``(warps, stages)`` for 2-byte inputs at head dims up to 64 (half the K/V bytes of D = 128 per
-#: stage), where they differ from the tables above. Block 128: 4 warps, 5 stages, 11.23 ms against
-#: 15.84 with 8 warps and 2 (H200, s13, 120K, Hq 14, Hkv 2, D 64, top-100, ``--sweep bs``).
+#: stage), where they differ from the tables above. Block 128: 4 warps, 5 stages, faster than 8
+#: warps and 2 at the Qwen shape (see docs/tuning.md#bs-small-d).
 _GPU_SMALL_D = {128: (4, 5)}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
 

@@ -13,8 +13,8 @@ static shape; nothing reads a tensor value on the host), so it runs inside a CUD
 The same conversion in torch ops (:func:`_convert_torch`) serves CPU tensors outside the Triton
 interpreter and index widths beyond :data:`LIST_CAP` (one program sorts the whole list in
 registers); the tests hold the two to equal outputs field by field. The torch path issued ~100
-small operations a call (2-4 ms of host time at 128K on the H200, s4 profiles); these launches
-replace them.
+small operations a call (2-4 ms of host time at 128K on the H200; docs/tuning.md#triton-converter);
+these launches replace them.
 
 Physical format (:class:`VSIndex`), per batch row ``b`` and computed head ``h``
 -------------------------------------------------------------------------------
@@ -194,9 +194,7 @@ def _compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, to
 #: in one program's registers; longer lists take the torch path.
 LIST_CAP = 16384
 #: Warps of :func:`_vs_lists_kernel` (its 8192-entry sort is most of the conversion's GPU time).
-#: Whole conversion of the estimated (1000, 6096) index replayed from a CUDA graph, H200, s5 run
-#: 3 (``bench_end_to_end.py --convert-sweep``), 4 / 8 / 16 / 32 warps: 16K 0.189 / 0.157 /
-#: 0.158 / 0.144 ms, 128K 0.431 / 0.347 / 0.319 / 0.288, 1M 1.633 / 1.548 / 1.521 / 1.489.
+#: 32: the fastest of 4 / 8 / 16 / 32 from 16K to 1M (see docs/tuning.md#lists-warps).
 LISTS_WARPS = 32
 #: 64-offset words per program of :func:`_vs_diag_kernel`.
 _DIAG_WORDS = 16

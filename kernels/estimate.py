@@ -64,15 +64,14 @@ from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "pool_blocks", "query_block_scores", "select_query_blocks"]
 
-#: Keys per program of the vertical-slash estimator (at least its row chunk). H200, 128K, smooth
-#: inputs, whole index build (``bench_end_to_end.py --index-sweep``, s4 runs 2 and 3): 64 keys
-#: 2.25 / 2.36 ms, 128 keys 2.76 / 2.74, 256 keys (8 warps) 3.84; 1M: 13.89 (64) vs 17.92 (128).
-#: The earlier offset-tiled design (half of each product unowned) took 4.45 ms at 128K.
+#: Keys per program of the vertical-slash estimator (at least its row chunk). 64: the fastest whole
+#: index build of 64 / 128 / 256 at 128K and 1M, and faster than the earlier offset-tiled design
+#: (see docs/tuning.md#vs-key-tile).
 VS_KEY_TILE = 64
 #: Sampled query rows per program of the vertical-slash estimator (at most VS_KEY_TILE).
 VS_ROW_CHUNK = 64
-#: Warps per program of the vertical-slash estimator passes (64 keys: 2 / 4 / 8 warps took
-#: 2.81 / 2.36 / 2.69 ms at 128K, s4 run 3).
+#: Warps per program of the vertical-slash estimator passes (4: faster than 2 or 8 with 64 keys;
+#: see docs/tuning.md#vs-warps).
 VS_WARPS = 4
 #: Tile statistics per loop step of the row log-sum-exp (:func:`_lse_kernel`).
 LSE_CHUNK = 1024
@@ -314,9 +313,8 @@ SELECT_CHUNK = 4096
 SELECT_WARPS = 8
 #: Longest row the selection kernel takes; longer rows keep ``torch.topk``
 #: (:func:`minference.index.select_vertical_slash`). One program walks a whole row five times,
-#: which is latency-bound on long rows. Whole index build replayed from a CUDA graph, H200
-#: (``bench_end_to_end.py --select-sweep``, s5 runs 4-5), kernel (4096 scores a step, 8 warps)
-#: vs topk: 16K 0.336 / 0.508 ms, 32K 0.597 / 0.716, 64K 1.167 / 1.111, 128K 2.252 / 1.910.
+#: which is latency-bound on long rows: the kernel beats topk up to 32K and loses from 64K (see
+#: docs/tuning.md#select-max-n).
 SELECT_MAX_N = 32768
 
 

@@ -53,30 +53,18 @@ from minference._checks import check_index
 __all__ = ["vertical_slash_attention", "vertical_slash_attention_physical", "vertical_slash_block_m"]
 
 #: Unmasked range tiles (one descriptor load each) and all gathered column tiles span
-#: ``WIDE = WIDE_TILE_FACTOR * BLOCK_N`` keys; masked range tiles keep ``BLOCK_N``. H200, VS local
-#: (1000, 6096), all-solid, Hkv=8, three interleaved rounds in one run each, one change at a time:
-#: unmasked range tiles of 128 keys against 64 (s7 run 1): 128K 29.04 / 29.91 / 30.03 ms against
-#: 30.45 / 30.47 / 30.48, 512K 123.21 / 123.96 / 124.08 against 125.50 / 125.76 / 126.92;
-#: unmasked column tiles of 128 (s7 run 2): 128K 28.53 / 28.79 / 29.02 against 28.99 / 29.08 /
-#: 29.44, 512K 121.76 / 121.90 / 124.63 against 123.26 / 124.11 / 125.76; masked column tiles of
-#: 128 (s7 run 7): 512K 119.45 / 120.37 / 121.56 against 123.19 / 125.17 / 125.20. Masked range
-#: tiles of 128 keys spill (sm_90 compile with the GPU's specialisation: 136 bytes) and were
-#: slower (s6 run 1: 30.73 against 30.30 ms at 128K).
+#: ``WIDE = WIDE_TILE_FACTOR * BLOCK_N`` keys; masked range tiles keep ``BLOCK_N``. Each of the
+#: three wide tiles was faster than 64 keys at 128K and 512K; masked range tiles of 128 keys spill
+#: (136 bytes on sm_90) and were slower. See docs/tuning.md#wide-tile-factor.
 WIDE_TILE_FACTOR = 2
 
 #: Software-pipeline stages of the gathered column loops on the GPU (``None``: the kernel's
-#: ``num_stages``). Not pipelined: VS local at 128K, bf16, Hkv=8 (H200, s3 run 4,
-#: ``bench_kernels.py --sweep columns``) ran 31.33 ms with 1 stage against 35.60 / 35.61 /
-#: 35.75 / 36.27 ms with 2 / 3 / 4 / 5, and 32.12 ms with the column tiles removed altogether:
-#: pipelined, the ~7% gathered tiles cost ~14% of the time.
+#: ``num_stages``). Not pipelined: pipelined, the ~7% gathered tiles cost ~14% of the time
+#: (see docs/tuning.md#column-stages).
 COLUMN_STAGES: int | None = 1
 #: Software-pipeline stages of the column-scratch tile loop (``None``: the kernel's
-#: ``num_stages``). VS local (1000, 6096), all-solid, Hkv=8, H200, s8 run 1, three interleaved
-#: rounds, median of 15 (128K) / 7 (512K) calls each: 1 stage 128K 28.34 / 29.13 / 29.26 ms,
-#: 512K 115.47 / 116.96 / 117.70; the build without the scratch (gathered column tiles only)
-#: 29.27 / 29.35 / 29.70 and 118.09 / 118.98 / 120.20; 2 stages 31.05-31.57 and 128.04-130.74;
-#: 3 stages 31.22-31.69 and 128.43-130.47. Pipelined, the scratch loop slows the whole kernel:
-#: with 3 stages compiled but no column tile run, 512K took 118.04-120.17 ms (s7: 108.99).
+#: ``num_stages``). One stage: pipelined, the scratch loop slows the whole kernel, even where no
+#: column tile runs (see docs/tuning.md#scratch-stages).
 SCRATCH_STAGES: int | None = 1
 #: Scratch slots per program of :func:`_gather_columns_kernel`.
 _GATHER_SLOTS = 32

@@ -46,20 +46,11 @@ __all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "merge_att
            "MIN_SPARSE_QUERIES", "FILL_GAPS", "BACKENDS", "resolve_backend", "INDEX_RANGE", "ATTENTION_RANGE",
            "profile_range"]
 
-#: Prompts shorter than this many tokens run dense attention. H200 runs of
-#: benchmarks/bench_end_to_end.py (Hq=32, Hkv=8, D=128, bf16, smooth inputs, vertical-slash
-#: (1000, 6096) end to end vs cuDNN SDPA in the same run; docs/dispatch.md). Seventh session (host
-#: diet, wide unmasked tiles): at 16K sparse is 1.03x (s7 run 1), 1.00x (run 4), 1.17x and 1.17x
-#: (run 5, twice) dense speed for one call from an idle GPU, and 1.23x / 1.28x with calls back to
-#: back as a model's layers run (run 5); at 12K it is 0.81x / 0.92x alone and 0.99x / 1.00x back
-#: to back (run 5), so 12K stays dense and 16K runs sparse. Earlier: 0.77x at 16K and 1.21x at
-#: 20K (s5 run 4), 0.98x at 16K (s6 run 6), when the threshold was 20480. A-shape alone wins
-#: from 16K (2.20 vs 3.76 ms, s5); the threshold is per layer and follows the vertical-slash
-#: budget. On the real testbed (Qwen2.5-Coder-0.5B: D=64, 14 q / 2 kv heads, a searched config
-#: mixing several patterns per layer, whole-model TTFT; benchmarks/results/h200_s10_qwen_eval.md)
-#: the sparse prefill was 0.47x / 0.45x dense at 16K (device time 79 ms against a TTFT of 142:
-#: host-bound), 0.90x / 0.84x at 32K and 1.47x / 1.30x at 64K for the two searched configs, so
-#: the default is 48K: prompts up to 32K run dense.
+#: Prompts shorter than this many tokens run dense attention. On the real testbed (Qwen2.5-Coder-0.5B,
+#: whole-model TTFT, searched configs) the sparse prefill is host-bound and slower than dense at 16K
+#: and 32K and faster from 64K (benchmarks/results/h200_s10_qwen_eval.md), so prompts up to 32K run
+#: dense; synthetic layers alone would put it at 16K. The threshold is per layer and follows the
+#: vertical-slash budget. Figures: see docs/tuning.md#dense-threshold.
 DENSE_THRESHOLD = 49152
 #: A call on query rows (a chunk after a cache; docs/kernels.md) with fewer query rows than this
 #: runs dense attention, whatever the key length: decode steps and short continuations. Not yet
@@ -73,11 +64,9 @@ BACKENDS = ("auto", "triton", "torch")
 #: tile minus one) makes every slash run hole-free, so its interior tiles run unmasked (the
 #: estimator's offsets are dense near the diagonal with scattered holes near the band's edge;
 #: unfilled, those holes mask nearly every range tile, ~2x the tile cost). Larger gaps also merge
-#: nearby runs: fewer masked run edges and loop restarts for a few more key tiles. Measured on
-#: the H200 (s4 run 3, ``bench_end_to_end.py --fill-sweep``, smooth inputs, kernel ms for 127 /
-#: 255 / 383 / 767): 128K 34.36 / 31.33 / 31.32 / 31.16 (runs per head 8.2 -> 4.7, key tiles
-#: +1.2% at 383), 1M 341.81 / 310.83 / 304.52 / 304.81; 383 is the first value on the plateau at
-#: both. Filling only adds candidates, so captured mass can only grow. 0 disables it. Any value
+#: nearby runs: fewer masked run edges and loop restarts for a few more key tiles. 383 is the first
+#: value on the kernel time's plateau at 128K and 1M (see docs/tuning.md#fill-gaps). Filling
+#: only adds candidates, so captured mass can only grow. 0 disables it. Any value
 #: >= 127 also lets the kernel be compiled without its bitmap path (``VSIndex.all_solid``).
 FILL_GAPS = 383
 #: ``torch.profiler`` range around each group's online index building and (Triton) its conversion

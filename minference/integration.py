@@ -288,7 +288,7 @@ def minference_attention(
     if chunk_rows is not False:
         # a short chunk after a cache, causal with contiguous rows, on the Triton backend: our dense
         # kernel on its query rows needs no mask (transformers' SDPA takes a boolean mask here, ~2x
-        # slower per FLOP on the H200 at 120K in 8K chunks, s12)
+        # slower per FLOP on the H200; docs/tuning.md#chunk-dense-rows)
         with profile_range(ATTENTION_RANGE):
             return _dense_rows(query, key, value, chunk_rows, scaling), None
     if not path.startswith("sparse"):
@@ -746,8 +746,8 @@ def prompt_continues(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Inside, the patched layers run no dense tail: for the chunks of a chunked prefill before
     the prompt's last one. The tail (``patch(dense_tail=T)``) is for the rows that make the first
     generated token, the last ``T`` of the prompt; a chunk that a later chunk follows does not end
-    the prompt, so a tail there is work the one-shot prefill does not do (s12: 10 chunked calls at
-    120K, each with its own tail). A serving loop that knows its last chunk wraps the others in
+    the prompt, so a tail there is work the one-shot prefill does not do (docs/tuning.md#tail-on-last-chunk:
+    every chunked call made its own tail before). A serving loop that knows its last chunk wraps the others in
     this; :func:`minference.app.models.forward_chunks` does. No-op on a model that is not patched
     or has no tail; the tails are restored on exit, also after an error."""
     states = list(layer_states(model).values())

@@ -91,11 +91,9 @@ FRONTIER_VERSION = 1
 #: index time per head change with the length, so the table is measured at the target length.
 COST_LENGTH_TOLERANCE = 0.1
 #: Online index cost of the tile proxy, per head, as a fraction of that head's dense causal
-#: attention at the same length (H200 measurements, the only ones there are):
-#: vertical-slash: the whole index at 128K, 2.11 ms for 32 heads (docs/dispatch.md, s5 runs 4-5)
-#: against cuDNN's 250 ms for the same 32 heads (DESIGN.md), 0.0085; block-sparse: the query-aware
-#: scores at block 128, 1.27 ms per layer at 120K for Qwen's 14 heads (s9 helper) against 55.5 ms
-#: of dense attention per layer (issue 32: 1332 ms over 24 layers), 0.023. The pooled estimate
+#: attention at the same length (H200 measurements, the only ones there are): vertical-slash the
+#: whole index against cuDNN at 128K, block-sparse the query-aware scores at block 128 against
+#: dense attention per layer at 120K (see docs/tuning.md#index-proxy). The pooled estimate
 #: was not measured alone and is charged as the query-aware one.
 INDEX_PROXY = {"vertical_slash": 0.0085, "block_sparse": 0.023}
 #: Error budgets of a family when none are given: mean missed attention mass per head.

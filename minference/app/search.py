@@ -161,15 +161,15 @@ ADAPTIVE_MAX_SLASH = 8192
 #: 0.9) for vertical-slash and α of the relative rule (FlashPrefill 0.08-0.18 on its score) for
 #: query-routed blocks. Block-sparse candidates take the relative rule only: its selection runs in
 #: one launch (:func:`minference.kernels.estimate.select_query_blocks`); the mass rule's sort and
-#: prefix sums made most of the 168 ms index time of the first searched Qwen config at 120K (s9).
-#: γ 0.8 joined in s14, for searches below min_mass 0.9 (a head that needs 0.85 could only take
-#: γ 0.9 or a denser pattern before).
+#: prefix sums made most of the index time of the first searched Qwen config at 120K. γ 0.8 is
+#: for searches below min_mass 0.9 (a head that needs 0.85 could only take γ 0.9 or a denser
+#: pattern otherwise). See docs/tuning.md#adaptive-rules.
 ADAPTIVE_GAMMAS = (0.8, 0.9, 0.95)
 ADAPTIVE_ALPHAS = (0.3, 0.1, 0.03, 0.01)
 #: A-shape candidates (sink, window) next to the adaptive ones.
 ADAPTIVE_ASHAPES = ((64, 1024), (128, 4096))
-#: Routing block of the adaptive block-sparse candidates: 128 (the query-aware scores cost 1.27 ms
-#: per layer at 120K on the H200 against 3.08 ms at 64, helper measurement of s9).
+#: Routing block of the adaptive block-sparse candidates: 128 (the query-aware scores cost less than
+#: half of block 64's; see docs/tuning.md#adaptive-block).
 ADAPTIVE_BLOCK = 128
 
 
@@ -307,10 +307,8 @@ def pattern_mask(pattern: Pattern, sets, H: int, n: int, rows: torch.Tensor, dev
 COST_TILE = 64
 #: Relative cost of one 64 x 64 tile by head dim (64: ``D <= 64``, 128: the rest) and pattern
 #: kind, from each kernel's share of cuDNN's logical throughput at that head dim (H200, bf16):
-#: cost ~ 1 / share. ``D = 128``: s8 run 2, 128K, Hq 32: A-shape 94%, vertical-slash 92%,
-#: block-sparse 82%, dense = 1. ``D <= 64`` (the Qwen testbed's shape, s13 runs 1-2, 120K, Hq 14,
-#: Hkv 2, with the s13 tiles): A-shape 83%, vertical-slash 68%, block-sparse (block 128) 90%, and
-#: dense heads, which a sparse plan runs through the A-shape kernel, 90%.
+#: cost ~ 1 / share; ``D <= 64`` is the Qwen testbed's shape, whose dense heads a sparse plan runs
+#: through the A-shape kernel. Shares and runs: see docs/tuning.md#tile-cost.
 TILE_COST = {128: {"dense": 1.0, "a_shape": 1 / 0.94, "vertical_slash": 1 / 0.92, "block_sparse": 1 / 0.82},
              64: {"dense": 1 / 0.90, "a_shape": 1 / 0.83, "vertical_slash": 1 / 0.68, "block_sparse": 1 / 0.90}}
 

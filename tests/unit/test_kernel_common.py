@@ -47,12 +47,12 @@ SEED = st.integers(0, 2**31 - 1)
 #: ``combo`` parameter of the hypothesis kernel tests: ``(dtype, head dim)``, either may be None
 #: (drawn). On the GPU each dtype is its own test case: the GPU tier is compile-bound, so xdist
 #: workers compile the dtypes' kernel variants in parallel. One case per (dtype, head dim) pair
-#: was tried: 90 cases of ~100 s each (H200, s3 runs 1 and 4), too many for a 10-minute device
-#: call. The 2-byte dtypes draw the head dim. float32 takes D = 64 alone: its ieee dots compile to
-#: unrolled FMA loops (9-25 s a variant at D = 128 even with 32x32 tiles, H200 s13 probe), so
-#: drawing six head dims left its cases compiling past every bound (s12: four never finished);
-#: its FMA lowering is the same code at every D, and the interpreter draws float32 at every
-#: head dim on the CPU. On CPU one case draws both.
+#: was tried: 90 cases of ~100 s each, too many for a 10-minute device call. The 2-byte dtypes
+#: draw the head dim. float32 takes D = 64 alone: its ieee dots compile to unrolled FMA loops
+#: (9-25 s a variant at D = 128 even with 32x32 tiles), so drawing six head dims left its cases
+#: compiling past every bound; its FMA lowering is the same code at every D, and the interpreter
+#: draws float32 at every head dim on the CPU. On CPU one case draws both. See
+#: docs/tuning.md#test-combos.
 COMBOS = ([pytest.param((dt, 64 if dt == torch.float32 else None), id=str(dt).removeprefix("torch."))
            for dt in DTYPES] if CUDA else [pytest.param(None, id="drawn")])
 
