@@ -39,9 +39,10 @@ ValueGuard = tuple[torch.Tensor, torch.Tensor]
 
 class Rows(TypedDict, total=False):
     """The row arguments every builder and kernel of one call takes (``scale``, ``seqlens`` and
-    ``seqstarts`` always; the query rows only when the call has them: docs/kernels.md)."""
+    ``seqstarts`` always, ``scale`` ``None`` for the default; the query rows only when the call has
+    them: docs/kernels.md)."""
 
-    scale: float
+    scale: float | None
     seqlens: torch.Tensor | None
     seqstarts: torch.Tensor | None
     q_seqlens: int | torch.Tensor | None

@@ -117,7 +117,7 @@ def _rows(scale: float, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | 
     """The row arguments of a call's builders and kernels; the query rows only when given."""
     rows = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if q_seqlens is not None or q_seqstarts is not None:
-        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+        rows["q_seqlens"], rows["q_seqstarts"] = q_seqlens, q_seqstarts
     return rows
 
 
@@ -238,7 +238,7 @@ def sparse_prefill(
     few_queries = qrows and dense_threshold > 0 and query_rows_bound(q_seqlens, Nq) < MIN_SPARSE_QUERIES
     rows = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if qrows:  # the ordinary call passes no query-row arguments at all
-        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+        rows["q_seqlens"], rows["q_seqstarts"] = q_seqlens, q_seqstarts
     if N < dense_threshold or few_queries or all(g.group.kind == "dense" for g in groups):
         # the public dense path (its checks of q repeat the ones above: a dense call's cost is the attention)
         return dense_prefill(q, k, v, backend=name, validate=validate, **rows)
@@ -326,20 +326,20 @@ def _dense_tail(be: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
     chosen = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                               given_rows=seqlens is not None or seqstarts is not None, values=False)
+    tail = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if chosen is None:  # the rows' own last tokens, in place: an int keeps the grid to `rows` rows
-        tail = dict(q_seqlens=rows)
+        tail["q_seqlens"] = rows
     elif isinstance(q_seqlens, int) or q_seqlens is None and q_seqstarts is None:
         # every row's count is min(c, its length) (an int c, or c = Nq for a chunk on full rows):
         # so is the tail's, with c = min(rows, c), an int again; placed at the end of the queries
         count = min(rows, Nq if q_seqlens is None else q_seqlens)
         q_lens, q_starts = chosen
-        tail = dict(q_seqlens=count, q_seqstarts=q_starts + q_lens - torch.clamp(q_lens, max=count))
+        tail["q_seqlens"], tail["q_seqstarts"] = count, q_starts + q_lens - torch.clamp(q_lens, max=count)
     else:
         q_lens, q_starts = chosen
         last = torch.clamp(q_lens, max=rows)
-        tail = dict(q_seqlens=last, q_seqstarts=q_starts + q_lens - last)
-    return be.dense(q, k, v, None, out=out, guard=value_guard, key_split=key_split,
-                    rows=Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts, **tail))
+        tail["q_seqlens"], tail["q_seqstarts"] = last, q_starts + q_lens - last
+    return be.dense(q, k, v, None, out=out, guard=value_guard, key_split=key_split, rows=tail)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
