@@ -9,7 +9,7 @@ Shape of record: B=1, Hq=32, Hkv=8, D=128, bf16. Vertical-slash uses the
 published budgets (1000 columns, 6096 diagonals, last 64 queries, 30 sink columns, 100 local
 diagonals); every head gets the same pattern. For each length the table gives, median ms:
 
-* ``index``: :func:`minference.kernels.estimate.vertical_slash_index` (two Triton passes, the
+* ``index``: :func:`minference.kernels.vertical_slash_index` (two Triton passes, the
   log-sum-exp merge and the GPU top-k);
 * ``convert``: :func:`minference.kernels.convert_vertical_slash`;
 * ``kernel``: :func:`minference.kernels.vertical_slash_attention_physical` on the converted
@@ -61,7 +61,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from minference.kernels import convert as convert_module
-from minference.kernels import estimate
+from minference.kernels import estimate_vs
+from minference.kernels import select as kernel_select
 
 from minference import kernels
 from minference.dispatch import FILL_GAPS, sparse_prefill
@@ -223,7 +224,7 @@ def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
     """The index build at length ``N`` under each :data:`INDEX_SWEEP` configuration of the
     estimator (ms, and whether its column / diagonal scores match the default's)."""
     q, k, _ = qkv_inputs(N, inputs)
-    default = estimate.VS_KEY_TILE, estimate.VS_WARPS
+    default = estimate_vs.VS_KEY_TILE, estimate_vs.VS_WARPS
 
     def scores():
         return vs_index(q, k, return_scores=True)[2:]
@@ -232,12 +233,12 @@ def index_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
     lines = [f"| VS index (N={N}) key tile, warps | ms | scores match default |", "|---|---|---|"]
     try:
         for tile, warps in INDEX_SWEEP:
-            estimate.VS_KEY_TILE, estimate.VS_WARPS = tile, warps
+            estimate_vs.VS_KEY_TILE, estimate_vs.VS_WARPS = tile, warps
             col, diag = scores()
             same = all(torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip((col, diag), base))
             lines.append(f"| {tile}, {warps} | {time_ms(lambda: vs_index(q, k), budget_ms):.3f} | {same} |")
     finally:
-        estimate.VS_KEY_TILE, estimate.VS_WARPS = default
+        estimate_vs.VS_KEY_TILE, estimate_vs.VS_WARPS = default
     return "\n".join(lines)
 
 
@@ -298,21 +299,21 @@ def select_sweep(N: int, *, inputs: str, budget_ms: float) -> str:
 
     base = sets()
     lines = [f"| VS index (N={N}) selection | eager ms | graph ms | same sets |", "|---|---|---|---|"]
-    default = estimate.SELECT_MAX_N, estimate.SELECT_CHUNK, estimate.SELECT_WARPS
+    default = kernel_select.SELECT_MAX_N, kernel_select.SELECT_CHUNK, kernel_select.SELECT_WARPS
     try:
         for variant in SELECT_SWEEP:
             if variant is None:
-                estimate.SELECT_MAX_N = 0
+                kernel_select.SELECT_MAX_N = 0
             else:
-                estimate.SELECT_MAX_N = N
-                estimate.SELECT_CHUNK, estimate.SELECT_WARPS = variant
+                kernel_select.SELECT_MAX_N = N
+                kernel_select.SELECT_CHUNK, kernel_select.SELECT_WARPS = variant
             same = all(torch.equal(a, b) for a, b in zip(sets(), base))
             eager = time_ms(lambda: vs_index(q, k), budget_ms)
             graph = time_ms(graphed(lambda: vs_index(q, k)), budget_ms)
             name = "torch ops (topk)" if variant is None else f"kernel, {variant[0]} per step, {variant[1]} warps"
             lines.append(f"| {name} | {eager:.3f} | {graph:.3f} | {same} |")
     finally:
-        estimate.SELECT_MAX_N, estimate.SELECT_CHUNK, estimate.SELECT_WARPS = default
+        kernel_select.SELECT_MAX_N, kernel_select.SELECT_CHUNK, kernel_select.SELECT_WARPS = default
     return "\n".join(lines)
 
 
@@ -367,7 +368,7 @@ def qkv_inputs(N: int, inputs: str):
 
 def vs_index(q, k, return_scores: bool = False):
     """The dispatcher's vertical-slash index build for :data:`VS` (sync-free)."""
-    return estimate.vertical_slash_index(
+    return kernels.vertical_slash_index(
         q, k, VS.vertical, VS.slash, last_q=VS.last_q, sink_columns=VS.sink_columns,
         local_diagonals=VS.local_diagonals, aggregation=VS.aggregation, extra_rows=VS.extra_rows,
         vertical_width=VS.vertical, slash_width=VS.slash, return_scores=return_scores, validate=False)

@@ -22,7 +22,7 @@ What is timed, ``H`` = ``--heads`` query heads in one call each (budgets scale w
   call includes the logical-to-physical conversion with the dispatcher's gap filling;
 * ``block_sparse@B`` (B = 128, 64): per query block the diagonal, block 0 and random earlier
   blocks, ``k = nb / 32, nb / 8, nb / 2`` of them (``nb = ceil(n / B)``);
-* the index builders (``minference.kernels.estimate``) of the patterns the searches use, one
+* the index builders (``minference.kernels``) of the patterns the searches use, one
   key of :func:`minference.app.frontier.index_key` each, on random inputs (flat scores: the
   adaptive rules keep their caps, the costliest selection).
 
@@ -50,12 +50,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 
-from minference.reference.masks import _scatter_set, slash_set
-
 from minference.app.frontier import COST_TABLE_FORMAT, COST_TABLE_VERSION, causal_tiles, fit_line, index_key
 from minference.app.search import ADAPTIVE_MAX_SLASH, ADAPTIVE_MAX_VERTICAL, tile_density
 from minference.config import hardware_string
 from minference.dispatch import FILL_GAPS
+from minference.index_sets import scatter_set, slash_set
 from minference.patterns import AShape, BlockSparse, VerticalSlash
 
 #: do_bench budgets (ms of warm-up and of timed repetitions).
@@ -138,7 +137,6 @@ def _blocks(n: int, H: int, block: int, k: int, g: torch.Generator) -> torch.Ten
 def calibrate(n: int, head_dim: int, heads: int, kv_heads: int, *, device: str | None = None, seed: int = 0,
               progress: bool = True) -> dict:
     """Measure every point and the index builders; return the cost table (plain JSON)."""
-    from minference.kernels import estimate
 
     from minference import kernels
 
@@ -176,7 +174,7 @@ def calibrate(n: int, head_dim: int, heads: int, kv_heads: int, *, device: str |
     vs_points = [(max(1, int(f * n)), False) for f in SLASH_FRACTIONS] + [(max(1, int(n / 16)), True)]
     for s, clustered in vs_points:
         vertical, slash = _band(n, heads, s, s // 4, g, clustered)
-        sets = (_scatter_set(n, vertical[0]), slash_set(n, slash[0], FILL_GAPS))
+        sets = (scatter_set(n, vertical[0]), slash_set(n, slash[0], FILL_GAPS))
         pattern = VerticalSlash(vertical=vertical.shape[-1], slash=slash.shape[-1])
         tiles = float(tile_density(pattern, sets, heads, n, "cpu").sum()) * causal
         vd, sd = vertical.to(dev), slash.to(dev)
@@ -188,7 +186,7 @@ def calibrate(n: int, head_dim: int, heads: int, kv_heads: int, *, device: str |
         for f in BLOCK_FRACTIONS:
             kk = min(nb, max(2, int(f * nb)))
             blocks = _blocks(n, heads, block, kk, g)
-            sets = _scatter_set(nb, blocks[0])
+            sets = scatter_set(nb, blocks[0])
             tiles = float(tile_density(BlockSparse(top_k=kk, block=block), sets, heads, n, "cpu").sum()) * causal
             bd = blocks.to(dev)
             point(f"block_sparse@{block}", f"{kk} blocks of {block}", tiles,
@@ -197,12 +195,12 @@ def calibrate(n: int, head_dim: int, heads: int, kv_heads: int, *, device: str |
     index: dict[str, dict] = {}
     for p in index_patterns(n):
         if isinstance(p, VerticalSlash):
-            fn = lambda p=p: estimate.vertical_slash_index(  # noqa: E731
+            fn = lambda p=p: kernels.vertical_slash_index(  # noqa: E731
                 q, k, p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
                 local_diagonals=p.local_diagonals, aggregation=p.aggregation, rule=p.rule, threshold=p.threshold,
                 validate=False)
         else:
-            fn = lambda p=p: estimate.block_sparse_index(  # noqa: E731
+            fn = lambda p=p: kernels.block_sparse_index(  # noqa: E731
                 q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
                 rule=p.rule, threshold=p.threshold, estimate=p.estimate, validate=False)
         ms = bench(fn)

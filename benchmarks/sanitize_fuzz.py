@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import torch
-from minference.kernels import estimate
 from minference.reference import estimators as naive
 
 from minference import kernels
@@ -83,9 +82,9 @@ def main(seed: int = 0) -> None:
                    float((out.cpu().double() - want).abs().max()), shape + f" C={C}")
         # index builders: column / diagonal scores, block scores (finite entries) vs the twins
         vs_kw = dict(last_q=1 + case * 13, extra_rows=case, return_scores=True)
-        got = estimate.vertical_slash_index(q, k, 8, 8, **vs_kw, **kw_dev)[2:]
+        got = kernels.vertical_slash_index(q, k, 8, 8, **vs_kw, **kw_dev)[2:]
         want = naive.vertical_slash_index(q.cpu().float(), k.cpu().float(), 8, 8, **vs_kw, **kw)[2:]
-        got_b = estimate.block_sparse_index(q, k, 3, block=32, return_scores=True, **kw_dev)[1]
+        got_b = kernels.block_sparse_index(q, k, 3, block=32, return_scores=True, **kw_dev)[1]
         want_b = naive.block_sparse_index(q.cpu().float(), k.cpu().float(), 3, block=32, return_scores=True, **kw)[1]
         finite = torch.isfinite(want_b)
         errs = [float((a.cpu().double() - b).abs().max()) for a, b in zip(got, want)]

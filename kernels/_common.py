@@ -61,6 +61,10 @@ _INT_DTYPES = (torch.int32, torch.int64)
 _POW2 = [1] + [1 << (n - 1).bit_length() for n in range(1, 257)]
 
 
+#: Smallest tile side ``tl.dot`` accepts.
+MIN_DOT = 16
+
+
 def next_pow2(n: int) -> int:
     """``triton.next_power_of_2(n)`` for a host int (0 for ``n <= 0``), in plain Python: the
     Triton helper is a ``constexpr_function`` that costs microseconds of host time a call, and
@@ -536,13 +540,9 @@ def check_heads(heads, Hq: int, device, *, values: bool) -> torch.Tensor | None:
     return heads.to(torch.int32).contiguous()
 
 
-def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
-            tiles: Tiles | None = None, q_seqlens=None, q_seqstarts=None, guard=None) -> Prepared:
-    """Validate the common arguments and allocate outputs; never synchronises when
-    ``validate=False``. ``q_seqlens`` / ``q_seqstarts``: query rows (docs/kernels.md). ``guard``:
-    a precomputed :func:`value_guard` pair (the dispatcher's, made once per call), else it is made
-    here (without a pass when the values were validated)."""
-    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+def _check_launch(q: torch.Tensor, D: int, return_lse: object) -> None:
+    """What every launcher refuses before it prepares a launch: head dims the kernels do not
+    compile, devices they cannot run on, a non-bool ``return_lse``."""
     if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim D={D} is not supported; expected one of {SUPPORTED_HEAD_DIMS}")
     if q.device.type == "cpu" and not interpreting():
@@ -553,13 +553,46 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
         raise ValueError(f"q must be a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1), got {q.device}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+
+
+def check_launch(q: torch.Tensor) -> None:
+    """What the attention launchers refuse of a ``q`` that passed the dispatcher's own checks
+    (:func:`minference._checks.check_qkv_rows`; ``k``, ``v`` share its dtype and device), with their
+    messages: a dtype or head dim the kernels do not compile, a device they cannot run on. The
+    dispatcher calls it once per call (:meth:`minference.backend_triton.TritonBackend.check_launch`)
+    and then launches with ``checked=True``."""
+    check_tensor("q", q, rank=4, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    _check_launch(q, q.shape[-1], False)
+
+
+def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, validate,
+            tiles: Tiles | None = None, q_seqlens=None, q_seqstarts=None, guard=None,
+            checked: bool = False) -> Prepared:
+    """Validate the common arguments and allocate outputs; never synchronises when
+    ``validate=False``. ``q_seqlens`` / ``q_seqstarts``: query rows (docs/kernels.md). ``guard``:
+    a precomputed :func:`value_guard` pair (the dispatcher's, made once per call), else it is made
+    here (without a pass when the values were validated).
+
+    ``checked``: the caller validated the arguments' form at its own edge (the dispatcher through
+    :mod:`minference.backend_triton`): shapes, dtypes and devices of q, k, v, ``heads`` (int32),
+    ``out`` and ``guard``, the head dim, ``return_lse``; those checks are skipped, and the row
+    arguments are only converted (``validate`` still governs value reads)."""
+    if checked:
+        B, Hq, Nq, D = q.shape
+        Hkv, N = k.shape[1], k.shape[2]
+    else:
+        B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+        _check_launch(q, D, return_lse)
     scale = default_scale(D, scale)
     values = validate and not capturing()
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=values)
     rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                             given_rows=seqlens is not None or seqstarts is not None, values=values)
     partial = seqlens is not None or seqstarts is not None or heads is not None or rows is not None
-    heads = check_heads(heads, Hq, q.device, values=validate)
+    if checked:
+        heads = None if heads is None else heads.to(torch.int32).contiguous()
+    else:
+        heads = check_heads(heads, Hq, q.device, values=validate)
     q_lens, q_starts = rows if rows is not None else (lens, starts)
     if values:
         check_finite_rows({"q": q}, q_lens, q_starts, heads=None if heads is None else {"q": heads})
@@ -568,7 +601,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
     if out is None:
         alloc = torch.zeros if partial else torch.empty
         out = alloc(B, Hq, Nq, D, dtype=q.dtype, device=q.device)
-    else:
+    elif not checked:
         check_tensor("out", out, rank=4, dtypes=(q.dtype,))
         if tuple(out.shape) != (B, Hq, Nq, D):
             raise ValueError(f"out must have shape {(B, Hq, Nq, D)}, got {tuple(out.shape)}")
@@ -593,7 +626,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
             prep.q_los, prep.q_row0s = q_los, (q_starts - q_los).contiguous()
         prep.q_bound = query_rows_bound(q_seqlens, Nq)
     if guard is not None:
-        prep.k_masked, prep.v_safe = check_value_guard(guard, k, v)
+        prep.k_masked, prep.v_safe = guard if checked else check_value_guard(guard, k, v)
     elif prep.launches():  # nothing reads it otherwise
         prep.k_masked, prep.v_safe = value_guard(k, v, checked=values)
     return prep

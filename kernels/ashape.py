@@ -224,6 +224,7 @@ def ashape_attention(
     return_lse: bool = False,
     validate: bool = True,
     value_guard: ValueGuard | None = None,
+    checked: bool = False,
 ):
     """Causal A-shape (sinks + sliding window) attention.
 
@@ -245,14 +246,18 @@ def ashape_attention(
         value_guard: ``(k_masked, v_safe)`` of :func:`minference.kernels.value_guard` for this
             ``k, v`` (made once by a caller that runs several kernels on them); ``None``: made
             here (no pass over ``k`` and ``v`` when ``validate`` checked the values).
+        checked: internal: the caller validated the arguments' form at its own edge (the dispatcher,
+            through :mod:`minference.backend_triton`), so the shape, dtype and device checks
+            are skipped (:func:`minference.kernels._common.prepare`). Default ``False``.
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard)
-    check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard, checked=checked)
+    if not checked:
+        check_head_offset(head_offset, prep.Hq, head_offset + prep.Hq, "the budgets")
     read = prep.head_ids().long() + head_offset if validate else None  # the entries the kernel reads
     sinks = _budget("sink", sink, head_offset + prep.Hq, q.device, 0, validate, read)
     windows = _budget("window", window, head_offset + prep.Hq, q.device, 1, validate, read)
@@ -458,6 +463,7 @@ def dense_attention(
     validate: bool = True,
     key_split: int | None = None,
     value_guard: ValueGuard | None = None,
+    checked: bool = False,
 ):
     """Causal dense attention (float64 twin: :func:`minference.reference.attention.dense_attention`),
     on whole rows or query rows, with an optional key split for calls of few query rows.
@@ -469,18 +475,18 @@ def dense_attention(
     unsplit call, exactly ``ashape_attention(q, k, v, 0, max(1, N), ...)``; any ``n >= 1`` is
     computed as given, splits without keys included (tests force it under the interpreter).
     Sync-free with ``validate=False``: the split and the float32 scratch (``torch.empty``) follow
-    the shapes only, so the call can be captured in a CUDA graph. ``value_guard``: as
-    :func:`ashape_attention`.
+    the shapes only, so the call can be captured in a CUDA graph. ``value_guard``, ``checked``
+    (internal: the caller validated the arguments' form): as :func:`ashape_attention`.
     """
     check_key_split(key_split)
     split = _auto_key_split(q, k, heads, q_seqlens, q_seqstarts) if key_split is None else key_split
     if split == 1:
         return ashape_attention(q, k, v, 0, max(1, k.shape[2]), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
                                 q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, heads=heads, out=out,
-                                return_lse=return_lse, validate=validate, value_guard=value_guard)
+                                return_lse=return_lse, validate=validate, value_guard=value_guard, checked=checked)
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard)
+                   return_lse=return_lse, validate=validate, tiles=_tiles(q), guard=value_guard, checked=checked)
     if prep.launches():
         _launch_split(prep, q, k, v, split, return_lse)
     return finish(prep, return_lse)

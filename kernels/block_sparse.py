@@ -137,7 +137,7 @@ def normalize_blocks(blocks: torch.Tensor, *,
 
     ``ascending``: every row of ``blocks`` already holds distinct ids in ``[0, I]``, ascending,
     then only -1 (what the builders' one-launch selection writes:
-    :func:`minference.kernels.estimate.block_index_ascending`); the diagonal is then the last id
+    :func:`minference.kernels.block_index_ascending`); the diagonal is then the last id
     of its row, and dropping it gives the same result without the sort and the compaction (5 ops
     instead of ~25)."""
     nqb = blocks.shape[-2]
@@ -151,6 +151,16 @@ def normalize_blocks(blocks: torch.Tensor, *,
     off, count = _compact(x, first & (x < I))
     has_diag = (first & (x == I)).any(-1).to(torch.int8)
     return off, count, has_diag
+
+
+def _check_blocks_args(ascending: object, block: object) -> None:
+    """``ascending`` and ``block`` of :func:`block_sparse_attention`."""
+    if not isinstance(ascending, bool):
+        raise TypeError(f"ascending must be a bool, got {type(ascending).__name__}")
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"block must be an int, got {type(block).__name__}")
+    if block not in BLOCK_SIZES:
+        raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
 
 
 def block_sparse_attention(
@@ -171,6 +181,7 @@ def block_sparse_attention(
     validate: bool = True,
     ascending: bool = False,
     value_guard: ValueGuard | None = None,
+    checked: bool = False,
 ):
     """Causal block-sparse attention.
 
@@ -193,22 +204,21 @@ def block_sparse_attention(
             its sort. With ``validate`` that promise is checked (a host read).
         value_guard: ``(k_masked, v_safe)`` of :func:`minference.kernels.value_guard` for
             this ``k, v`` (see :func:`~minference.kernels.ashape_attention`).
+        checked: internal: the caller validated the arguments' form (``blocks`` and ``block``
+            included) at its own edge (see :func:`~minference.kernels.ashape_attention`).
 
     Returns:
         ``out [B, Hq, N, D]`` in q's dtype, or ``(out, lse)``.
     """
-    if not isinstance(ascending, bool):
-        raise TypeError(f"ascending must be a bool, got {type(ascending).__name__}")
-    if isinstance(block, bool) or not isinstance(block, int):
-        raise TypeError(f"block must be an int, got {type(block).__name__}")
-    if block not in BLOCK_SIZES:
-        raise ValueError(f"block must be one of {BLOCK_SIZES}, got {block}")
+    if not checked:
+        _check_blocks_args(ascending, block)
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
-                   q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, tiles=_tiles(q, block), guard=value_guard)
+                   q_seqstarts=q_seqstarts, heads=heads, out=out, return_lse=return_lse, validate=validate,
+                   tiles=_tiles(q, block), guard=value_guard, checked=checked)
     nqb = cdiv(prep.N, block)
-    check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
-                values=validate)
+    if not checked or validate:
+        check_index("blocks", blocks, rank=4, lead=(prep.B, prep.Hg, nqb), device=q.device, upper=max(nqb, 1),
+                    values=validate)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.launches():

@@ -60,7 +60,7 @@ Gap filling (``fill_gaps``)
 ---------------------------
 
 With ``fill_gaps = G > 0`` the offsets are first closed over gaps of at most ``G`` missing
-offsets between two chosen ones (the set :func:`minference.reference.masks.slash_set` defines;
+offsets between two chosen ones (the set :func:`minference.index_sets.slash_set` defines;
 the kernel then computes exactly that larger set). Runs merge across distances up to
 ``max(block_m, G + 1)``, so a filled gap never separates two runs. With ``G >= block_m - 1`` every
 run is hole-free, so every range tile that lies on the run's diagonals runs unmasked, and no tile
@@ -108,9 +108,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from minference.kernels._common import cdiv, interpreting, next_pow2
-from minference.reference.masks import check_fill_gaps
 
 from minference._checks import check_int, check_tensor, same_device
+from minference.index_sets import check_fill_gaps
 
 __all__ = [
     "BITS_PAD_WORDS",
@@ -569,7 +569,7 @@ def convert_vertical_slash(
         block_m: query rows per block; must equal the kernel's query tile
             (:func:`minference.kernels.vertical_slash_block_m`).
         fill_gaps: the offsets are first closed over gaps of at most this many missing offsets
-            (:func:`minference.reference.masks.slash_set`, "Gap filling" in the module docstring).
+            (:func:`minference.index_sets.slash_set`, "Gap filling" in the module docstring).
         dense_over: if given (a finite number ``>= 0``; :data:`DENSE_OVER` is the dispatcher's
             default), a head whose index runs more than ``dense_over`` times the key tiles of the
             dense causal index gets the dense causal index instead (``dense[b, h]`` True; see

@@ -299,27 +299,34 @@ def vertical_slash_attention_physical(
     return_lse: bool = False,
     validate: bool = True,
     value_guard: ValueGuard | None = None,
+    checked: bool = False,
 ):
     """Vertical-slash attention from an already converted :class:`VSIndex` (see
     :func:`vertical_slash_attention` for the arguments); ``index.block_m`` must equal
-    :func:`vertical_slash_block_m` and ``index.n`` the sequence length."""
+    :func:`vertical_slash_block_m` and ``index.n`` the sequence length. ``checked``: internal:
+    the caller validated the arguments' form at its own edge and converted ``index`` for this
+    call (see :func:`~minference.kernels.ashape_attention`), so those checks are skipped."""
     prep = prepare(q, k, v, scale=scale, seqlens=seqlens, seqstarts=seqstarts, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts, heads=heads, out=out,
-                   return_lse=return_lse, validate=validate, guard=value_guard)
-    return _run(prep, q, k, v, index, return_lse)
+                   return_lse=return_lse, validate=validate, guard=value_guard, checked=checked)
+    return _run(prep, q, k, v, index, return_lse, checked=checked)
 
 
-def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool):
-    """Check ``index`` against the prepared call and launch the kernel (both public functions)."""
-    if not isinstance(index, VSIndex):
-        raise TypeError(f"index must be a VSIndex, got {type(index).__name__}")
-    if index.block_m != prep.tiles.block_m:
-        raise ValueError(f"index.block_m={index.block_m} but the kernel runs blocks of {prep.tiles.block_m} rows")
+def _run(prep: Prepared, q, k, v, index: VSIndex, return_lse: bool, *, checked: bool = False):
+    """Check ``index`` against the prepared call (unless ``checked``: the caller converted it for
+    this call) and launch the kernel (both public functions)."""
+    if not checked:
+        if not isinstance(index, VSIndex):
+            raise TypeError(f"index must be a VSIndex, got {type(index).__name__}")
+        if index.block_m != prep.tiles.block_m:
+            raise ValueError(f"index.block_m={index.block_m} but the kernel runs blocks of {prep.tiles.block_m} "
+                             "rows")
     if prep.tiles.block_n > _WORD or prep.tiles.block_m + prep.tiles.block_n - 2 > BITS_PAD_WORDS * _WORD:
         raise ValueError(f"vertical-slash tiles {prep.tiles} exceed the packed diagonal window")
-    if index.n != prep.N:
-        raise ValueError(f"index.n={index.n} but the sequence length is {prep.N}")
-    _check_physical(prep, index, q.device)
+    if not checked:
+        if index.n != prep.N:
+            raise ValueError(f"index.n={index.n} but the sequence length is {prep.N}")
+        _check_physical(prep, index, q.device)
     lse, sln = prep.lse_arg()
     slb, slh = prep.lse_strides()
     if prep.launches():
@@ -457,7 +464,7 @@ def vertical_slash_attention(
         return_lse: also return the log-sum-exp ``[B, Hq, N]`` (fp32).
         validate: check index/length values (host syncs); ``False`` keeps the call sync-free.
         fill_gaps: close the offsets over gaps of at most this many missing offsets first
-            (:func:`minference.reference.masks.slash_set`); the kernel computes that set exactly.
+            (:func:`minference.index_sets.slash_set`); the kernel computes that set exactly.
         dense_over: dense fallback of :func:`~minference.kernels.convert.convert_vertical_slash`:
             heads whose index runs more than ``dense_over`` times the dense causal key tiles
             compute dense causal attention instead (sync-free). ``None``: never.

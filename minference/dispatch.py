@@ -6,21 +6,26 @@ costs a handful of launches, never one per head), writing every group into one o
 :data:`DENSE_THRESHOLD` tokens it runs dense attention instead (PyTorch SDPA, GQA-aware), because
 index building and sparse kernels only pay off on long prompts.
 
-Backends:
+Backends (each a :class:`minference.backend.Backend`, one module each; :func:`sparse_prefill` calls
+one step per pattern on it):
 
-* ``"triton"``: :mod:`minference.kernels` (CUDA, or the Triton interpreter on CPU tensors). The
-  whole path is free of host synchronisation (validation that reads values is done once, outside
-  CUDA graph capture), so it can be captured in a CUDA graph.
-* ``"torch"``: :mod:`minference.torch_backend`, portable PyTorch on any device (reads row lengths
-  on the host).
+* ``"triton"``: :class:`minference.backend_triton.TritonBackend`, the builders and kernels of
+  :mod:`minference.kernels` (CUDA, or the Triton interpreter on CPU tensors). The whole path is
+  free of host synchronisation (validation that reads values is done once, outside CUDA graph
+  capture), so it can be captured in a CUDA graph.
+* ``"torch"``: :class:`minference.backend_torch.TorchBackend`, the functions of
+  :mod:`minference.torch_backend`, portable PyTorch on any device (reads row lengths on the host).
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
+
+Validation happens once, at the public edge (:func:`sparse_prefill`, :func:`dense_prefill`,
+:func:`dense_tail_attention`, :func:`merge_attention`): the backend steps, the index builders and
+the kernels below them are called with ``validate=False`` on the checked inputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +43,10 @@ from minference._checks import (
     query_rows_bound,
     uniform_query_rows,
 )
-from minference.index import build_group_index, prepare_plan
+from minference.backend import Backend, Rows, ValueGuard, get_backend
+from minference.index import heads_tensor, prepare_plan
+from minference.index_sets import check_fill_gaps
 from minference.patterns import Pattern
-from minference.reference.masks import check_fill_gaps
 
 __all__ = ["sparse_prefill", "dense_prefill", "dense_tail_attention", "merge_attention", "DENSE_THRESHOLD",
            "MIN_SPARSE_QUERIES", "FILL_GAPS", "BACKENDS", "resolve_backend", "INDEX_RANGE", "ATTENTION_RANGE",
@@ -60,7 +66,7 @@ DENSE_THRESHOLD = 49152
 MIN_SPARSE_QUERIES = 1024
 BACKENDS = ("auto", "triton", "torch")
 #: Vertical-slash offsets are closed over gaps of at most this many missing offsets before the
-#: kernel runs (:func:`minference.reference.masks.slash_set`). Any value >= 127 (the GPU query
+#: kernel runs (:func:`minference.index_sets.slash_set`). Any value >= 127 (the GPU query
 #: tile minus one) makes every slash run hole-free, so its interior tiles run unmasked (the
 #: estimator's offsets are dense near the diagonal with scattered holes near the band's edge;
 #: unfilled, those holes mask nearly every range tile, ~2x the tile cost). Larger gaps also merge
@@ -95,52 +101,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _ops(backend: str) -> SimpleNamespace:
-    if backend == "triton":
-        from minference import kernels
-        from minference.kernels import estimate
-        from minference.kernels._common import default_tiles
-
-        return SimpleNamespace(builders=estimate, ashape=kernels.ashape_attention,
-                               vertical_slash=kernels.vertical_slash_attention,
-                               convert=kernels.convert_vertical_slash, tiles=default_tiles,
-                               vertical_slash_physical=kernels.vertical_slash_attention_physical,
-                               block_sparse=kernels.block_sparse_attention, dense=None,
-                               dense_rows=kernels.dense_attention, ascending=estimate.block_index_ascending,
-                               value_guard=kernels.value_guard)
-    import minference.torch_backend as tb
-
-    return SimpleNamespace(builders=tb, ashape=tb.ashape_attention, vertical_slash=tb.vertical_slash_attention,
-                           convert=None, block_sparse=tb.block_sparse_attention, dense=tb.dense_attention,
-                           ascending=None, value_guard=None)
-
-
-def _value_guard(ops, k: torch.Tensor, v: torch.Tensor, validate: bool) -> dict:
-    """``value_guard=`` for every Triton kernel of one dispatcher call, made once here
-    (:func:`minference.kernels.value_guard`: one Triton pass making ``(k_masked, v_safe)``, or
-    none when the call's validation has checked ``v``, which it never does under capture); the
-    torch backend needs none (``{}``)."""
-    if ops.value_guard is None:
-        return {}
-    return dict(value_guard=ops.value_guard(k, v, checked=validate and not capturing()))
-
-
-def _dense_heads(ops, q, k, v, heads, *, scale, seqlens, seqstarts, out, q_seqlens=None, q_seqstarts=None,
-                 key_split: int | None = None, value_guard=None):
-    """Causal dense attention on ``heads`` (the whole row, or its query rows) into ``out``: the
-    torch backend's dense path, or on Triton :func:`minference.kernels.dense_attention` (the
-    A-shape kernel with no sink and a window as long as the key rows). ``key_split`` (Triton):
-    ``None`` (default) splits the keys when the grid is small against the GPU (chosen from the
-    shapes: the dense tail, a short chunk after a long cache; whole prompts keep 1, the unsplit
-    kernel); an int forces that count. ``value_guard`` (Triton): the call's pair
-    (:func:`_value_guard`), else the kernel makes its own."""
-    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+def _rows(scale: float, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | None,
+          q_seqlens: int | torch.Tensor | None = None, q_seqstarts: torch.Tensor | None = None) -> Rows:
+    """The row arguments of a call's builders and kernels; the query rows only when given."""
+    rows = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if q_seqlens is not None or q_seqstarts is not None:
-        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
-    if ops.dense is not None:
-        return ops.dense(q, k, v, heads=heads, out=out, validate=False, **rows)
-    return ops.dense_rows(q, k, v, heads=heads, out=out, validate=False, key_split=key_split,
-                          value_guard=value_guard, **rows)
+        rows["q_seqlens"], rows["q_seqstarts"] = q_seqlens, q_seqstarts
+    return rows
 
 
 def dense_prefill(
@@ -168,10 +135,11 @@ def dense_prefill(
     _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
     if seqlens is None and seqstarts is None and q_seqlens is None and Nq == N:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv)
-    ops = _ops(resolve_backend(backend, q.device))
-    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, out=torch.zeros_like(q),
-                        **_value_guard(ops, k, v, validate))
+    be = get_backend(resolve_backend(backend, q.device))
+    out = torch.zeros_like(q)
+    guard = be.value_guard(k, v, checked=validate and not capturing())
+    be.check_launch(q)
+    return be.dense(q, k, v, None, out=out, guard=guard, rows=_rows(scale, seqlens, seqstarts, q_seqlens, q_seqstarts))
 
 
 def sparse_prefill(
@@ -249,25 +217,24 @@ def sparse_prefill(
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     check_fill_gaps(fill_gaps)
-    if name == "triton":
-        _check_triton_plan(groups, q)
-    elif dense_over is not None:
-        raise ValueError("dense_over needs the triton backend (the torch backend has no tile cost model)")
+    be: Backend = get_backend(name)
+    be.check_plan(groups, q, dense_over=dense_over)
     if isinstance(dense_tail, bool) or not isinstance(dense_tail, int) or dense_tail < 0:
         raise ValueError(f"dense_tail must be a non-negative int, got {dense_tail!r}")
     if shadow is not None and not all(callable(getattr(shadow, m, None)) for m in ("add_index", "finish")):
         raise TypeError(f"shadow must be a minference.guard.ShadowCheck or None, got {type(shadow).__name__}")
     qrows = q_seqlens is not None or q_seqstarts is not None or Nq != N
     few_queries = qrows and dense_threshold > 0 and query_rows_bound(q_seqlens, Nq) < MIN_SPARSE_QUERIES
-    rows = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
+    rows = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if qrows:  # the ordinary call passes no query-row arguments at all
-        rows.update(q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+        rows["q_seqlens"], rows["q_seqstarts"] = q_seqlens, q_seqstarts
     if N < dense_threshold or few_queries or all(g.group.kind == "dense" for g in groups):
+        # the public dense path (its checks of q repeat the ones above: a dense call's cost is the attention)
         return dense_prefill(q, k, v, backend=name, validate=validate, **rows)
     # once here; everything below runs with validate=False and one value guard (Triton)
     _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate)
-    ops = _ops(name)
-    guard = _value_guard(ops, k, v, validate)
+    guard = be.value_guard(k, v, checked=validate and not capturing())
+    be.check_launch(q)
     ragged = seqlens is not None or seqstarts is not None
     # rows no group writes read as zeros; on Triton a chunk after a cache on full key rows (every q
     # row a query row) has none: every group's kernel writes all the rows of its heads
@@ -277,42 +244,29 @@ def sparse_prefill(
     for dg in groups:
         kind = dg.group.kind
         if kind == "a_shape":
-            ops.ashape(q, k, v, dg.budgets["sink"], dg.budgets["window"], heads=dg.heads, head_offset=head_offset,
-                       out=out, validate=False, **guard, **rows)
+            be.ashape(q, k, v, dg, head_offset=head_offset, out=out, guard=guard, rows=rows)
         elif kind == "vertical_slash":
-            with profile_range(INDEX_RANGE):
-                vertical, slash = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
-                if ops.convert is not None:  # Triton: convert here (what vertical_slash_attention does inside)
-                    tiles = ops.tiles(q)
-                    index = ops.convert(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
-                                        dense_over=dense_over, block_n=tiles.block_n)
+            with profile_range(INDEX_RANGE):  # the logical index and (Triton) its physical tiles
+                index = be.vertical_slash_group_index(q, k, dg, head_offset=head_offset, fill_gaps=fill_gaps,
+                                                      dense_over=dense_over, rows=rows)
             if shadow is not None:  # the quality guard's checked call: the sets it compares with dense
-                shadow.add_index(dg, vertical=vertical, slash=slash, dense=None if ops.convert is None else index.dense)
-            if ops.convert is not None:
-                ops.vertical_slash_physical(q, k, v, index, heads=dg.heads, out=out, validate=False, **guard,
-                                            **rows)
-            else:
-                ops.vertical_slash(q, k, v, vertical, slash, heads=dg.heads, out=out, validate=False,
-                                   fill_gaps=fill_gaps, **rows)
+                shadow.add_index(dg, vertical=index.vertical, slash=index.slash, dense=index.dense)
+            be.vertical_slash(q, k, v, index, dg, out=out, fill_gaps=fill_gaps, guard=guard, rows=rows)
         elif kind == "block_sparse":
             with profile_range(INDEX_RANGE):
-                blocks = build_group_index(ops.builders, dg, q, k, head_offset=head_offset, **rows)
+                blocks = be.block_sparse_group_index(q, k, dg, head_offset=head_offset, rows=rows)
             if shadow is not None:
                 shadow.add_index(dg, blocks=blocks)
-            # Triton: an index the one-launch selection wrote is ascending already (no sort in the launcher)
-            sorted_ = {} if ops.ascending is None else dict(
-                ascending=ops.ascending(dg.group.key[2], dg.rules[0] if dg.rules else None))
-            ops.block_sparse(q, k, v, blocks, block=dg.group.key[0], heads=dg.heads, out=out, validate=False,
-                             **sorted_, **guard, **rows)
+            be.block_sparse(q, k, v, blocks, dg, out=out, guard=guard, rows=rows)
         else:
-            _dense_heads(ops, q, k, v, dg.heads, out=out, **guard, **rows)
-    if dense_tail:
-        dense_tail_attention(q, k, v, dense_tail, out=out, backend=name, **guard, **rows)
+            be.dense(q, k, v, dg.heads, out=out, guard=guard, rows=rows)
+    if dense_tail and B and Hq and N:  # dense_tail_attention without its checks: the call passed them above
+        _dense_tail(be, q, k, v, dense_tail, out=out, value_guard=guard, **rows)
     if shadow is not None:  # a checked call: compare sampled rows with dense; enforce: heads below the floor go dense
         fallback = shadow.finish(q, k, v, out, groups, head_offset=head_offset, dense_tail=dense_tail,
                                  fill_gaps=fill_gaps, **rows)
-        if fallback is not None:
-            _dense_heads(ops, q, k, v, fallback, out=out, **guard, **rows)
+        if fallback is not None:  # the check object's heads: their form is checked here, once
+            be.dense(q, k, v, heads_tensor(fallback, Hq, q.device), out=out, guard=guard, rows=rows)
     return out
 
 
@@ -345,25 +299,36 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
         check_value_guard(value_guard, k, v)
     if rows == 0 or B == 0 or Hq == 0 or N == 0:
         return out
+    be = get_backend(resolve_backend(backend, q.device))
+    be.check_launch(q)
+    return _dense_tail(be, q, k, v, rows, out=out, scale=scale, seqlens=seqlens, seqstarts=seqstarts,
+                       q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, key_split=key_split, value_guard=value_guard)
+
+
+def _dense_tail(be: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, *, out: torch.Tensor,
+                scale: float | None, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | None,
+                q_seqlens: int | torch.Tensor | None = None, q_seqstarts: torch.Tensor | None = None,
+                key_split: int | None = None, value_guard: ValueGuard | None = None) -> torch.Tensor:
+    """:func:`dense_tail_attention` on arguments its caller validated (:func:`sparse_prefill`, or
+    the public function itself): ``rows > 0`` and a non-empty ``q``, ``be.check_launch(q)`` done."""
+    B, Nq, N = q.shape[0], q.shape[2], k.shape[2]
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=False)
     chosen = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                               given_rows=seqlens is not None or seqstarts is not None, values=False)
+    tail = Rows(scale=scale, seqlens=seqlens, seqstarts=seqstarts)
     if chosen is None:  # the rows' own last tokens, in place: an int keeps the grid to `rows` rows
-        tail = dict(q_seqlens=rows)
+        tail["q_seqlens"] = rows
     elif isinstance(q_seqlens, int) or q_seqlens is None and q_seqstarts is None:
         # every row's count is min(c, its length) (an int c, or c = Nq for a chunk on full rows):
         # so is the tail's, with c = min(rows, c), an int again; placed at the end of the queries
         count = min(rows, Nq if q_seqlens is None else q_seqlens)
         q_lens, q_starts = chosen
-        tail = dict(q_seqlens=count, q_seqstarts=q_starts + q_lens - torch.clamp(q_lens, max=count))
+        tail["q_seqlens"], tail["q_seqstarts"] = count, q_starts + q_lens - torch.clamp(q_lens, max=count)
     else:
         q_lens, q_starts = chosen
         last = torch.clamp(q_lens, max=rows)
-        tail = dict(q_seqlens=last, q_seqstarts=q_starts + q_lens - last)
-    ops = _ops(resolve_backend(backend, q.device))
-    guard = {} if ops.value_guard is None else dict(value_guard=value_guard)
-    return _dense_heads(ops, q, k, v, None, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                        key_split=key_split, **guard, **tail)
+        tail["q_seqlens"], tail["q_seqstarts"] = last, q_starts + q_lens - last
+    return be.dense(q, k, v, None, out=out, guard=value_guard, key_split=key_split, rows=tail)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -403,16 +368,3 @@ def _check_values(q, k, v, seqlens, seqstarts, q_seqlens, q_seqstarts, validate:
     q_lens, q_starts = chosen if chosen is not None else (lens, starts)
     check_finite_rows({"q": q}, q_lens, q_starts)
     check_finite_kv({"k": k, "v": v}, lens, starts, group=q.shape[1] // k.shape[1])
-
-
-def _check_triton_plan(groups, q: torch.Tensor) -> None:
-    """Refuse, before any launch, what the Triton kernels cannot run."""
-    from minference.kernels import BLOCK_SIZES, SUPPORTED_HEAD_DIMS
-
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"the triton backend supports head dims {SUPPORTED_HEAD_DIMS}, got D={q.shape[-1]}; "
-                         f"use backend='torch'")
-    for dg in groups:
-        if dg.group.kind == "block_sparse" and dg.group.key[0] not in BLOCK_SIZES:
-            raise ValueError(f"BlockSparse.block={dg.group.key[0]} (heads {list(dg.group.heads)}) is not one of the "
-                             f"triton backend's block sizes {BLOCK_SIZES}; use backend='torch'")

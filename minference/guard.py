@@ -53,7 +53,7 @@ import torch
 from minference._checks import arange_constant, check_query_rows, check_ragged, query_rows_bound
 from minference.config import GuardSettings
 from minference.index import QueryRows, extra_row_positions
-from minference.reference.masks import slash_set
+from minference.index_sets import slash_set
 
 __all__ = [
     "QualityGuard",
@@ -143,7 +143,7 @@ def head_sets(groups: Sequence[_GroupSets], pos: torch.Tensor, Hq: int, N: int, 
     logical position ``pos[b, r]`` (causal: ``j <= pos``; nothing for ``pos = -1``). The sets are
     the patterns' definitions (:mod:`minference.reference.masks`) on the index the call built:
     A-shape ``j < sink or j > i - window``; vertical-slash ``j ∈ C or i - j ∈ D`` with ``D``
-    closed over gaps of ``fill_gaps`` (:func:`~minference.reference.masks.slash_set`), every key
+    closed over gaps of ``fill_gaps`` (:func:`~minference.index_sets.slash_set`), every key
     for a head the converter made dense; block-sparse the listed key blocks of ``i``'s query
     block; dense every key."""
     B, R = pos.shape

@@ -71,8 +71,8 @@ from minference._checks import token_mask
 from minference.config import GuardSettings, PatternConfig, load_config, model_signature
 from minference.dispatch import ATTENTION_RANGE, profile_range
 from minference.distributed import check_head_partition, row_shard
+from minference.index_sets import check_fill_gaps
 from minference.patterns import Dense, Pattern
-from minference.reference.masks import check_fill_gaps
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -23,10 +23,10 @@ from minference._checks import (
     check_qkv_rows,
     check_query_rows,
     check_ragged,
-    check_tensor,
     default_scale,
     same_device,
 )
+from minference.index_sets import head_ids, per_head_budget
 
 __all__ = [
     "masked_attention",
@@ -137,42 +137,6 @@ def _finish(out_lse, return_lse):
     return (out, lse) if return_lse else out
 
 
-def head_ids(heads: torch.Tensor | None, Hq: int) -> list[int]:
-    """Local query heads to compute: ``heads`` (1-D int tensor of distinct ids) or all ``Hq``."""
-    if heads is None:
-        return list(range(Hq))
-    check_tensor("heads", heads, rank=1, dtypes=(torch.int32, torch.int64))
-    ids = heads.tolist()
-    if len(set(ids)) != len(ids) or any(h < 0 or h >= Hq for h in ids):
-        raise ValueError(f"heads must be distinct ids in [0, {Hq}), got {ids}")
-    return ids
-
-
-def per_head_budget(name: str, value: int | torch.Tensor, ids: list[int], head_offset: int,
-                    minimum: int) -> list[int]:
-    """Budget per computed head from an int or a 1-D int tensor indexed by global head id."""
-    if isinstance(head_offset, bool) or not isinstance(head_offset, int) or head_offset < 0:
-        raise ValueError(f"head_offset must be a non-negative int, got {head_offset!r}")
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got bool")
-    if isinstance(value, int):
-        values = [value] * len(ids)
-    elif isinstance(value, torch.Tensor):
-        check_tensor(name, value, rank=1, dtypes=(torch.int32, torch.int64))
-        every = value.tolist()
-        if ids and head_offset + max(ids) >= len(every):
-            raise ValueError(
-                f"{name} has {len(every)} entries but global head {head_offset + max(ids)} is needed "
-                f"(head_offset {head_offset})"
-            )
-        values = [every[head_offset + h] for h in ids]
-    else:
-        raise TypeError(f"{name} must be an int or a 1-D int tensor, got {type(value).__name__}")
-    if any(x < minimum for x in values):
-        raise ValueError(f"{name} must be >= {minimum} for every head, got {values}")
-    return values
-
-
 def _run(q, k, v, head_masks, ids, scale, seqlens, seqstarts, compute_dtype, return_lse):
     """Attention with ``head_masks [B or 1, len(ids), N, N]`` on heads ``ids``, nothing elsewhere."""
     B, Hq, _, N, _ = check_qkv(q, k, v)
@@ -225,7 +189,7 @@ def vertical_slash_attention(
             computed head (``Hg = len(heads)`` or ``Hq``).
         slash: ``[B, Hg, NS]`` int diagonal offsets ``δ = i - j``, -1 padded.
         fill_gaps: the offsets are closed over gaps of at most this many offsets
-            (:func:`minference.reference.masks.slash_set`).
+            (:func:`minference.index_sets.slash_set`).
     """
     B, Hq, _, N, _ = check_qkv(q, k, v)
     ids = head_ids(heads, Hq)

@@ -1,5 +1,5 @@
 """Naive online index builders: the definitions the fast builders in
-:mod:`minference.kernels.estimate` are tested against (as exact sets on tie-free inputs).
+:mod:`minference.kernels` (``estimate_vs``, ``estimate_bs``) are tested against (as exact sets on tie-free inputs).
 
 Both work row by row and head by head in float64 on whatever device the inputs are on, with
 the full score matrices materialised. Index values are LOGICAL positions within a batch row
@@ -110,9 +110,9 @@ from __future__ import annotations
 import math
 
 import torch
-from minference.reference.attention import head_ids, per_head_budget
 
 from minference._checks import check_qkv_rows, check_query_rows, check_ragged, check_row_sampling, default_scale
+from minference.index_sets import head_ids, per_head_budget
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "query_block_scores", "select_row"]

@@ -7,13 +7,18 @@ once. Positions that fall before 0 are dropped, never wrapped. ``-1`` is index p
 
 These are slow and obviously right on purpose; they are the definition the kernels are tested
 against. ``length_mask`` turns per-row lengths into the valid region of each row.
+
+The set of a slash index (``slash_set``, with gap filling) and ``check_fill_gaps`` are defined in
+:mod:`minference.index_sets`, which the library uses too, and exported here with the masks built
+on them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minference._checks import check_int, check_tensor
+from minference._checks import check_tensor
+from minference.index_sets import check_fill_gaps, scatter_set, slash_set
 
 __all__ = [
     "causal_mask",
@@ -26,6 +31,9 @@ __all__ = [
 ]
 
 _INT = (torch.int32, torch.int64)
+#: the torch backend's import (minference/torch_backend.py, rewritten by its owner) until it reads
+#: minference.index_sets itself; nothing else uses this name
+_scatter_set = scatter_set
 
 
 def _check_n(n: int) -> None:
@@ -63,41 +71,6 @@ def ashape_mask(n: int, sink: int, window: int, device=None) -> torch.Tensor:
     return (j <= i) & ((j < sink) | (j > i - window))
 
 
-def _scatter_set(n: int, idx: torch.Tensor) -> torch.Tensor:
-    """``[..., n]`` bool set from ``idx [..., K]`` (entries outside ``[0, n)`` dropped)."""
-    idx = idx.long()
-    keep = (idx >= 0) & (idx < n)
-    target = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
-    target.scatter_(-1, torch.where(keep, idx, torch.full_like(idx, n)), True)
-    return target[..., :n]
-
-
-def check_fill_gaps(fill_gaps: object) -> int:
-    """``fill_gaps`` must be a non-negative int (``0``: no filling)."""
-    return check_int("fill_gaps", fill_gaps, 0)
-
-
-def slash_set(n: int, slash: torch.Tensor, fill_gaps: int = 0) -> torch.Tensor:
-    """``[..., n]`` bool: the chosen offsets ``D`` of ``slash [..., NS]`` (-1 padded, entries
-    outside ``[0, n)`` dropped), with every **gap** of at most ``fill_gaps`` missing offsets
-    between two chosen ones filled: offset ``x`` is added when the nearest chosen offsets below
-    and above it, ``a < x < b``, satisfy ``b - a - 1 <= fill_gaps``.
-
-    Filling never adds a tile the vertical-slash kernel would not visit anyway when
-    ``fill_gaps < block_m`` (such gaps lie inside one slash run, whose key range is read whole),
-    but it turns holey runs into solid ones that run without masks; it only adds candidates, so
-    captured attention mass can only grow.
-    """
-    fill_gaps = check_fill_gaps(fill_gaps)
-    chosen = _scatter_set(n, slash)
-    if fill_gaps == 0 or n == 0:
-        return chosen
-    pos = torch.arange(n, device=slash.device)
-    below = torch.where(chosen, pos, -1).cummax(-1).values  # nearest chosen <= x
-    above = torch.where(chosen, pos, n).flip(-1).cummin(-1).values.flip(-1)  # nearest chosen >= x
-    return chosen | ((below >= 0) & (above < n) & (above - below - 1 <= fill_gaps))
-
-
 def vertical_slash_mask(n: int, vertical: torch.Tensor, slash: torch.Tensor, fill_gaps: int = 0) -> torch.Tensor:
     """``[..., n, n]`` vertical-slash: ``{j ∈ C: j <= i} ∪ {i - δ: δ ∈ D, i - δ >= 0}``.
 
@@ -114,7 +87,7 @@ def vertical_slash_mask(n: int, vertical: torch.Tensor, slash: torch.Tensor, fil
         raise ValueError(
             f"vertical and slash must share leading dims, got {tuple(vertical.shape)} and {tuple(slash.shape)}"
         )
-    cols = _scatter_set(n, vertical)  # [..., n]
+    cols = scatter_set(n, vertical)  # [..., n]
     diags = slash_set(n, slash, fill_gaps)  # [..., n]
     i = torch.arange(n, device=vertical.device)[:, None]
     j = torch.arange(n, device=vertical.device)[None, :]
@@ -140,7 +113,7 @@ def block_sparse_mask(n: int, blocks: torch.Tensor, block: int) -> torch.Tensor:
     nb = -(-n // block)
     if blocks.dim() < 2 or blocks.shape[-2] != nb:
         raise ValueError(f"blocks must be [..., NQB={nb}, K] for n={n}, block={block}, got {tuple(blocks.shape)}")
-    chosen = _scatter_set(nb, blocks)  # [..., NQB, NKB]
+    chosen = scatter_set(nb, blocks)  # [..., NQB, NKB]
     pos = torch.arange(n, device=blocks.device)
     qb = (pos // block)[:, None]
     kb = (pos // block)[None, :]

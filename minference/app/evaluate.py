@@ -718,27 +718,29 @@ def _physical_density(plan, query: torch.Tensor, key: torch.Tensor, scale, fill_
     """Per local head: area of the tiles the Triton kernels run over the causal pairs, from the
     dispatcher's own index (vertical-slash: converted tiles; block-sparse: chosen blocks; dense:
     1); ``None`` for A-shape heads (no materialised index)."""
+    from minference.backend import get_backend
     from minference.index import build_group_index, prepare_plan
-    from minference.kernels import convert_vertical_slash, estimate, vs_physical_tiles
+    from minference.kernels import convert_vertical_slash, vs_physical_tiles
     from minference.kernels._common import default_tiles
 
     B, Hq, N, _ = query.shape
     pairs = N * (N + 1) / 2
     out: list[float | None] = [None] * Hq
     tiles = default_tiles(query)
+    triton = get_backend("triton")
     for dg in prepare_plan(plan, Hq, 0, query.device):
         heads = dg.heads.tolist()
         kind = dg.group.kind
         if kind == "dense":
             area = [pairs] * len(heads)
         elif kind == "vertical_slash":
-            vertical, slash = build_group_index(estimate, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
+            vertical, slash = build_group_index(triton, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
                                                 head_offset=0)
             index = convert_vertical_slash(vertical, slash, N, block_m=tiles.block_m, fill_gaps=fill_gaps,
                                            block_n=tiles.block_n)
             area = (vs_physical_tiles(index, tiles.block_n)[0].double() * tiles.block_m * tiles.block_n).tolist()
         elif kind == "block_sparse":
-            blocks = build_group_index(estimate, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
+            blocks = build_group_index(triton, dg, query, key, scale=scale, seqlens=None, seqstarts=None,
                                        head_offset=0)  # [B, Hg, NQB, K]
             qb = torch.arange(blocks.shape[2], device=blocks.device)[:, None]
             chosen = ((blocks >= 0) & (blocks <= qb)).sum(dim=(-1, -2))[0]  # [Hg]

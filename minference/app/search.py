@@ -43,8 +43,8 @@ from minference.config import (
     model_signature,
 )
 from minference.dispatch import FILL_GAPS
+from minference.index_sets import scatter_set, slash_set
 from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
-from minference.reference.masks import _scatter_set, slash_set
 from minference.torch_backend import block_sparse_index, vertical_slash_index
 
 __all__ = [
@@ -160,7 +160,7 @@ ADAPTIVE_MAX_SLASH = 8192
 #: Thresholds of the adaptive candidates: γ of the mass rule (FlexPrefill 0.9-0.95, XAttention
 #: 0.9) for vertical-slash and α of the relative rule (FlashPrefill 0.08-0.18 on its score) for
 #: query-routed blocks. Block-sparse candidates take the relative rule only: its selection runs in
-#: one launch (:func:`minference.kernels.estimate.select_query_blocks`); the mass rule's sort and
+#: one launch (:func:`minference.kernels.select_query_blocks`); the mass rule's sort and
 #: prefix sums made most of the index time of the first searched Qwen config at 120K. γ 0.8 is
 #: for searches below min_mass 0.9 (a head that needs 0.85 could only take γ 0.9 or a denser
 #: pattern otherwise). See docs/tuning.md#adaptive-rules.
@@ -248,7 +248,7 @@ def _vs_sets(q: torch.Tensor, k: torch.Tensor, p: VerticalSlash, scale: float) -
         q[None], k[None], p.vertical, p.slash, last_q=p.last_q, sink_columns=p.sink_columns,
         local_diagonals=p.local_diagonals, aggregation=p.aggregation, extra_rows=p.extra_rows, scale=scale,
         rule=p.rule, threshold=p.threshold, min_vertical=p.min_vertical, min_slash=p.min_slash, validate=False)
-    return _scatter_set(n, v_idx[0]), slash_set(n, s_idx[0], FILL_GAPS)
+    return scatter_set(n, v_idx[0]), slash_set(n, s_idx[0], FILL_GAPS)
 
 
 def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) -> torch.Tensor:
@@ -257,7 +257,7 @@ def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) 
     blocks = block_sparse_index(
         q[None], k[None], p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
         scale=scale, rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate, validate=False)
-    return _scatter_set(nb, blocks[0])
+    return scatter_set(nb, blocks[0])
 
 
 def pattern_sets(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, scale: float):

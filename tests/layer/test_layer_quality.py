@@ -4,7 +4,7 @@ For two captured layers (an early and a middle one) of a 2048-token passkey prom
 runs each pattern at a budget of about 15-20% of the causal pairs, and we measure per head the
 captured probability mass by query region (start / middle / end thirds), the output relative
 error and cosine against dense attention, and the gap between the geometry oracle (same
-pattern and budget, ranked on the full attention matrix) and the online estimate. The per-head
+pattern and budget, ranked on the full attention matrix) and the online kernels. The per-head
 table is printed (``pytest -s``). Thresholds come from the measured values with margins; the
 reasoning and the numbers are in docs/dispatch.md ("Tier 2").
 """
@@ -152,9 +152,9 @@ def test_triton_path_on_a_real_layer(captured) -> None:
     activations in fp16 (the 16-bit path; the interpreter computes bf16 wrongly) against the
     float64 reference of each pattern on the index the same builders pick for its heads, under
     the tolerance rule."""
-    from minference.kernels import estimate
     from minference.reference import attention as ref
 
+    from minference import kernels
     from minference.dispatch import FILL_GAPS, sparse_prefill
     from minference.testing import assert_close_to_reference
 
@@ -167,12 +167,12 @@ def test_triton_path_on_a_real_layer(captured) -> None:
     for i, p in enumerate(TRITON_PLAN):
         heads = torch.arange(i, Hq, len(TRITON_PLAN), dtype=torch.int32)
         if isinstance(p, VerticalSlash):
-            vi, si = estimate.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q, scale=scale,
+            vi, si = kernels.vertical_slash_index(q, k, p.vertical, p.slash, last_q=p.last_q, scale=scale,
                                                    sink_columns=p.sink_columns, local_diagonals=p.local_diagonals,
                                                    heads=heads)
             call, args, extra = ref.vertical_slash_attention, (vi, si), {"fill_gaps": FILL_GAPS}
         elif isinstance(p, BlockSparse):
-            bi = estimate.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, scale=scale,
+            bi = kernels.block_sparse_index(q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, scale=scale,
                                              heads=heads)
             call, args, extra = ref.block_sparse_attention, (bi,), {"block": p.block}
         else:

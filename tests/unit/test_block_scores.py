@@ -1,4 +1,4 @@
-"""Query-aware block scores (``query_block_scores``: Triton in ``minference.kernels.estimate``, plain
+"""Query-aware block scores (``query_block_scores``: Triton in ``minference.kernels.estimate_bs``, plain
 PyTorch in ``minference.torch_backend``) against the float64 definition in
 ``minference.reference.estimators``: the ``-inf`` pattern exactly, finite scores within a bound
 derived from float32 rounding (:func:`_bound`), ragged rows whose padding holds NaN, GQA, head
@@ -14,10 +14,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from minference.kernels import estimate as triton_builders
+from minference.kernels import estimate_bs
 from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
+from minference import kernels as triton_builders
 from minference._checks import check_ragged
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, layouts, qkv, ragged_rows
 
@@ -118,8 +119,8 @@ def test_matches_naive(fast, data) -> None:
     dtype = data.draw(st.sampled_from((torch.float16, torch.float32)), label="dtype")
     shape, q, k, kw = _case(data, dtype)
     # Triton: a 16-mean key tile puts up to 17 tiles in a row, the default 1 to 5
-    tile = data.draw(st.sampled_from((16, triton_builders.QBS_KEY_TILE)), label="key tile")
-    with mock.patch.object(triton_builders, "QBS_KEY_TILE", tile), _nan_outputs():
+    tile = data.draw(st.sampled_from((16, estimate_bs.QBS_KEY_TILE)), label="key tile")
+    with mock.patch.object(estimate_bs, "QBS_KEY_TILE", tile), _nan_outputs():
         got = fast.query_block_scores(q, k, **kw)
     want = naive.query_block_scores(q, k, **kw)
     assert_scores_match(got, want, _bound(q, k, kw["block"], _scale(kw, shape.D), dtype, kw["seqlens"],
@@ -191,7 +192,7 @@ def test_unsplit_keys_stay_within_fp16_rounding() -> None:
     of the means alone."""
     shape = AttnShape(B=1, Hq=2, Hkv=1, N=200, D=64)
     q, k, _ = qkv(shape, torch.float16, "cpu", 3)
-    with mock.patch.object(triton_builders, "QBS_SPLIT_KEYS", False):
+    with mock.patch.object(estimate_bs, "QBS_SPLIT_KEYS", False):
         got = triton_builders.query_block_scores(q, k, block=32)
     want = naive.query_block_scores(q, k, block=32)
     assert_scores_match(got, want, _bound(q, k, 32, 64 ** -0.5, torch.float16, key_unit=2.0 ** -11))
@@ -210,7 +211,7 @@ def test_argument_errors() -> None:
         with pytest.raises(ValueError, match="seqlens"):
             impl.query_block_scores(q, k, block=16, seqlens=torch.tensor([41], dtype=torch.int32))
     with pytest.raises(ValueError, match="block must be an int in"):
-        triton_builders.query_block_scores(q, k, block=triton_builders.QBS_MAX_BLOCK * 2)
+        triton_builders.query_block_scores(q, k, block=estimate_bs.QBS_MAX_BLOCK * 2)
     empty = triton_builders.query_block_scores(q, k, block=16, heads=torch.zeros(0, dtype=torch.int32))
     assert empty.shape == (1, 0, 3, 3)
 

@@ -18,11 +18,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from minference.kernels import estimate as triton_builders
 from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
 from minference import config as C
+from minference import kernels as triton_builders
+from minference.backend import get_backend
 from minference.index import (
     RULE_CODES,
     block_sparse_rules,
@@ -479,7 +480,8 @@ def test_mixed_rules_share_a_group() -> None:
     assert prepare_plan([vs[0]] * 2, 2, 0, "cpu")[0].rules is None
     for builders in (portable, triton_builders):
         for g in groups:
-            got = build_group_index(builders, g, q, k, scale=None, seqlens=seqlens, seqstarts=None, head_offset=0)
+            backend = get_backend("torch" if builders is portable else "triton")
+            got = build_group_index(backend, g, q, k, scale=None, seqlens=seqlens, seqstarts=None, head_offset=0)
             for r, h in enumerate(g.group.heads):
                 p, one = (vs + bs)[h], torch.tensor([h], dtype=torch.int32)
                 if isinstance(p, VerticalSlash):
@@ -506,7 +508,7 @@ def test_adaptive_selection_never_syncs() -> None:
             BlockSparse(top_k=3, block=16, rule="relative", threshold=0.1)]
     for g in prepare_plan(plan, 2, 0, "cpu"):
         with RecordOps() as ops:
-            build_group_index(portable, g, q, k, scale=None, seqlens=None, seqstarts=None, head_offset=0)
+            build_group_index(get_backend("torch"), g, q, k, scale=None, seqlens=None, seqstarts=None, head_offset=0)
         assert not set(ops.names) & {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "tolist"}
         assert "sort" in ops.names  # the adaptive path ran
 

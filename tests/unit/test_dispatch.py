@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from minference.kernels import estimate
 from minference.reference import attention as ref
 
 import minference.torch_backend as tb
-from minference import dispatch
+from minference import dispatch, kernels
 from minference._checks import token_mask
 from minference.dispatch import sparse_prefill
 from minference.index import group_heads
@@ -46,7 +45,7 @@ BACKENDS = [pytest.param("triton", marks=pytest.mark.interpret), "torch"]
 
 
 def _builders(backend: str):
-    return estimate if backend == "triton" else tb
+    return kernels if backend == "triton" else tb
 
 
 def _head_indices(q, k, plan, *, head_offset=0, seqlens=None, seqstarts=None, builders) -> list:
@@ -325,6 +324,6 @@ def test_cuda_graph_capture_matches_eager(adaptive: bool) -> None:
 def test_gpu_mixed_plan_bf16_matches_per_head_reference() -> None:
     q, k, v, plan, seqlens, seqstarts = _gpu_case(1000)
     out = sparse_prefill(q, k, v, plan, seqlens=seqlens, seqstarts=seqstarts, dense_threshold=0, backend="triton")
-    kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=estimate)
+    kw = dict(seqlens=seqlens, seqstarts=seqstarts, builders=kernels)
     r64, rsame = _expected(q, k, v, plan, compute_dtype=torch.bfloat16, **kw)
     assert_close_to_reference(out.cpu(), r64.cpu(), rsame.cpu(), where=_valid(2, 1000, seqlens.cpu(), seqstarts.cpu()))

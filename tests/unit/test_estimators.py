@@ -1,5 +1,5 @@
-"""Online index builders (Triton, ``minference.kernels.estimate``, and the plain PyTorch ones in
-``minference.torch_backend``) against their naive float64 twins
+"""Online index builders (Triton, ``minference.kernels``: ``estimate_vs``, ``estimate_bs``,
+``select``, and the plain PyTorch ones in ``minference.torch_backend``) against their naive float64 twins
 (``minference.reference.estimators``): scores within float32 rounding, selections as exact sets
 wherever the naive scores are not tied at the selection boundary."""
 
@@ -11,10 +11,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from minference.kernels import estimate as triton_builders
+from minference.kernels import estimate_vs
+from minference.kernels import select as kernel_select
 from minference.reference import estimators as naive
 
 import minference.torch_backend as portable
+from minference import kernels as triton_builders
+from minference.backend import get_backend
 from minference.index import build_group_index, extra_row_positions, prepare_plan, select_vertical_slash
 from minference.patterns import VerticalSlash
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
@@ -96,14 +99,14 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
     shape, q, k, vertical, slash, kw = _vs_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
     # Triton: the smallest key tile (the row chunk's width) puts up to 9 tiles in a row, the
     # default at most 2
-    key_tile = data.draw(st.sampled_from((16, triton_builders.VS_KEY_TILE)))
+    key_tile = data.draw(st.sampled_from((16, estimate_vs.VS_KEY_TILE)))
     # and a 16-score selection chunk puts rows through several histogram / output steps; rows
     # longer than SELECT_MAX_N keep topk
-    chunk = data.draw(st.sampled_from((16, triton_builders.SELECT_CHUNK)))
-    max_n = data.draw(st.sampled_from((0, triton_builders.SELECT_MAX_N)))
-    with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile), \
-            mock.patch.object(triton_builders, "SELECT_CHUNK", chunk), \
-            mock.patch.object(triton_builders, "SELECT_MAX_N", max_n):
+    chunk = data.draw(st.sampled_from((16, kernel_select.SELECT_CHUNK)))
+    max_n = data.draw(st.sampled_from((0, kernel_select.SELECT_MAX_N)))
+    with mock.patch.object(estimate_vs, "VS_KEY_TILE", key_tile), \
+            mock.patch.object(kernel_select, "SELECT_CHUNK", chunk), \
+            mock.patch.object(kernel_select, "SELECT_MAX_N", max_n):
         fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     assert_same_vs_index(fast_out, naive.vertical_slash_index(q, k, vertical, slash, **kw))
     check_vs_invariants(shape, fast_out[0], fast_out[1], vertical, slash, kw)
@@ -185,9 +188,9 @@ def test_selection_kernel_is_the_definition(data) -> None:
     locs = torch.minimum(torch.randint(1, 8, (Hg,), generator=g), ns)
     width_v = min(int(nv.max()) + data.draw(st.integers(0, 3)), N)
     width_s = min(int(ns.max()), N)
-    chunk = data.draw(st.sampled_from((16, 64, triton_builders.SELECT_CHUNK)), label="chunk")
-    with mock.patch.object(triton_builders, "SELECT_CHUNK", chunk):
-        got = triton_builders._select_triton(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
+    chunk = data.draw(st.sampled_from((16, 64, kernel_select.SELECT_CHUNK)), label="chunk")
+    with mock.patch.object(kernel_select, "SELECT_CHUNK", chunk):
+        got = kernel_select._select_triton(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
     want = select_vertical_slash(col, diag, lens, sinks, locs, nv, ns, width_v, width_s)
     for idx, ref_idx, sc, forced, budget in zip(got, want, (col, diag), (sinks, locs), (nv, ns)):
         for b in range(B):
@@ -338,7 +341,8 @@ def test_extra_rows_find_a_middle_querys_key(impl) -> None:
     if impl is not naive:
         plan = [VerticalSlash(vertical=2, slash=1, last_q=8, sink_columns=0, local_diagonals=1, extra_rows=1)]
         (group,) = prepare_plan(plan, 1, 0, "cpu")
-        v, _ = build_group_index(impl, group, q, k, scale=1.0, seqlens=None, seqstarts=None, head_offset=0)
+        backend = get_backend("triton" if impl is triton_builders else "torch")
+        v, _ = build_group_index(backend, group, q, k, scale=1.0, seqlens=None, seqstarts=None, head_offset=0)
         assert set(v[0, 0].tolist()) == {1, 5}
 
 

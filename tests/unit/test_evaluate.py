@@ -345,9 +345,8 @@ def test_profiler_ranges_in_a_patched_model_and_the_split(small):
 def test_physical_density_from_the_triton_index():
     """Tiles cover every logical pair, so physical density is at least the logical one; dense heads
     count 1, A-shape heads have no index (None), block-sparse is the chosen blocks' area."""
-    from minference.kernels import estimate
-
     from minference.app.search import plan_coverage
+    from minference.backend import get_backend
     from minference.index import build_group_index, prepare_plan
 
     q, k, _ = _qkv(n=256, d=32, seed=3)
@@ -358,7 +357,7 @@ def test_physical_density_from_the_triton_index():
     assert phys[2] is None and phys[3] == 1.0
     assert logical[0] <= phys[0] <= 1.0
     (bs,) = [dg for dg in prepare_plan(plan, 4, 0, q.device) if dg.group.kind == "block_sparse"]
-    blocks = build_group_index(estimate, bs, q, k, scale=None, seqlens=None, seqstarts=None, head_offset=0)
+    blocks = build_group_index(get_backend("triton"), bs, q, k, scale=None, seqlens=None, seqstarts=None, head_offset=0)
     chosen = {(qb, int(b)) for qb in range(blocks.shape[2]) for b in blocks[0, 0, qb] if 0 <= b <= qb}
     assert phys[1] == pytest.approx(len(chosen) * 32 * 32 / (256 * 257 / 2))
     assert logical[1] <= phys[1]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from minference.kernels import estimate as triton_builders
+from minference.kernels import estimate_vs
 from minference.reference import estimators as naive
 from test_budget_rules import (
     _rule_kw,
@@ -29,7 +29,9 @@ from test_budget_rules import (
 from test_estimators import SCORE_ATOL, SCORE_RTOL, _budget, assert_same_selection, assert_same_vs_index
 
 import minference.torch_backend as portable
+from minference import kernels as triton_builders
 from minference._checks import check_query_rows, check_ragged
+from minference.backend import get_backend
 from minference.index import QueryRows, build_group_index, extra_row_positions, prepare_plan
 from minference.patterns import BlockSparse, VerticalSlash
 from minference.testing.strategies import (
@@ -113,8 +115,8 @@ def test_vertical_slash_query_rows_match_naive(fast, data) -> None:
     kw = dict(_vs_kw(data, shape, H_global), heads=data.draw(head_subsets(shape.Hq), label="heads"),
               head_offset=head_offset, **rows_kw)
     vertical, slash = _budget(data, H_global, 0, 24), _budget(data, H_global, 1, 24)
-    key_tile = data.draw(st.sampled_from((16, triton_builders.VS_KEY_TILE)), label="key tile")
-    with mock.patch.object(triton_builders, "VS_KEY_TILE", key_tile):
+    key_tile = data.draw(st.sampled_from((16, estimate_vs.VS_KEY_TILE)), label="key tile")
+    with mock.patch.object(estimate_vs, "VS_KEY_TILE", key_tile):
         fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     naive_out = naive.vertical_slash_index(q, k, vertical, slash, **kw)
     assert fast_out[2].shape == (shape.B, naive_out[2].shape[1], shape.N)  # scores over the key rows
@@ -344,12 +346,13 @@ def test_group_index_forwards_query_rows(impl) -> None:
     plan = [VerticalSlash(vertical=6, slash=8, last_q=8, sink_columns=1, local_diagonals=2, extra_rows=2),
             BlockSparse(top_k=3, block=8, sink_blocks=1)]
     vs_group, bs_group = sorted(prepare_plan(plan, 2, 0, "cpu"), key=lambda g: g.group.kind != "vertical_slash")
-    got_v, got_s = build_group_index(impl, vs_group, chunk, k, scale=None, seqlens=None, seqstarts=None, head_offset=0,
-                                     **rows)
+    backend = get_backend("triton" if impl is triton_builders else "torch")
+    got_v, got_s = build_group_index(backend, vs_group, chunk, k, scale=None, seqlens=None, seqstarts=None,
+                                     head_offset=0, **rows)
     want_v, want_s = impl.vertical_slash_index(chunk, k, 6, 8, last_q=8, sink_columns=1, local_diagonals=2,
                                                extra_rows=2, heads=torch.tensor([0]), **rows)
     assert torch.equal(got_v, want_v) and torch.equal(got_s, want_s)
-    got_b = build_group_index(impl, bs_group, chunk, k, scale=None, seqlens=None, seqstarts=None, head_offset=0,
+    got_b = build_group_index(backend, bs_group, chunk, k, scale=None, seqlens=None, seqstarts=None, head_offset=0,
                               **rows)
     assert torch.equal(got_b, impl.block_sparse_index(chunk, k, 3, block=8, sink_blocks=1, heads=torch.tensor([1]),
                                                       **rows))

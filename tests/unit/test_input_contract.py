@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from minference.kernels import estimate
 from minference.reference import attention as ref
 from minference.reference import estimators as naive
 
@@ -35,8 +34,8 @@ def _qkv(seed: int = 0):
     return tuple(torch.randn(B, H, N, D, generator=g) for _ in range(3))
 
 
-VS_BUILDERS = {"triton": estimate.vertical_slash_index, "torch": tb.vertical_slash_index}
-BS_BUILDERS = {"triton": estimate.block_sparse_index, "torch": tb.block_sparse_index}
+VS_BUILDERS = {"triton": kernels.vertical_slash_index, "torch": tb.vertical_slash_index}
+BS_BUILDERS = {"triton": kernels.block_sparse_index, "torch": tb.block_sparse_index}
 VS_ARGS = dict(vertical=6, slash=6, last_q=16, sink_columns=2, local_diagonals=2)
 
 
@@ -122,7 +121,7 @@ def test_vs_builder_keeps_forced_entries_with_validation_off(name, rule):
 def test_vs_builder_adaptive_triton_keeps_forced_entries():
     q, k, _ = _qkv()
     q[0, 0, N - 1, 3] = NAN
-    v_idx, s_idx = estimate.vertical_slash_index(q, k, **VS_ARGS, rule="relative", threshold=0.5, validate=False)
+    v_idx, s_idx = kernels.vertical_slash_index(q, k, **VS_ARGS, rule="relative", threshold=0.5, validate=False)
     _vs_forced_ok(v_idx, s_idx, 2, 2, head=0)
 
 
@@ -254,7 +253,7 @@ def test_grouped_heads_kernels_and_triton_builders_name_the_query_heads_that_rea
         with pytest.raises(ValueError, match=_readers(j, group, computed={j * group + 1})):
             kernels.dense_attention(q, k, bad_v, heads=mine)
         with pytest.raises(ValueError, match=_readers(j, group, computed={j * group + 1})):
-            estimate.vertical_slash_index(q, bad_k, **VS_ARGS, heads=mine)
+            kernels.vertical_slash_index(q, bad_k, **VS_ARGS, heads=mine)
         out = kernels.dense_attention(q, k, bad_v, heads=other)  # reads the other kv head only
         assert torch.isfinite(out).all()
 
@@ -544,11 +543,11 @@ def _calls(q, k, v, budget):
     """Every builder and kernel entry that takes a per-global-head budget, with ``budget`` in one
     slot."""
     return {
-        "vs triton": lambda: estimate.vertical_slash_index(q, k, budget, 6),
+        "vs triton": lambda: kernels.vertical_slash_index(q, k, budget, 6),
         "vs torch": lambda: tb.vertical_slash_index(q, k, 6, budget),
-        "vs sinks": lambda: estimate.vertical_slash_index(q, k, 6, 6, sink_columns=budget),
+        "vs sinks": lambda: kernels.vertical_slash_index(q, k, 6, 6, sink_columns=budget),
         "vs min": lambda: tb.vertical_slash_index(q, k, 6, 6, rule="mass", threshold=0.5, min_vertical=budget),
-        "bs triton": lambda: estimate.block_sparse_index(q, k, budget, block=16),
+        "bs triton": lambda: kernels.block_sparse_index(q, k, budget, block=16),
         "bs torch": lambda: tb.block_sparse_index(q, k, 2, block=16, sink_blocks=budget),
         "ashape sink": lambda: kernels.ashape_attention(q, k, v, budget, 8),
         "ashape window": lambda: kernels.ashape_attention(q, k, v, 2, budget),
@@ -563,7 +562,7 @@ def test_per_head_budget_tensor_too_short_is_a_clear_error():
             call()
     # with head_offset the tensor must reach head_offset + Hq
     with pytest.raises(ValueError, match="fewer than the 3 global heads"):
-        estimate.block_sparse_index(q, k, torch.tensor([2, 2]), block=16, head_offset=1)
+        kernels.block_sparse_index(q, k, torch.tensor([2, 2]), block=16, head_offset=1)
 
 
 def test_negative_and_zero_budgets_are_clear_errors():
@@ -574,13 +573,13 @@ def test_negative_and_zero_budgets_are_clear_errors():
     for call in _calls(q, k, v, -1).values():
         with pytest.raises(ValueError, match=">= 0|>= 1"):
             call()
-    for call in (lambda: estimate.vertical_slash_index(q, k, 6, torch.tensor([1, 0])),  # slash >= 1
+    for call in (lambda: kernels.vertical_slash_index(q, k, 6, torch.tensor([1, 0])),  # slash >= 1
                  lambda: tb.block_sparse_index(q, k, torch.tensor([0, 1]), block=16),  # top_k >= 1
                  lambda: kernels.ashape_attention(q, k, v, 2, torch.tensor([0, 4]))):  # window >= 1
         with pytest.raises(ValueError, match=">= 1"):
             call()
     # validation off: tensor entries under the minimum act as the minimum (no sync, no crash)
-    got = estimate.vertical_slash_index(q, k, torch.tensor([-5, -5]), 6, validate=False)[0]
+    got = kernels.vertical_slash_index(q, k, torch.tensor([-5, -5]), 6, validate=False)[0]
     assert (got == -1).all()
 
 
@@ -589,11 +588,11 @@ def test_budgets_beyond_int32_mean_all():
     (before: OverflowError / RuntimeError from torch, or an int64 -> int32 wrap)."""
     q, k, v = (x[:, :, :16] for x in _qkv())
     n = q.shape[2]
-    want_vs = estimate.vertical_slash_index(q, k, n, n, sink_columns=n, local_diagonals=n)
-    want_bs = estimate.block_sparse_index(q, k, 2, block=8, sink_blocks=2)
+    want_vs = kernels.vertical_slash_index(q, k, n, n, sink_columns=n, local_diagonals=n)
+    want_bs = kernels.block_sparse_index(q, k, 2, block=8, sink_blocks=2)
     want_a = kernels.ashape_attention(q, k, v, n, n)
     for budget in (2**70, torch.tensor([2**32 + 1] * H)):  # an int past int64, int64 entries past int32
-        got = estimate.vertical_slash_index(q, k, budget, budget, sink_columns=budget, local_diagonals=budget)
+        got = kernels.vertical_slash_index(q, k, budget, budget, sink_columns=budget, local_diagonals=budget)
         assert all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in zip(got, want_vs))
         got = tb.block_sparse_index(q, k, budget, block=8, sink_blocks=budget)
         assert torch.equal(got.sort(-1).values, want_bs.sort(-1).values)
@@ -666,9 +665,9 @@ def test_scale_must_be_finite_and_positive(scale):
     idx = torch.zeros(B, H, 1, dtype=torch.int32)
     for call in (lambda: sparse_prefill(q, k, v, [VerticalSlash()] * H, scale=scale),
                  lambda: dense_prefill(q, k, v, scale=scale),
-                 lambda: estimate.vertical_slash_index(q, k, 4, 4, scale=scale),
+                 lambda: kernels.vertical_slash_index(q, k, 4, 4, scale=scale),
                  lambda: tb.block_sparse_index(q, k, 2, block=16, scale=scale),
-                 lambda: estimate.query_block_scores(q, k, block=16, scale=scale),
+                 lambda: kernels.query_block_scores(q, k, block=16, scale=scale),
                  lambda: kernels.ashape_attention(q, k, v, 1, 4, scale=scale),
                  lambda: kernels.vertical_slash_attention(q, k, v, idx, idx, scale=scale),
                  lambda: kernels.block_sparse_attention(q, k, v, blocks, block=16, scale=scale),
@@ -682,7 +681,7 @@ def test_head_dim_zero_is_a_clear_error():
     z = torch.zeros(B, H, 8, 0)
     for call in (lambda: sparse_prefill(z, z, z, [VerticalSlash()] * H),
                  lambda: dense_prefill(z, z, z),
-                 lambda: estimate.vertical_slash_index(z, z, 2, 2),
+                 lambda: kernels.vertical_slash_index(z, z, 2, 2),
                  lambda: tb.block_sparse_index(z, z, 1, block=4),
                  lambda: kernels.ashape_attention(z, z, z, 1, 4),
                  lambda: naive.vertical_slash_index(z, z, 2, 2),
@@ -703,9 +702,9 @@ def _entry_points(q, k, v, *, budget=2, seqlens=None, idx=None, blocks=None):
     blocks = torch.zeros(B, H, N // 16, 1, dtype=torch.int32) if blocks is None else blocks
     plan = [VerticalSlash(vertical=4, slash=4, last_q=16)] * H
     calls = {f"{name} vertical_slash_index": (lambda m=mod: m.vertical_slash_index(q, k, budget, 4, **rows))
-             for name, mod in (("torch", tb), ("triton", estimate))}
+             for name, mod in (("torch", tb), ("triton", kernels))}
     calls.update({f"{name} block_sparse_index": (lambda m=mod: m.block_sparse_index(q, k, budget, block=16, **rows))
-                  for name, mod in (("torch", tb), ("triton", estimate))})
+                  for name, mod in (("torch", tb), ("triton", kernels))})
     calls.update({
         "torch ashape_attention": lambda: tb.ashape_attention(q, k, v, 1, budget, **rows),
         "torch vertical_slash_attention": lambda: tb.vertical_slash_attention(q, k, v, idx, idx, **rows),

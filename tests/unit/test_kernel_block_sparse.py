@@ -66,7 +66,7 @@ def test_ascending_builder_index(rule, threshold):
     """The query-aware builder's index is ascending where ``block_index_ascending`` says so: the
     launcher's check (``validate``) passes and the output equals the sorting path's; a row that
     breaks the promise is refused."""
-    from minference.kernels.estimate import block_index_ascending, block_sparse_index
+    from minference.kernels import block_index_ascending, block_sparse_index
 
     from minference.index import block_sparse_rules, heads_tensor
 
