@@ -17,7 +17,7 @@ a selection computes is decided on the host from the rules the plan holds
 (:attr:`SelectionRule.rules`), never from tensor values, so the adaptive rules keep the
 dispatcher capturable in a CUDA graph.
 
-Layer: below the kernels (``tests/unit/test_layering.py``): this module imports only
+Layer: below the kernels (``tests/unit/project/test_layering.py``): this module imports only
 :mod:`minference._checks` and :mod:`minference.patterns`, so the Triton builders in
 :mod:`minference.kernels` can use it without importing the plan side (:mod:`minference.index`).
 """

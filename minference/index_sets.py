@@ -7,7 +7,7 @@ These are definitions, not fast paths: :func:`slash_set` closes vertical-slash o
 bottom of the library's layers with :mod:`minference._checks` and :mod:`minference.patterns`:
 it imports nothing else of ``minference``, so both :mod:`minference.kernels` and
 :mod:`minference.reference` may use it (``docs/architecture.md``, "Layers";
-``tests/unit/test_layering.py``).
+``tests/unit/project/test_layering.py``).
 """
 
 from __future__ import annotations

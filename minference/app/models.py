@@ -124,7 +124,7 @@ def _offline_folder() -> Path:
 
 
 #: SmolLM2's context (``max_position_embeddings``): what an eval checks its lengths against before
-#: the model loads (checked against the loaded config in tests/unit/test_models.py).
+#: the model loads (checked against the loaded config in tests/unit/app/test_models.py).
 SMOLLM2_NATIVE_CONTEXT = 8192
 
 

@@ -12,7 +12,7 @@ Two halves that run on different machines:
   raises :class:`RulerError` naming the task, the length and the script's last error line.
 * **Evaluation** (the GPU machine, no index, no RULER): :func:`load_prompt_set` reads the ids,
   answers and per-task metadata back; :func:`score` is RULER's metric per task, reimplemented
-  (``tests/unit/test_ruler.py`` pins it to the package's functions).
+  (``tests/unit/app/test_ruler.py`` pins it to the package's functions).
 
 Install (generation side only)::
 

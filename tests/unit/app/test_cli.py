@@ -12,7 +12,7 @@ from minference.reference.attention import dense_attention_probs
 
 from minference.app import cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _subcommands() -> list[str]:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_kernel_common import COMBOS, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import ashape_budgets, tp_offsets
+from tests.unit.kernels.cases import COMBOS, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 pytestmark = pytest.mark.triton
 

@@ -21,12 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from minference.kernels import estimate_vs
 from minference.reference import estimators as naive
-from test_budget_rules import (
-    _rule_kw,
-    check_block_rule,
-    check_vertical_slash_rule,
-)
-from test_estimators import SCORE_ATOL, SCORE_RTOL, _budget, assert_same_selection, assert_same_vs_index
 
 import minference.torch_backend as portable
 from minference import kernels as triton_builders
@@ -42,6 +36,16 @@ from minference.testing.strategies import (
     query_rows,
     ragged_rows,
     tp_offsets,
+)
+from tests.unit.index.cases import (
+    SCORE_ATOL,
+    SCORE_RTOL,
+    assert_same_selection,
+    assert_same_vs_index,
+    check_block_rule,
+    check_vertical_slash_rule,
+    draw_budget,
+    rule_kwargs,
 )
 
 #: Fast implementations under test; the Triton ones run in the interpreter on the CPU.
@@ -81,8 +85,8 @@ def _vs_kw(data, shape, H_global: int) -> dict:
         last_q=data.draw(st.one_of(st.integers(1, 20), st.integers(shape.N, shape.N + 40)), label="last_q"),
         extra_rows=data.draw(st.one_of(st.just(0), st.integers(1, 12), st.integers(shape.N, 2 * shape.N + 8)),
                              label="extra_rows"),
-        sink_columns=_budget(data, H_global, 0, 6),
-        local_diagonals=_budget(data, H_global, 0, 6),
+        sink_columns=draw_budget(data, H_global, 0, 6),
+        local_diagonals=draw_budget(data, H_global, 0, 6),
         aggregation=data.draw(st.sampled_from(("sum", "max")), label="aggregation"),
         return_scores=True,
     )
@@ -114,7 +118,7 @@ def test_vertical_slash_query_rows_match_naive(fast, data) -> None:
     head_offset, H_global = data.draw(tp_offsets(shape.Hq), label="tp")
     kw = dict(_vs_kw(data, shape, H_global), heads=data.draw(head_subsets(shape.Hq), label="heads"),
               head_offset=head_offset, **rows_kw)
-    vertical, slash = _budget(data, H_global, 0, 24), _budget(data, H_global, 1, 24)
+    vertical, slash = draw_budget(data, H_global, 0, 24), draw_budget(data, H_global, 1, 24)
     key_tile = data.draw(st.sampled_from((16, estimate_vs.VS_KEY_TILE)), label="key tile")
     with mock.patch.object(estimate_vs, "VS_KEY_TILE", key_tile):
         fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
@@ -137,7 +141,7 @@ def test_vertical_slash_query_rows_keep_the_rule(fast, data) -> None:
     kw = dict(last_q=data.draw(st.integers(1, 24)), extra_rows=data.draw(st.sampled_from((0, 3))),
               sink_columns=data.draw(st.integers(0, 4)), local_diagonals=data.draw(st.integers(0, 4)),
               aggregation=data.draw(st.sampled_from(("sum", "max"))), heads=heads, head_offset=offset,
-              return_scores=True, **rows_kw, **_rule_kw(data, offset + shape.Hq, ("min_vertical", "min_slash"),
+              return_scores=True, **rows_kw, **rule_kwargs(data, offset + shape.Hq, ("min_vertical", "min_slash"),
                                                         {"min_vertical": vertical, "min_slash": slash}))
     check_vertical_slash_rule(fast, q, k, vertical, slash, kw, heads, offset, shape.Hq, list(rows[0]), bounds=False)
 
@@ -152,10 +156,10 @@ def test_block_sparse_query_rows_match_naive(fast, estimate, data) -> None:
     shape, q, k, rows_kw, rows = _query_case(data, data.draw(st.sampled_from((torch.float16, torch.float32))))
     head_offset, H_global = data.draw(tp_offsets(shape.Hq), label="tp")
     block = data.draw(st.sampled_from(BLOCKS), label="block")
-    kw = dict(block=block, sink_blocks=_budget(data, H_global, 0, 3), force_diagonal=data.draw(st.booleans()),
+    kw = dict(block=block, sink_blocks=draw_budget(data, H_global, 0, 3), force_diagonal=data.draw(st.booleans()),
               heads=data.draw(head_subsets(shape.Hq), label="heads"), head_offset=head_offset, return_scores=True,
               estimate=estimate, **rows_kw)
-    top_k = _budget(data, H_global, 1, 8)
+    top_k = draw_budget(data, H_global, 1, 8)
     fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
     nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
     assert fscores.shape == nscores.shape and fb.shape == nb.shape and fb.dtype == torch.int32
@@ -180,7 +184,7 @@ def test_block_sparse_query_rows_keep_the_rule(fast, estimate, data) -> None:
     block, top_k = data.draw(st.sampled_from((5, 8, 16))), data.draw(st.integers(1, 12))
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
               heads=heads, head_offset=offset, return_scores=True, estimate=estimate, **rows_kw,
-              **_rule_kw(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
+              **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
     fb, fscores = check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate, rows=rows)
     _check_block_rows(fb, fscores, rows, block)
 

@@ -12,7 +12,7 @@ import torch
 from minference import config as C
 from minference.patterns import PATTERN_TYPES, AShape, BlockSparse, Dense, VerticalSlash, pattern_to_dict
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_FILE = ROOT / "fixtures" / "configs" / "pattern_config.schema.json"
 MINF_EXAMPLE = ROOT / "fixtures" / "configs" / "minference_example.json"
 

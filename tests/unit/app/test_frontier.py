@@ -20,7 +20,7 @@ from minference.app.evaluate import EvalConfig, EvalReport, RunStats, SampleReco
 from minference.config import ModelSignature, PatternConfig, Provenance, load_config
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------------------------------------

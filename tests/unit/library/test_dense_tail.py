@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from minference.reference import attention as ref
-from test_kernel_common import backend_device
 
 from minference._checks import token_mask
 from minference.dispatch import dense_tail_attention, sparse_prefill
 from minference.patterns import AShape, BlockSparse, VerticalSlash
 from minference.testing import assert_close_to_reference
 from minference.testing.strategies import AttnShape, qkv
+from tests.unit.kernels.cases import backend_device
 
 #: The tail is one dense call on query rows: the torch backend's dense path, or the Triton A-shape
 #: kernel (here in the interpreter; the GPU test runs it on CUDA).

@@ -21,55 +21,23 @@ from minference.backend import get_backend
 from minference.index import build_group_index, extra_row_positions, prepare_plan, select_vertical_slash
 from minference.patterns import VerticalSlash
 from minference.testing.strategies import attention_shapes, head_subsets, qkv, ragged_rows, tp_offsets
+from tests.unit.index.cases import SCORE_ATOL, SCORE_RTOL, assert_same_selection, assert_same_vs_index, draw_budget
 
 #: Fast implementations under test; the Triton ones run in the interpreter on the CPU.
 IMPLS = [pytest.param(triton_builders, id="triton", marks=pytest.mark.interpret), pytest.param(portable, id="torch")]
 
-#: Float32 score error allowed against the float64 twin (products of fp16/fp32 inputs summed
-#: over at most a few hundred terms: a few ulps of the largest score).
-SCORE_RTOL = 1e-4
-SCORE_ATOL = 1e-5
-#: Two naive scores closer than this count as a tie: either side of the boundary may be chosen.
-TIE_TOL = 1e-4
 
 CPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=130, head_dims=(16, 32))
 #: On the GPU: longer rows, one head dim and bf16 only (each new shape class compiles kernels).
 GPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=4, max_n=400, head_dims=(64,))
 
 
-def _budget(data, H_global: int, lo: int, hi: int):
-    """An int, or a per-global-head int32 tensor of budgets in ``[lo, hi]``."""
-    if data.draw(st.booleans()):
-        return data.draw(st.integers(lo, hi))
-    return torch.tensor(data.draw(st.lists(st.integers(lo, hi), min_size=H_global, max_size=H_global)),
-                        dtype=torch.int32)
 
 
 def _values(budget, ids, head_offset):
     return [budget] * len(ids) if isinstance(budget, int) else [int(budget[head_offset + h]) for h in ids]
 
 
-def assert_same_selection(fast_idx: torch.Tensor, naive_idx: torch.Tensor, scores: torch.Tensor,
-                          name: str) -> None:
-    """Rows of ``fast_idx`` and ``naive_idx`` ``[..., K]`` hold the same sets, except that elements
-    whose naive score ties (within TIE_TOL) the weakest naive pick may be swapped for each other."""
-    assert fast_idx.shape == naive_idx.shape, f"{name}: shapes {fast_idx.shape} vs {naive_idx.shape}"
-    if fast_idx.numel() == 0:
-        return
-    f_rows = fast_idx.reshape(-1, fast_idx.shape[-1]).tolist()
-    n_rows = naive_idx.reshape(-1, naive_idx.shape[-1]).tolist()
-    s_rows = scores.reshape(-1, scores.shape[-1]).double()
-    for r, (f, n) in enumerate(zip(f_rows, n_rows)):
-        fs, ns = {x for x in f if x >= 0}, {x for x in n if x >= 0}
-        assert len(fs) == sum(x >= 0 for x in f), f"{name} row {r}: duplicates in {f}"
-        assert len(fs) == len(ns), f"{name} row {r}: {len(fs)} picks vs {len(ns)}"
-        diff = fs ^ ns
-        if not diff:
-            continue
-        free = [float(s_rows[r, x]) for x in ns if torch.isfinite(s_rows[r, x])]
-        boundary = min(free) if free else float("nan")
-        far = [x for x in diff if not abs(float(s_rows[r, x]) - boundary) <= TIE_TOL]
-        assert not far, f"{name} row {r}: fast {sorted(fs)} vs naive {sorted(ns)} (boundary {boundary})"
 
 
 def _vs_case(data, dtype, shapes=CPU_SHAPES):
@@ -83,13 +51,13 @@ def _vs_case(data, dtype, shapes=CPU_SHAPES):
         last_q=data.draw(st.one_of(st.integers(1, 20), st.integers(shape.N, shape.N + 40))),
         # none; a few (rows shorter than last_q + extra_rows included); more than any row has
         extra_rows=data.draw(st.one_of(st.just(0), st.integers(1, 12), st.integers(shape.N, 2 * shape.N + 8))),
-        sink_columns=_budget(data, H_global, 0, 6),
-        local_diagonals=_budget(data, H_global, 0, 6),
+        sink_columns=draw_budget(data, H_global, 0, 6),
+        local_diagonals=draw_budget(data, H_global, 0, 6),
         aggregation=data.draw(st.sampled_from(("sum", "max"))),
         seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=True,
     )
-    vertical = _budget(data, H_global, 0, 24)
-    slash = _budget(data, H_global, 1, 24)
+    vertical = draw_budget(data, H_global, 0, 24)
+    slash = draw_budget(data, H_global, 1, 24)
     return shape, q, k, vertical, slash, kw
 
 
@@ -112,17 +80,6 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
     check_vs_invariants(shape, fast_out[0], fast_out[1], vertical, slash, kw)
 
 
-def assert_same_vs_index(fast_out, naive_out) -> None:
-    """A builder's ``(vertical, slash, col, diag)`` (``return_scores=True``) against the float64
-    twin's: scores within rounding, int32 indices, the same selections."""
-    fv, fs, fcol, fdiag = fast_out
-    nv, ns, ncol, ndiag = naive_out
-    assert fcol.shape == ncol.shape and fdiag.shape == ndiag.shape
-    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    assert fv.dtype == torch.int32 and fs.dtype == torch.int32
-    assert_same_selection(fv, nv, ncol, "vertical")
-    assert_same_selection(fs, ns, ndiag, "slash")
 
 
 #: The invariant tests' implementations: the torch builders and the float64 twin itself. The Triton
@@ -221,11 +178,11 @@ def _bs_case(data, dtype, shapes=CPU_SHAPES):
     q, k, _ = qkv(shape, dtype, "cpu", data.draw(st.integers(0, 2**31 - 1)))
     kw = dict(
         block=data.draw(st.sampled_from((5, 7, 16, 32, 64))),
-        sink_blocks=_budget(data, H_global, 0, 3),
+        sink_blocks=draw_budget(data, H_global, 0, 3),
         force_diagonal=data.draw(st.booleans()),
         seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=True,
     )
-    return shape, q, k, _budget(data, H_global, 1, 8), kw
+    return shape, q, k, draw_budget(data, H_global, 1, 8), kw
 
 
 @pytest.mark.parametrize("fast", IMPLS)

@@ -8,11 +8,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels.block_sparse import normalize_blocks
-from test_kernel_common import COMBOS, CUDA, DEVICE, SHARP_CASES, check_sharp, problem, run_and_check, sharp_problem
 
 from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import block_sparse_indices
+from tests.unit.kernels.cases import (
+    COMBOS,
+    CUDA,
+    DEVICE,
+    SHARP_CASES,
+    check_sharp,
+    problem,
+    run_and_check,
+    sharp_problem,
+)
 
 pytestmark = pytest.mark.triton
 

@@ -25,7 +25,6 @@ from minference import config as C
 from minference import kernels as triton_builders
 from minference.backend import get_backend
 from minference.index import (
-    RULE_CODES,
     block_sparse_rules,
     build_group_index,
     prepare_plan,
@@ -36,15 +35,12 @@ from minference.index import (
 from minference.patterns import RULES, BlockSparse, VerticalSlash, pattern_from_dict, pattern_to_dict
 from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, qkv, ragged_rows
+from tests.unit.index.cases import THRESHOLDS, _naive, _picked, check_block_rule, check_vertical_slash_rule, rule_kwargs
 
 IMPLS = [pytest.param(triton_builders, id="triton", marks=pytest.mark.interpret), pytest.param(portable, id="torch")]
 #: The CPU suite's budget: the interpreted builders run a few examples, the selection many.
 FEW = settings(max_examples=min(settings().max_examples, 8))
 SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=90, head_dims=(16,))
-#: Thresholds: the published settings (FlexPrefill γ 0.9-0.95, FlashPrefill α 0.08-0.18,
-#: XAttention τ 0.9), the ends of the range and anything in between.
-THRESHOLDS = st.one_of(st.sampled_from((0.08, 0.12, 0.18, 0.5, 0.9, 0.95, 1.0)),
-                       st.floats(1e-3, 1.0, exclude_min=True))
 SCORE_RTOL, SCORE_ATOL = 1e-4, 1e-5
 
 
@@ -75,27 +71,10 @@ def _rule(codes, thresholds, minima):
                               torch.tensor(minima), torch.arange(len(codes), dtype=torch.int32), 0)[0]
 
 
-def _naive(row, forced, budget, code, threshold, minimum, logits, width):
-    rule = RULES[code]
-    return naive.select_row(row, forced, budget, rule=rule, threshold=None if rule == "top_k" else threshold,
-                            minimum=minimum, logits=logits)[:width]
 
 
-def _assert_selection(got: set[int], want: list[int], scores, exact: bool, where) -> None:
-    """``got == set(want)``; where not ``exact`` (a top_k-only selection: ``torch.topk`` breaks
-    ties), entries may differ among those tied with the naive twin's last pick."""
-    if exact or got == set(want):
-        assert got == set(want), (where, sorted(got), sorted(want))
-        return
-    boundary = float(scores[want[-1]])
-    assert len(got) == len(want) and all(float(scores[j]) == boundary for j in got ^ set(want)), (
-        where, sorted(got), sorted(want))
 
 
-def _picked(row: list[int]) -> list[int]:
-    picked = [x for x in row if x >= 0]
-    assert row == picked + [-1] * (len(row) - len(picked)), row
-    return picked
 
 
 @given(st.data())
@@ -220,29 +199,10 @@ def test_top_k_is_unchanged(data) -> None:
         assert sorted(_picked(a)) == sorted(x for x in b if x >= 0)
 
 
-def _rule_kw(data, H_global: int, budget_names: tuple[str, ...], maxima: dict):
-    """Builder rule arguments: one rule by name, or per global head rule codes and thresholds."""
-    if data.draw(st.booleans(), label="per-head rules"):
-        codes = data.draw(st.lists(st.integers(0, 2), min_size=H_global, max_size=H_global))
-        kw = dict(rule=torch.tensor(codes), threshold=torch.tensor([data.draw(THRESHOLDS) for _ in codes]))
-    else:
-        rule = data.draw(st.sampled_from(RULES))
-        kw = dict(rule=rule, threshold=None if rule == "top_k" else data.draw(THRESHOLDS))
-    for name in budget_names:
-        kw[name] = data.draw(st.integers(0, maxima[name]))
-    return kw
 
 
-def _adaptive_call(kw) -> bool:
-    """Whether the builder call takes the deterministic (adaptive) selection path."""
-    return not (isinstance(kw["rule"], str) and kw["rule"] == "top_k")
 
 
-def _per_head(kw, ids, offset) -> tuple[list[int], list[float]]:
-    rule, thr = kw["rule"], kw["threshold"]
-    if isinstance(rule, torch.Tensor):
-        return [int(rule[offset + h]) for h in ids], [float(thr[offset + h]) for h in ids]
-    return [RULE_CODES[rule]] * len(ids), [thr] * len(ids)
 
 
 def _qk(data, shape: AttnShape, dtype=torch.float32):
@@ -275,36 +235,12 @@ def test_vertical_slash_builders_keep_the_rule(fast, data) -> None:
     kw = dict(last_q=1 if mode == "flat" else data.draw(st.integers(1, 24)), sink_columns=data.draw(st.integers(0, 4)),
               local_diagonals=data.draw(st.integers(0, 4)), aggregation=data.draw(st.sampled_from(("sum", "max"))),
               seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=offset, return_scores=True,
-              **_rule_kw(data, offset + shape.Hq, ("min_vertical", "min_slash"),
+              **rule_kwargs(data, offset + shape.Hq, ("min_vertical", "min_slash"),
                          {"min_vertical": vertical, "min_slash": slash}))
     lens = seqlens.tolist() if seqlens is not None else [shape.N] * shape.B
     check_vertical_slash_rule(fast, q, k, vertical, slash, kw, heads, offset, shape.Hq, lens)
 
 
-def check_vertical_slash_rule(fast, q, k, vertical: int, slash: int, kw: dict, heads, offset: int, Hq: int,
-                              lens: list[int], *, bounds: bool = True) -> None:
-    """``fast.vertical_slash_index`` against the float64 twin: the same scores, and per row (of key
-    length ``lens[b]``) the columns and offsets the head's rule picks from them, within ``[min,
-    max]`` (``top_k``: exactly its budget) when ``bounds``."""
-    fv, fs, fcol, fdiag = fast.vertical_slash_index(q, k, vertical, slash, **kw)
-    _, _, ncol, ndiag = naive.vertical_slash_index(q, k, vertical, slash, **kw)
-    torch.testing.assert_close(fcol.double(), ncol, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    torch.testing.assert_close(fdiag.double(), ndiag, rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    ids = heads.tolist() if heads is not None else list(range(Hq))
-    codes, thresholds = _per_head(kw, ids, offset)
-    for b, n in enumerate(lens):
-        for g in range(len(ids)):
-            for idx, sc, forced, budget, minimum in (
-                    (fv, fcol, min(kw["sink_columns"], vertical), vertical, kw["min_vertical"]),
-                    (fs, fdiag, min(max(kw["local_diagonals"], 1), slash), slash, kw["min_slash"])):
-                got = set(_picked(idx[b, g].tolist()))
-                want = _naive(sc[b, g, :n], range(forced), budget, codes[g], thresholds[g], minimum, False,
-                              idx.shape[-1])
-                _assert_selection(got, want, sc[b, g], _adaptive_call(kw), (b, g, RULES[codes[g]], thresholds[g]))
-                if bounds and codes[g]:
-                    assert min(max(minimum, forced), n) <= len(got) <= min(budget, n)
-                elif bounds:
-                    assert len(got) == min(budget, n)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
@@ -396,35 +332,10 @@ def test_block_sparse_builders_keep_the_rule(fast, estimate, data) -> None:
     block, top_k = data.draw(st.sampled_from((5, 8, 16))), data.draw(st.integers(1, 12))
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
               seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=offset, return_scores=True,
-              estimate=estimate, **_rule_kw(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
+              estimate=estimate, **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
     check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate)
 
 
-def check_block_rule(fast, q, k, top_k: int, kw: dict, heads, offset: int, Hq: int, estimate: str,
-                     rows=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fast.block_sparse_index`` against the float64 twin: the same finite scores, and per query
-    block the set the head's rule picks from them (``rows``: only the query blocks that hold a
-    query, :func:`test_index_query_rows`). Returns the fast ``(blocks, scores)``."""
-    fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
-    _, nscores = naive.block_sparse_index(q, k, top_k, **kw)
-    fin = torch.isfinite(nscores)
-    assert torch.equal(torch.isfinite(fscores), fin)
-    torch.testing.assert_close(fscores.double()[fin], nscores[fin], rtol=SCORE_RTOL, atol=SCORE_ATOL)
-    ids = heads.tolist() if heads is not None else list(range(Hq))
-    codes, thresholds = _per_head(kw, ids, offset)
-    n_sink = min(kw["sink_blocks"], top_k - kw["force_diagonal"])
-    for b in range(fb.shape[0]):
-        for g in range(len(ids)):
-            for I in range(fb.shape[2]):
-                forced = set(range(min(n_sink, I + 1))) | ({I} if kw["force_diagonal"] else set())
-                got = set(_picked(fb[b, g, I].tolist()))
-                want = _naive(fscores[b, g, I], forced, top_k, codes[g], thresholds[g], kw["min_blocks"],
-                              estimate == "pooled", fb.shape[-1])
-                _assert_selection(got, want, fscores[b, g, I], _adaptive_call(kw),
-                                  (b, g, I, RULES[codes[g]], thresholds[g]))
-                if want and codes[g] and rows is None:
-                    assert min(max(kw["min_blocks"], len(forced)), I + 1) <= len(got) <= min(top_k, I + 1)
-    return fb, fscores
 
 
 def _planted(N=96, D=64, hot=(3, 41), lag=7):

@@ -15,7 +15,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels import convert
-from test_kernel_common import (
+
+from minference import kernels
+from minference import reference as ref
+from minference.testing.strategies import AttnShape, qkv, vertical_slash_indices
+from tests.unit.kernels.cases import (
     COMBOS,
     DEVICE,
     SHARP_CASES,
@@ -25,10 +29,6 @@ from test_kernel_common import (
     sharp_problem,
     torch_converter,
 )
-
-from minference import kernels
-from minference import reference as ref
-from minference.testing.strategies import AttnShape, qkv, vertical_slash_indices
 
 pytestmark = pytest.mark.triton
 

@@ -16,14 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from minference.kernels import ashape as A
 from minference.kernels._common import INTERPRET_TILES, Tiles
-from test_kernel_common import COMBOS, CUDA, DEVICE, MAX_N, problem, run_and_check
-from test_kernel_query_rows import _query_problem, _run
 
 from minference import kernels
 from minference import reference as ref
 from minference._checks import token_mask
 from minference.testing import assert_close_to_reference, assert_not_written, poison
 from minference.testing.strategies import AttnShape, qkv
+from tests.unit.kernels.cases import COMBOS, CUDA, DEVICE, MAX_N, problem, query_problem, run_and_check, run_query_rows
 
 pytestmark = pytest.mark.triton
 
@@ -58,9 +57,9 @@ def test_split_whole_rows_match_reference(data, combo):
 def test_split_query_rows_match_reference(data, combo):
     """Query rows (a chunk after a cache with negative q row offsets, a row's last tokens in
     place, int or tensor q_seqlens, rows without queries) on ragged key rows."""
-    p = _query_problem(data, combo, max_n=SPLIT_MAX_N)
+    p = query_problem(data, combo, max_n=SPLIT_MAX_N)
     split = data.draw(_splits(p["shape"].N), label="key_split")
-    _run(p, _split(split), ref.dense_attention)
+    run_query_rows(p, _split(split), ref.dense_attention)
 
 
 def test_split_counts_give_the_unsplit_result():
@@ -159,7 +158,7 @@ def test_split_descriptor_path_matches_reference(monkeypatch):
              Hg=2, q=q[:, :, -24:].clone(), k=k, v=v, Nq=24, q_seqlens=torch.tensor([24, 19], dtype=torch.int32),
              q_seqstarts=torch.tensor([0, 3], dtype=torch.int32), q_lens=torch.tensor([24, 19]),
              q_starts=torch.tensor([0, 3]))
-    _run(p, _split(3), ref.dense_attention)
+    run_query_rows(p, _split(3), ref.dense_attention)
     assert built and all(built), "the descriptor path did not run"
 
 

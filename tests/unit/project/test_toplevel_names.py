@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _from_root(code: str) -> subprocess.CompletedProcess:
@@ -86,7 +86,7 @@ def test_a_patched_llama_and_qwen2_run_from_the_checkout_root():
     """The integration tests' reference check, collected by pytest started in the checkout root."""
     run = _from_root(
         "import sys, pytest\n"
-        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/unit/test_integration.py', '-k',\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/unit/library/test_integration.py', '-k',\n"
         "                      'ashape_plan_matches_reference and (llama or qwen2)']))\n")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "2 passed" in run.stdout, run.stdout[-2000:]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LIBRARY = [p for p in (ROOT / "minference").glob("*.py")] + list((ROOT / "minference" / "testing").glob("*.py")) \
     + list((ROOT / "kernels").glob("*.py")) + list((ROOT / "reference").glob("*.py"))
 

@@ -17,11 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from minference.kernels._common import default_tiles
 from minference.kernels.convert import DENSE_OVER, VSIndex, convert_vertical_slash
-from test_kernel_common import CUDA, DEVICE, MAX_N, problem, run_and_check, torch_converter
 
 from minference import kernels
 from minference import reference as ref
 from minference.testing.strategies import vertical_slash_indices
+from tests.unit.kernels.cases import CUDA, DEVICE, MAX_N, problem, run_and_check, torch_converter
 
 pytestmark = pytest.mark.triton
 

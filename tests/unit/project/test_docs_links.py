@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RESULTS = "benchmarks/results/"
 ARCHIVE = "results-archive:"
 #: The last commit on main whose tree holds every report (the branch's tree): what a clone of main

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernel_common import backend_device
 
 from minference.dispatch import MIN_SPARSE_QUERIES, sparse_prefill
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 from minference.testing import assert_close_to_reference
 from minference.testing.strategies import AttnShape, qkv
+from tests.unit.kernels.cases import backend_device
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 #: one head per pattern kind (and both block-sparse estimates), GQA 2
