@@ -16,19 +16,8 @@ from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 from minference.testing import assert_close_to_reference
 from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, qkv
+from tests.unit.library.cases import MIXED_PLAN
 
-#: A plan exercising every kind, two vertical-slash groups and per-head budgets (9 heads).
-PLAN = [
-    VerticalSlash(vertical=8, slash=12, last_q=16, sink_columns=2, local_diagonals=3),
-    AShape(sink=4, window=24),
-    BlockSparse(top_k=3, block=16, sink_blocks=1),
-    VerticalSlash(vertical=5, slash=20, last_q=16, sink_columns=1, local_diagonals=1),
-    Dense(),
-    VerticalSlash(vertical=6, slash=9, last_q=40, aggregation="max"),
-    AShape(sink=1, window=50),
-    BlockSparse(top_k=2, block=32, sink_blocks=0, force_diagonal=True),
-    BlockSparse(top_k=4, block=16, sink_blocks=2),
-]
 #: The budget rules and the query-aware routing score in one layer (mixed rules share groups).
 ADAPTIVE_PLAN = [
     VerticalSlash(vertical=20, slash=30, last_q=16, rule="mass", threshold=0.9, min_vertical=2, min_slash=3),
@@ -103,7 +92,7 @@ def _valid(B, N, seqlens, seqstarts) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("plan", [PLAN, ADAPTIVE_PLAN], ids=["budgets", "adaptive"])
+@pytest.mark.parametrize("plan", [MIXED_PLAN, ADAPTIVE_PLAN], ids=["budgets", "adaptive"])
 def test_mixed_plan_matches_per_head_reference(backend: str, ragged: bool, plan) -> None:
     shape = AttnShape(B=2, Hq=9, Hkv=3, N=113, D=32)
     q, k, v = qkv(shape, torch.float32, "cpu", seed=3, layout="transposed")
@@ -123,7 +112,7 @@ def test_tensor_parallel_offset_selects_the_rank_patterns(backend: str) -> None:
     """Rank 1 of 2: local heads 0..8 are global heads 9..17 and use those patterns."""
     shape = AttnShape(B=1, Hq=9, Hkv=3, N=97, D=16)
     q, k, v = qkv(shape, torch.float32, "cpu", seed=5)
-    plan = [Dense()] * 9 + list(reversed(PLAN))
+    plan = [Dense()] * 9 + list(reversed(MIXED_PLAN))
     out = sparse_prefill(q, k, v, plan, head_offset=9, dense_threshold=0, backend=backend)
     r64, rsame = _expected(q, k, v, plan, head_offset=9, builders=_builders(backend), compute_dtype=torch.float32)
     assert_close_to_reference(out, r64, rsame)
@@ -141,7 +130,7 @@ def test_one_launch_per_group(monkeypatch) -> None:
 
         monkeypatch.setattr(tb, name, spy)
     q, k, v = qkv(AttnShape(B=1, Hq=9, Hkv=3, N=64, D=16), torch.float32, "cpu", seed=0)
-    sparse_prefill(q, k, v, PLAN, dense_threshold=0, backend="torch")
+    sparse_prefill(q, k, v, MIXED_PLAN, dense_threshold=0, backend="torch")
     assert sorted(calls) == sorted([
         ("ashape_attention", [1, 6]),
         ("vertical_slash_attention", [0, 3]),
@@ -150,7 +139,7 @@ def test_one_launch_per_group(monkeypatch) -> None:
         ("block_sparse_attention", [7]),
         ("dense_attention", [4]),
     ])
-    groups = group_heads(PLAN, 9)
+    groups = group_heads(MIXED_PLAN, 9)
     assert [g.heads for g in groups if g.kind == "vertical_slash"] == [(0, 3), (5,)]
 
 

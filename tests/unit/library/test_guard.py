@@ -31,19 +31,10 @@ from minference.guard import LOGGER_NAME, QualityGuard, check_positions, format_
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, qkv
+from tests.unit.library.cases import MIXED_PLAN
 
-#: Every pattern kind, two vertical-slash groups, two block sizes, a dense head (9 heads, 3 kv heads).
-PLAN = [
-    VerticalSlash(vertical=8, slash=12, last_q=16, sink_columns=2, local_diagonals=3),
-    AShape(sink=4, window=24),
-    BlockSparse(top_k=3, block=16, sink_blocks=1),
-    VerticalSlash(vertical=5, slash=20, last_q=16, sink_columns=1, local_diagonals=1),
-    Dense(),
-    VerticalSlash(vertical=6, slash=9, last_q=40, aggregation="max"),
-    AShape(sink=1, window=50),
-    BlockSparse(top_k=2, block=32, sink_blocks=0, force_diagonal=True),
-    BlockSparse(top_k=4, block=16, sink_blocks=2, estimate="query"),
-]
+#: The dispatcher tests' plan with its last block-sparse head routed by query-aware scores.
+PLAN = [*MIXED_PLAN[:-1], BlockSparse(top_k=4, block=16, sink_blocks=2, estimate="query")]
 BACKENDS = [pytest.param("triton", marks=pytest.mark.interpret), "torch"]
 
 
