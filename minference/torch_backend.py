@@ -20,6 +20,14 @@ the chosen set, and doing only the chosen work:
   rows whose set holds it (the definition); the fused kernel would add the mask to a NaN logit
   and multiply every value it loads.
 
+Non-finite inputs (docs/contract.md): with ``validate=True`` (default) the attention functions
+refuse NaN or inf in ``q`` (computed heads, query rows) and in ``k`` / ``v`` (the kv heads of the
+computed heads) inside the rows, with the Triton kernels' one-line errors
+(:func:`minference._checks.check_finite_kv` names the kv head and its query heads). With
+``validate=False`` a non-finite key or value reaches exactly the rows whose set holds it: there
+each element is the definition's (a NaN value element gives NaN in that element of the output,
+the row's other elements stay exact), and every other row is exact.
+
 The candidate sets are those of :mod:`minference.reference.masks` (``*_rows_mask`` below
 evaluates them for a range of rows; the tests prove them equal to the reference masks). Every
 entry point reads the row lengths on the host, so this backend synchronises on CUDA tensors: it
@@ -47,6 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from minference._checks import (
+    check_finite_kv,
+    check_finite_rows,
     check_index,
     check_qkv_rows,
     check_query_rows,
@@ -244,9 +254,11 @@ def _manual(qt, kt, vt, mask, scale):
     p = torch.exp(s - m)
     den = p.sum(-1, keepdim=True)
     vf = vt.to(dt)
-    bad = ~torch.isfinite(vf)
-    if bool(bad.any()):  # only these values need care: 0 * inf = nan would leak to every row
-        h, c, l = bad.any(-1).nonzero(as_tuple=True)
+    bad = ~torch.isfinite(vf).all(-1, keepdim=True)  # [Hg, C, L, 1]: a value row with a non-finite element
+    if bool(bad.any()):  # only these rows need care: 0 * inf = nan would leak to every row
+        h, c, l = bad[..., 0].nonzero(as_tuple=True)
+        # the whole row out of the product (not only its bad elements): the term below adds all of
+        # it, finite elements included, to the rows whose set holds the key (issue 34)
         o = torch.matmul(p, vf.masked_fill(bad, 0))
         keep = member[h, c, :, l][..., None]  # [nbad, R, 1]
         o.index_put_((h, c), torch.where(keep, p[h, c, :, l][..., None] * vf[h, c, l][:, None, :], 0),
@@ -411,8 +423,8 @@ def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
     return block, run
 
 
-def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, dense=False,
-            q_seqlens=None, q_seqstarts=None):
+def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, validate,
+            dense=False, q_seqlens=None, q_seqstarts=None):
     """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
 
     Queries may be part of the key rows (docs/kernels.md, "query rows"): ``q [B,Hq,Nq,D]``, row
@@ -433,6 +445,12 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
     rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                             given_rows=seqlens is not None or seqstarts is not None)
     q_lens, q_starts = rows if rows is not None else (lens, starts)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate and ids:  # the Triton kernels' rule (kernels._common.prepare), with their messages
+        computed = None if ids == list(range(Hq)) else torch.tensor(ids, device=q.device)
+        check_finite_rows({"q": q}, q_lens, q_starts, heads=None if computed is None else {"q": computed})
+        check_finite_kv({"k": k, "v": v}, lens, starts, group=Hq // Hkv, query_heads=computed)
     if out is None:
         out = torch.zeros_like(q)
     else:
@@ -555,7 +573,7 @@ def dense_attention(
         return _band_tiles(~every, every, n, dtype)
 
     return _attend(q, k, v, ids, tiles, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                   return_lse=return_lse, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   return_lse=return_lse, validate=validate, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def ashape_attention(
@@ -581,7 +599,8 @@ def ashape_attention(
 
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(*sets(n), n, dtype),
                    lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                   out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts)
 
 
 def vertical_slash_attention(
@@ -606,7 +625,8 @@ def vertical_slash_attention(
     diags = slash_set(N, slash, fill_gaps)
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
                    lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,
-                   seqstarts=seqstarts, out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   seqstarts=seqstarts, out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts)
 
 
 def block_sparse_attention(
@@ -631,7 +651,7 @@ def block_sparse_attention(
     return _attend(q, k, v, ids, lambda b, n, dtype: _block_tiles(blocks[b], n, block, dtype),
                    lambda b, n: _blocks_fused(blocks[b], n, block),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse,
-                   q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   validate=validate, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
