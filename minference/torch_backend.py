@@ -322,7 +322,23 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=
     count, D = t0 + qh.shape[0] // R, qh.shape[1]
     dt, dev = qh.dtype, qh.device
     q4 = qh.view(1, count - t0, R, D)
-    if cols.numel():
+    clusters = _clusters(diags, R)
+    # A solid run of offsets from 0 (every offset 0..b chosen: the local diagonals, closed by gap
+    # filling; an A-shape window): a row i <= b reads exactly the keys 0..i, so the tiles wholly
+    # inside it are one causal call (no mask, no per-tile chunks); no column and no other offset
+    # adds to them (a column j <= i lies on a chosen offset, other offsets exceed i). Whole rows
+    # only (t0 = 0: the causal kernel aligns its queries with the first keys).
+    causal = 0  # tiles 0..causal-1 done by the causal call
+    if t0 == 0 and n and bool(diags[0]):
+        solid = int((~diags).int().argmax()) if not bool(diags.all()) else n  # offsets 0..solid-1 chosen
+        causal = min(count, solid // R)
+        if causal:
+            rows = causal * R
+            o, l = _FLASH_CPU(q4.view(1, 1, -1, D)[:, :, :rows], kpad[None, None, pad : pad + rows],
+                              vpad[None, None, pad : pad + rows], is_causal=True, scale=scale)
+            acc_o[:rows] = o.reshape(rows, D)
+            acc_l[:rows] = l.reshape(rows)
+    if cols.numel() and causal < count:
         # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
         table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
         table[R : R + n].masked_fill_(~diags, 0)
@@ -330,20 +346,20 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=
         windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
         kc = kpad[pad + cols]
         vc = vpad[pad + cols]
-        for c0, c1 in _tile_chunks(t0, count, R * cols.numel()):
+        for c0, c1 in _tile_chunks(max(t0, causal), count, R * cols.numel()):
             lo = torch.arange(c0, c1, device=dev)[:, None] * R
             mask = windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
             o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
-    for a, b in _clusters(diags, R):
+    for a, b in clusters:
         W = b - a + R
         r = torch.arange(R, device=dev)[:, None]
         x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
         inside = (x >= a) & (x <= b)
         band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
-        first = max(t0, a // R)  # tiles before a // R have no row i >= a
+        first = max(t0, a // R, causal)  # tiles before a // R have no row i >= a
         body = min(count, max(first, -(-b // R)))  # tiles before `body` reach keys < 0
 
         def window(c0, c1, t, skip=0, W=W, b=b):  # tiles c0..c1-1, window keys skip..W-1
@@ -395,8 +411,10 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
     for c0, c1 in _tile_chunks(0, count - t0, width * R * D):  # local query blocks
         ids = below[c0:c1].clamp(max=count - 1)
         nt = c1 - c0
-        kg = kblocks[ids].view(1, nt, width * R, D)
-        vg = vblocks[ids].view(1, nt, width * R, D)
+        # one contiguous [R * D] row per block: index_select of rows (a copy per block) is several
+        # times faster on the CPU than advanced indexing of [count, R, D] (per-element gather)
+        kg = kblocks.view(count, R * D).index_select(0, ids.flatten()).view(1, nt, width * R, D)
+        vg = vblocks.view(count, R * D).index_select(0, ids.flatten()).view(1, nt, width * R, D)
         real = (below[c0:c1] < big).repeat_interleave(R, -1)  # [C, width * R]
         mask = torch.zeros(nt, width * R, dtype=qh.dtype, device=dev).masked_fill_(~real, _INF)
         o, l = _FLASH_CPU(q4[:, c0:c1], kg, vg, attn_mask=mask[None, :, None, :], scale=scale)
@@ -462,6 +480,7 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     hk = hq // (Hq // Hkv)
+    kv_ids = [h // (Hq // Hkv) for h in ids]
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
     dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
@@ -475,10 +494,10 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
         # a non-finite key or value would reach rows outside its set: such rows take _manual.
         fused = _FLASH_CPU is not None and q.device.type == "cpu" and bool(
             torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
-        qb = q[b, :, qs : qs + c].index_select(0, hq)  # [Hg, c, D]
+        qb = _take_heads(q[b, :, qs : qs + c], ids)  # [Hg, c, D]
         if dense and fused:
-            kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
-            vb = v[b, :, s : s + n].index_select(0, hk)
+            kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
+            vb = _take_heads(v[b, :, s : s + n], kv_ids)
             o, l = _FLASH_CPU(qb[None], kb[None, :, lo:], vb[None, :, lo:], is_causal=True, scale=scale)
             o, l = o[0], l[0]
             if lo:  # the keys before the queries: every query sees all of them
@@ -499,7 +518,7 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
             vpad[:, n : 2 * n] = v[b, :, s : s + n]
             qpad = torch.zeros(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
             qpad[:, first : first + c] = qb
-            for g, (h, hv) in enumerate(zip(ids, hk.tolist())):
+            for g, (h, hv) in enumerate(zip(ids, kv_ids)):
                 acc_o = torch.zeros((count - t0) * R, D, dtype=acc_dt, device=q.device)
                 acc_l = torch.full(((count - t0) * R,), _INF, dtype=acc_dt, device=q.device)
                 run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R, t0)
@@ -507,8 +526,8 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
                 if lse is not None:
                     lse[b, h, qs : qs + c] = acc_l[first : first + c].float()
             continue
-        kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
-        vb = v[b, :, s : s + n].index_select(0, hk)
+        kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
+        vb = _take_heads(v[b, :, s : s + n], kv_ids)
         t = tiles_of(b, n, q.dtype)
         R = t.rows
         t0 = lo // R
@@ -546,6 +565,17 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
                     lse[b, hq, qs + w0 - lo : qs + r1 - lo] = l
                 a = e
     return (out, lse) if return_lse else out
+
+
+def _take_heads(x: torch.Tensor, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [H, ...]``'s entries ``ids`` stacked into a new contiguous ``[len(ids), ...]`` tensor (in
+    ``dtype``): one strided copy per head. ``index_select`` on the model's transposed ``[H, N, D]``
+    views (strides ``(D, H * D, 1)``) gathers element by element: 6 ms against 1 ms for 9 heads
+    of 4096 x 64 on one core."""
+    out = torch.empty((len(ids), *x.shape[1:]), dtype=x.dtype if dtype is None else dtype, device=x.device)
+    for g, h in enumerate(ids):
+        out[g].copy_(x[h])
+    return out
 
 
 def _ids(heads, Hq):
@@ -684,7 +714,7 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
         if R == 0:  # a row without queries samples nothing: zero scores
             continue
         qs = q[b, :, row0 + sampled].index_select(0, hq).float()  # [Hg, R, D]
-        ks = k[b, :, s : s + n].index_select(0, hk).float()  # [Hg, n, D]
+        ks = _take_heads(k[b, :, s : s + n], hk.tolist(), torch.float32)  # [Hg, n, D]
         i = sampled[:, None]
         j = torch.arange(n, device=q.device)[None, :]
         logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, R, n]
@@ -710,7 +740,7 @@ def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
         nb = -(-n // block)
         if nb == 0:
             continue
-        rows = x[b, :, s : s + n].index_select(0, hs).float()
+        rows = _take_heads(x[b, :, s : s + n], hs.tolist(), torch.float32)
         rows = F.pad(rows, (0, 0, 0, nb * block - n)).view(len(hs), nb, block, D)
         counts = torch.clamp(n - torch.arange(nb, device=x.device) * block, max=block).float()
         out[b, :, :nb] = rows.sum(2) / counts[:, None]
@@ -829,7 +859,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         if nb == 0:
             continue
         km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
-        qb = F.pad(q[b, :, s : s + n].index_select(0, hq).float(), (0, 0, 0, nb * block - n))
+        qb = F.pad(_take_heads(q[b, :, s : s + n], ids, torch.float32), (0, 0, 0, nb * block - n))
         qb = qb.view(len(ids), nb, block, D)
         row_ok = (torch.arange(nb * block, device=q.device) < n).view(nb, block)
         J = torch.arange(nb, device=q.device)

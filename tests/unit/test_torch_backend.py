@@ -394,3 +394,41 @@ def test_dispatcher_torch_backend_non_finite_value(Hq, Hkv) -> None:
         v0[0, j, t] = 0.0  # element d of a row that does not read t: the run with that value row zeroed
         zeroed = sparse_prefill(q, k, v0, plan, dense_threshold=0, backend="torch", validate=False)
         torch.testing.assert_close(out[0, :, :, d][~nan_rows], zeroed[0, :, :, d][~nan_rows], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fill_gaps", [0, 40])
+def test_a_solid_band_at_offset_zero_runs_causal_and_stays_exact(monkeypatch, fill_gaps) -> None:
+    """The fused path's causal shortcut: offsets ``0..b`` all chosen (the local diagonals, an
+    A-shape window; with gap filling a band with holes closes) make the rows ``i <= b`` causal,
+    run as one causal call; the columns and the other clusters add to the later rows only. Bands
+    several tiles wide, with columns inside and outside the band, against the float64 twins
+    (the hypothesis cases are shorter than two tiles)."""
+    calls = []
+    real = tb._FLASH_CPU
+
+    def spy(q, k, v, *a, **kw):
+        calls.append(bool(kw.get("is_causal")))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(tb, "_FLASH_CPU", spy)
+    N, Hq, Hkv, D = 333, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, N, D, generator=g) for h in (Hq, Hkv, Hkv))
+    band = torch.arange(0, 200, 3 if fill_gaps else 1, dtype=torch.int32)  # holes of 2 closed by fill 40
+    slash = torch.cat([band, torch.tensor([260, 261, 300], dtype=torch.int32)]).expand(1, Hq, -1).contiguous()
+    vertical = torch.tensor([3, 50, 120, 250, 330], dtype=torch.int32).expand(1, Hq, -1).contiguous()
+    for kw in ({}, dict(q_seqlens=100)):  # whole rows; the last 100 rows as queries (no shortcut)
+        qq = q[:, :, N - 100 :] if kw else q
+        calls.clear()
+        out = tb.vertical_slash_attention(qq, k, v, vertical, slash, fill_gaps=fill_gaps, **kw)
+        assert any(calls) == (not kw), calls
+        r64 = ref.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=fill_gaps)
+        rs = ref.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=fill_gaps, compute_dtype=torch.float32)
+        rows = slice(N - 100, N) if kw else slice(0, N)
+        assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"vertical_slash {kw}")
+        calls.clear()
+        out = tb.ashape_attention(qq, k, v, 5, 150, **kw)
+        assert any(calls) == (not kw), calls
+        r64 = ref.ashape_attention(q, k, v, 5, 150)
+        rs = ref.ashape_attention(q, k, v, 5, 150, compute_dtype=torch.float32)
+        assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"a_shape {kw}")
