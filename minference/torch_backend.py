@@ -51,6 +51,8 @@ causal square, merged by log-sum-exp like every other pair of pieces.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -284,8 +286,9 @@ def _merge(acc_o, acc_l, r0, o, l, empty) -> None:
     """Add one piece (``o [..., rows, D]``, ``l [..., rows]``; ``empty`` rows contribute nothing)
     to rows ``r0..`` of the accumulators ``acc_o [..., R, D]``, ``acc_l [..., R]``."""
     r1 = r0 + l.shape[-1]
-    l = l.to(acc_l.dtype).masked_fill(empty, _INF)
-    o = o.to(acc_o.dtype).masked_fill(empty[..., None], 0)
+    l, o = l.to(acc_l.dtype), o.to(acc_o.dtype)
+    if bool(empty.any()):  # most pieces have none: no two full copies of the piece
+        l, o = l.masked_fill(empty, _INF), o.masked_fill(empty[..., None], 0)
     old = acc_l[..., r0:r1]
     if bool((old == _INF).all()):  # the rows' first piece
         acc_o[..., r0:r1, :], acc_l[..., r0:r1] = o, l
@@ -449,7 +452,7 @@ def _single_thread() -> None:
     torch.set_num_threads(1)  # this worker's OpenMP / MKL threads (per thread; the caller's stay)
 
 
-def _each_head(fn, count: int) -> None:
+def _each_head(fn, count: int, threads: int) -> None:
     """``fn(g)`` for the local heads ``g = 0..count-1`` of the fused path.
 
     With ``T = torch.get_num_threads() > 1`` intra-op threads the heads go to ``T`` worker
@@ -458,8 +461,8 @@ def _each_head(fn, count: int) -> None:
     OpenMP fork-join over ``T`` threads in every one of the many small ops of a head. On a
     machine shared with other jobs a descheduled worker delays only its own head (issue 30: the
     fork-joins made the sparse prefill 5x slower than dense at a load of 2.4-4.2 on 2 cores);
-    idle, the heads run side by side. ``T = 1`` (or one head): a plain loop in this thread."""
-    threads = torch.get_num_threads()
+    idle, the heads run side by side. ``T = 1`` (or one head): a plain loop in this thread.
+    ``threads``: the caller's ``T`` (read before :func:`_one_thread`)."""
     if threads <= 1 or count <= 1:
         for g in range(count):
             fn(g)
@@ -475,8 +478,30 @@ def _each_head(fn, count: int) -> None:
         f.result()  # re-raises a worker's error here
 
 
-def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, validate,
-            dense=False, q_seqlens=None, q_seqstarts=None):
+@contextlib.contextmanager
+def _one_thread():
+    """The calling thread's ops single-threaded inside (yields its intra-op thread count ``T``
+    from before, restored after): on a shared machine each OpenMP fork-join of a small op waits
+    for a descheduled thread (issue 30: 2 threads under three busy loops, sparse 0.49x dense), so
+    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_head`)."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _attend(*args, **kwargs):
+    """:func:`_attend_rows` with this thread's ops single-threaded and the heads on ``T`` workers."""
+    with _one_thread() as threads:
+        return _attend_rows(*args, threads=threads, **kwargs)
+
+
+def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, validate,
+                 threads=1, dense=False, q_seqlens=None, q_seqstarts=None):
     """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
 
     Queries may be part of the key rows (docs/kernels.md, "query rows"): ``q [B,Hq,Nq,D]``, row
@@ -530,28 +555,36 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
             torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
         qb = _take_heads(q[b, :, qs : qs + c], ids)  # [Hg, c, D]
         if dense and fused:
-            kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
-            vb = _take_heads(v[b, :, s : s + n], kv_ids)
-            o, l = _FLASH_CPU(qb[None], kb[None, :, lo:], vb[None, :, lo:], is_causal=True, scale=scale)
-            o, l = o[0], l[0]
-            if lo:  # the keys before the queries: every query sees all of them
-                o, l = o.to(acc_dt), l.to(acc_dt)
-                oc, lc = _FLASH_CPU(qb[None], kb[None, :, :lo], vb[None, :, :lo], scale=scale)
-                _merge(o, l, 0, oc[0], lc[0], torch.zeros(Hg, c, dtype=torch.bool, device=q.device))
-            out[b, hq, qs : qs + c] = o.to(q.dtype)
-            if lse is not None:
-                lse[b, hq, qs : qs + c] = l.float()
+            def dense_head(g, b=b, s=s, n=n, qs=qs, c=c, lo=lo):  # views of q, k, v: no copies
+                h, hv = ids[g], kv_ids[g]
+                qh = q[b, h, qs : qs + c][None, None]  # [1, 1, c, D]
+                kh, vh = k[b, hv, s : s + n][None, None], v[b, hv, s : s + n][None, None]
+                o, l = _FLASH_CPU(qh, kh[:, :, lo:], vh[:, :, lo:], is_causal=True, scale=scale)
+                o, l = o[0, 0], l[0, 0]
+                if lo:  # the keys before the queries: every query sees all of them
+                    o, l = o.to(acc_dt), l.to(acc_dt)
+                    oc, lc = _FLASH_CPU(qh, kh[:, :, :lo], vh[:, :, :lo], scale=scale)
+                    _merge(o, l, 0, oc[0, 0], lc[0, 0], torch.zeros(c, dtype=torch.bool, device=q.device))
+                out[b, h, qs : qs + c] = o.to(q.dtype)
+                if lse is not None:
+                    lse[b, h, qs : qs + c] = l.float()
+
+            _each_head(dense_head, Hg, threads)
             continue
         if fused and fused_of is not None:
             R, run = fused_of(b, n)
             count, t0 = -(-n // R), lo // R
             first = lo - t0 * R  # the first query's row in the computed tiles
-            kpad = torch.zeros(Hkv, n + count * R, D, dtype=dt, device=q.device)
-            vpad = torch.zeros_like(kpad)
-            kpad[:, n : 2 * n] = k[b, :, s : s + n]
-            vpad[:, n : 2 * n] = v[b, :, s : s + n]
-            qpad = torch.zeros(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
+            kpad = torch.empty(Hkv, n + count * R, D, dtype=dt, device=q.device)
+            vpad = torch.empty_like(kpad)
+            for x, src in ((kpad, k), (vpad, v)):  # key j at row n + j, zeros around it
+                x[:, :n].zero_()
+                x[:, n : 2 * n] = src[b, :, s : s + n]
+                x[:, 2 * n :].zero_()
+            qpad = torch.empty(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
+            qpad[:, :first].zero_()
             qpad[:, first : first + c] = qb
+            qpad[:, first + c :].zero_()
             def head(g, b=b, qs=qs, c=c, n=n, R=R, t0=t0, first=first, count=count, run=run, qpad=qpad,
                      kpad=kpad, vpad=vpad):
                 h, hv = ids[g], kv_ids[g]
@@ -562,7 +595,7 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
                 if lse is not None:
                     lse[b, h, qs : qs + c] = acc_l[first : first + c].float()
 
-            _each_head(head, Hg)
+            _each_head(head, Hg, threads)
             continue
         kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
         vb = _take_heads(v[b, :, s : s + n], kv_ids)
@@ -832,13 +865,14 @@ def vertical_slash_index(
 ):
     """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.vertical_slash_index`."""
-    return build_vertical_slash_index(
-        _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
-        local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
-        seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
-        threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
-        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+    with _one_thread():  # small ops: no fork-joins (issue 30)
+        return build_vertical_slash_index(
+            _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
+            local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
+            seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
+            vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
+            threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def block_sparse_index(
@@ -853,12 +887,13 @@ def block_sparse_index(
 ):
     """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.block_sparse_index`."""
-    return build_block_sparse_index(
-        _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
-        scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
-        threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
-        scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+    with _one_thread():  # small ops: no fork-joins (issue 30)
+        return build_block_sparse_index(
+            _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
+            scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
+            return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
+            threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
+            scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
