@@ -204,8 +204,25 @@ def run_main_job(
     ``runtime.guard`` (the sparse run's quality guard, docs/guard.md; ``None``: the config's own).
     ``threads``: on a CPU, the intra-op threads of both runs (``None``: the thread policy of
     :mod:`minference.app.threads`, which keeps a count the user set through ``OMP_NUM_THREADS``
-    or ``torch.set_num_threads``); chosen once, before the model loads.
+    or ``torch.set_num_threads``); chosen once, before the model loads, and restored after.
     """
+    if torch.device(device).type != "cpu":
+        return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
+                             coverage, progress, loaded, model_name, dense_tail, guard, None)
+    from minference.app.threads import apply_threads, choose_threads
+
+    thread_choice = choose_threads(threads)  # before anything runs: the load is the other jobs'
+    before = torch.get_num_threads()
+    apply_threads(thread_choice)
+    try:
+        return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
+                             coverage, progress, loaded, model_name, dense_tail, guard, thread_choice)
+    finally:  # the caller's count again (a test session, a notebook)
+        torch.set_num_threads(before)
+
+
+def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device, coverage,
+                  progress, loaded, model_name, dense_tail, guard, thread_choice) -> MainJobReport:
     from tqdm.auto import tqdm
 
     import minference.integration as integ
@@ -214,12 +231,6 @@ def run_main_job(
     from minference.app.search import plan_coverage
     from minference.config import load_config
 
-    thread_choice = None
-    if torch.device(device).type == "cpu":  # before anything runs: the load is the other jobs'
-        from minference.app.threads import apply_threads, choose_threads
-
-        thread_choice = choose_threads(threads)
-        apply_threads(thread_choice)
     model_name, default_config, default_tokens = main_job_defaults(device, model_name)
     if config_path is None and not default_config.is_file():
         raise ValueError(f"{model_name} has no bundled config yet ({default_config.name}); pass --config")
