@@ -15,10 +15,10 @@ each path. Coverage is measured by an observer outside the timed region (its tim
 subtracted). On a 2-core CPU the default 4K-token run takes a few minutes.
 
 On a CPU both runs use the intra-op thread count of :mod:`minference.app.threads` (``--threads``,
-else a count the user set through ``OMP_NUM_THREADS`` or ``torch.set_num_threads``, else the cores
-minus the load average), chosen once before the model loads and printed with the report: on a
-machine shared with other jobs, OpenMP fork-joins over more threads than the free cores made
-the sparse prefill, made of many small ops, 5x slower than dense (issue 30).
+else a count the user set through ``OMP_NUM_THREADS`` or ``torch.set_num_threads``, else every
+usable core), chosen once before the model loads and printed with the report (issue 30: on a
+machine shared with other jobs, the OpenMP fork-joins of the torch backend's many small ops made
+the sparse prefill 5x slower than dense; the backend no longer fork-joins its own ops).
 """
 
 from __future__ import annotations
@@ -484,7 +484,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     run.add_argument("--threads", type=int, default=None, metavar="N",
                      help="CPU intra-op threads of both runs (default: OMP_NUM_THREADS or torch.set_num_threads "
-                          "if set, else the cores minus the load average, at least 1: minference.app.threads)")
+                          "if set, else every usable core: minference.app.threads)")
     guard_options.add_arguments(run)
     run.set_defaults(func=_run_cmd, check=_check_run)
 

@@ -12,15 +12,16 @@ its sparse run:
 2. else a count the user set is kept: ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the
    environment, or ``torch.set_num_threads`` called after this module was imported (a count
    different from the one torch started with);
-3. else the policy: the cores this process may run on minus the 1-minute load average (the
-   other jobs' runnable threads; this process is idle when it is read), rounded, between 1 and
-   the cores: ``max(1, min(cores, floor(cores - load + 0.5)))``. A 2-core machine gets 2 threads
-   up to a load of 0.5 from other jobs, 1 above.
+3. else every core this process may run on (its CPU affinity), whatever the load: measured on a
+   shared 2-core machine (docs/dispatch.md, "Threads and op granularity on a shared 2-core CPU"),
+   2 threads gave shorter prefills than 1 at every load seen (0.9 to 6), dense and sparse, once
+   the torch backend stopped fork-joining its own small ops (the cause of the 0.18x); a first
+   version of this policy took ``cores - load`` threads and made the job ~2x slower for no gain
+   in the ratio. The load average is read and reported with the choice.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -78,7 +79,7 @@ def choose_threads(requested: int | None = None) -> ThreadChoice:
             return ThreadChoice(torch.get_num_threads(), name, load, cores)
     if torch.get_num_threads() != _STARTING_THREADS:
         return ThreadChoice(torch.get_num_threads(), "torch.set_num_threads", load, cores)
-    return ThreadChoice(max(1, min(cores, math.floor(cores - load + 0.5))), "policy", load, cores)
+    return ThreadChoice(cores, "policy", load, cores)
 
 
 def apply_threads(choice: ThreadChoice) -> None:
