@@ -20,6 +20,14 @@ the chosen set, and doing only the chosen work:
   rows whose set holds it (the definition); the fused kernel would add the mask to a NaN logit
   and multiply every value it loads.
 
+Non-finite inputs (docs/contract.md): with ``validate=True`` (default) the attention functions
+refuse NaN or inf in ``q`` (computed heads, query rows) and in ``k`` / ``v`` (the kv heads of the
+computed heads) inside the rows, with the Triton kernels' one-line errors
+(:func:`minference._checks.check_finite_kv` names the kv head and its query heads). With
+``validate=False`` a non-finite key or value reaches exactly the rows whose set holds it: there
+each element is the definition's (a NaN value element gives NaN in that element of the output,
+the row's other elements stay exact), and every other row is exact.
+
 The candidate sets are those of :mod:`minference.reference.masks` (``*_rows_mask`` below
 evaluates them for a range of rows; the tests prove them equal to the reference masks). Every
 entry point reads the row lengths on the host, so this backend synchronises on CUDA tensors: it
@@ -43,10 +51,14 @@ causal square, merged by log-sum-exp like every other pair of pieces.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from minference._checks import (
+    check_finite_kv,
+    check_finite_rows,
     check_index,
     check_qkv_rows,
     check_query_rows,
@@ -244,9 +256,11 @@ def _manual(qt, kt, vt, mask, scale):
     p = torch.exp(s - m)
     den = p.sum(-1, keepdim=True)
     vf = vt.to(dt)
-    bad = ~torch.isfinite(vf)
-    if bool(bad.any()):  # only these values need care: 0 * inf = nan would leak to every row
-        h, c, l = bad.any(-1).nonzero(as_tuple=True)
+    bad = ~torch.isfinite(vf).all(-1, keepdim=True)  # [Hg, C, L, 1]: a value row with a non-finite element
+    if bool(bad.any()):  # only these rows need care: 0 * inf = nan would leak to every row
+        h, c, l = bad[..., 0].nonzero(as_tuple=True)
+        # the whole row out of the product (not only its bad elements): the term below adds all of
+        # it, finite elements included, to the rows whose set holds the key (issue 34)
         o = torch.matmul(p, vf.masked_fill(bad, 0))
         keep = member[h, c, :, l][..., None]  # [nbad, R, 1]
         o.index_put_((h, c), torch.where(keep, p[h, c, :, l][..., None] * vf[h, c, l][:, None, :], 0),
@@ -272,8 +286,9 @@ def _merge(acc_o, acc_l, r0, o, l, empty) -> None:
     """Add one piece (``o [..., rows, D]``, ``l [..., rows]``; ``empty`` rows contribute nothing)
     to rows ``r0..`` of the accumulators ``acc_o [..., R, D]``, ``acc_l [..., R]``."""
     r1 = r0 + l.shape[-1]
-    l = l.to(acc_l.dtype).masked_fill(empty, _INF)
-    o = o.to(acc_o.dtype).masked_fill(empty[..., None], 0)
+    l, o = l.to(acc_l.dtype), o.to(acc_o.dtype)
+    if bool(empty.any()):  # most pieces have none: no two full copies of the piece
+        l, o = l.masked_fill(empty, _INF), o.masked_fill(empty[..., None], 0)
     old = acc_l[..., r0:r1]
     if bool((old == _INF).all()):  # the rows' first piece
         acc_o[..., r0:r1, :], acc_l[..., r0:r1] = o, l
@@ -310,7 +325,23 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=
     count, D = t0 + qh.shape[0] // R, qh.shape[1]
     dt, dev = qh.dtype, qh.device
     q4 = qh.view(1, count - t0, R, D)
-    if cols.numel():
+    clusters = _clusters(diags, R)
+    # A solid run of offsets from 0 (every offset 0..b chosen: the local diagonals, closed by gap
+    # filling; an A-shape window): a row i <= b reads exactly the keys 0..i, so the tiles wholly
+    # inside it are one causal call (no mask, no per-tile chunks); no column and no other offset
+    # adds to them (a column j <= i lies on a chosen offset, other offsets exceed i). Whole rows
+    # only (t0 = 0: the causal kernel aligns its queries with the first keys).
+    causal = 0  # tiles 0..causal-1 done by the causal call
+    if t0 == 0 and n and bool(diags[0]):
+        solid = int((~diags).int().argmax()) if not bool(diags.all()) else n  # offsets 0..solid-1 chosen
+        causal = min(count, solid // R)
+        if causal:
+            rows = causal * R
+            o, l = _FLASH_CPU(q4.view(1, 1, -1, D)[:, :, :rows], kpad[None, None, pad : pad + rows],
+                              vpad[None, None, pad : pad + rows], is_causal=True, scale=scale)
+            acc_o[:rows] = o.reshape(rows, D)
+            acc_l[:rows] = l.reshape(rows)
+    if cols.numel() and causal < count:
         # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
         table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
         table[R : R + n].masked_fill_(~diags, 0)
@@ -318,20 +349,20 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=
         windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
         kc = kpad[pad + cols]
         vc = vpad[pad + cols]
-        for c0, c1 in _tile_chunks(t0, count, R * cols.numel()):
+        for c0, c1 in _tile_chunks(max(t0, causal), count, R * cols.numel()):
             lo = torch.arange(c0, c1, device=dev)[:, None] * R
             mask = windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
             o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
-    for a, b in _clusters(diags, R):
+    for a, b in clusters:
         W = b - a + R
         r = torch.arange(R, device=dev)[:, None]
         x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
         inside = (x >= a) & (x <= b)
         band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
-        first = max(t0, a // R)  # tiles before a // R have no row i >= a
+        first = max(t0, a // R, causal)  # tiles before a // R have no row i >= a
         body = min(count, max(first, -(-b // R)))  # tiles before `body` reach keys < 0
 
         def window(c0, c1, t, skip=0, W=W, b=b):  # tiles c0..c1-1, window keys skip..W-1
@@ -383,8 +414,10 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
     for c0, c1 in _tile_chunks(0, count - t0, width * R * D):  # local query blocks
         ids = below[c0:c1].clamp(max=count - 1)
         nt = c1 - c0
-        kg = kblocks[ids].view(1, nt, width * R, D)
-        vg = vblocks[ids].view(1, nt, width * R, D)
+        # one contiguous [R * D] row per block: index_select of rows (a copy per block) is several
+        # times faster on the CPU than advanced indexing of [count, R, D] (per-element gather)
+        kg = kblocks.view(count, R * D).index_select(0, ids.flatten()).view(1, nt, width * R, D)
+        vg = vblocks.view(count, R * D).index_select(0, ids.flatten()).view(1, nt, width * R, D)
         real = (below[c0:c1] < big).repeat_interleave(R, -1)  # [C, width * R]
         mask = torch.zeros(nt, width * R, dtype=qh.dtype, device=dev).masked_fill_(~real, _INF)
         o, l = _FLASH_CPU(q4[:, c0:c1], kg, vg, attn_mask=mask[None, :, None, :], scale=scale)
@@ -411,8 +444,64 @@ def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
     return block, run
 
 
-def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, dense=False,
-            q_seqlens=None, q_seqstarts=None):
+#: Head workers of the fused path (:func:`_each_head`): ``(threads, executor)``, made on first use.
+_WORKERS: list = [0, None]
+
+
+def _single_thread() -> None:
+    torch.set_num_threads(1)  # this worker's OpenMP / MKL threads (per thread; the caller's stay)
+
+
+def _each_head(fn, count: int, threads: int) -> None:
+    """``fn(g)`` for the local heads ``g = 0..count-1`` of the fused path.
+
+    With ``T = torch.get_num_threads() > 1`` intra-op threads the heads go to ``T`` worker
+    threads, each running its heads' pieces single-threaded (the CPU flash kernel and the other
+    ops release the GIL), taken from a shared queue: one head per worker at a time instead of an
+    OpenMP fork-join over ``T`` threads in every one of the many small ops of a head. On a
+    machine shared with other jobs a descheduled worker delays only its own head (issue 30: the
+    fork-joins made the sparse prefill 5x slower than dense at a load of 2.4-4.2 on 2 cores);
+    idle, the heads run side by side. ``T = 1`` (or one head): a plain loop in this thread.
+    ``threads``: the caller's ``T`` (read before :func:`_one_thread`)."""
+    if threads <= 1 or count <= 1:
+        for g in range(count):
+            fn(g)
+        return
+    if _WORKERS[0] != threads:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _WORKERS[1] is not None:
+            _WORKERS[1].shutdown(wait=True)
+        _WORKERS[:] = [threads, ThreadPoolExecutor(threads, thread_name_prefix="minference-head",
+                                                   initializer=_single_thread)]
+    for f in [_WORKERS[1].submit(fn, g) for g in range(count)]:
+        f.result()  # re-raises a worker's error here
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The calling thread's ops single-threaded inside (yields its intra-op thread count ``T``
+    from before, restored after): on a shared machine each OpenMP fork-join of a small op waits
+    for a descheduled thread (issue 30: 2 threads under three busy loops, sparse 0.49x dense), so
+    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_head`)."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+    try:
+        yield threads
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+
+
+def _attend(*args, **kwargs):
+    """:func:`_attend_rows` with this thread's ops single-threaded and the heads on ``T`` workers."""
+    with _one_thread() as threads:
+        return _attend_rows(*args, threads=threads, **kwargs)
+
+
+def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, validate,
+                 threads=1, dense=False, q_seqlens=None, q_seqstarts=None):
     """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
 
     Queries may be part of the key rows (docs/kernels.md, "query rows"): ``q [B,Hq,Nq,D]``, row
@@ -433,6 +522,12 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
     rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                             given_rows=seqlens is not None or seqstarts is not None)
     q_lens, q_starts = rows if rows is not None else (lens, starts)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if validate and ids:  # the Triton kernels' rule (kernels._common.prepare), with their messages
+        computed = None if ids == list(range(Hq)) else torch.tensor(ids, device=q.device)
+        check_finite_rows({"q": q}, q_lens, q_starts, heads=None if computed is None else {"q": computed})
+        check_finite_kv({"k": k, "v": v}, lens, starts, group=Hq // Hkv, query_heads=computed)
     if out is None:
         out = torch.zeros_like(q)
     else:
@@ -444,6 +539,7 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     hk = hq // (Hq // Hkv)
+    kv_ids = [h // (Hq // Hkv) for h in ids]
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
     dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
@@ -457,40 +553,52 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
         # a non-finite key or value would reach rows outside its set: such rows take _manual.
         fused = _FLASH_CPU is not None and q.device.type == "cpu" and bool(
             torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
-        qb = q[b, :, qs : qs + c].index_select(0, hq)  # [Hg, c, D]
+        qb = _take_heads(q[b, :, qs : qs + c], ids)  # [Hg, c, D]
         if dense and fused:
-            kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
-            vb = v[b, :, s : s + n].index_select(0, hk)
-            o, l = _FLASH_CPU(qb[None], kb[None, :, lo:], vb[None, :, lo:], is_causal=True, scale=scale)
-            o, l = o[0], l[0]
-            if lo:  # the keys before the queries: every query sees all of them
-                o, l = o.to(acc_dt), l.to(acc_dt)
-                oc, lc = _FLASH_CPU(qb[None], kb[None, :, :lo], vb[None, :, :lo], scale=scale)
-                _merge(o, l, 0, oc[0], lc[0], torch.zeros(Hg, c, dtype=torch.bool, device=q.device))
-            out[b, hq, qs : qs + c] = o.to(q.dtype)
-            if lse is not None:
-                lse[b, hq, qs : qs + c] = l.float()
+            def dense_head(g, b=b, s=s, n=n, qs=qs, c=c, lo=lo):  # views of q, k, v: no copies
+                h, hv = ids[g], kv_ids[g]
+                qh = q[b, h, qs : qs + c][None, None]  # [1, 1, c, D]
+                kh, vh = k[b, hv, s : s + n][None, None], v[b, hv, s : s + n][None, None]
+                o, l = _FLASH_CPU(qh, kh[:, :, lo:], vh[:, :, lo:], is_causal=True, scale=scale)
+                o, l = o[0, 0], l[0, 0]
+                if lo:  # the keys before the queries: every query sees all of them
+                    o, l = o.to(acc_dt), l.to(acc_dt)
+                    oc, lc = _FLASH_CPU(qh, kh[:, :, :lo], vh[:, :, :lo], scale=scale)
+                    _merge(o, l, 0, oc[0, 0], lc[0, 0], torch.zeros(c, dtype=torch.bool, device=q.device))
+                out[b, h, qs : qs + c] = o.to(q.dtype)
+                if lse is not None:
+                    lse[b, h, qs : qs + c] = l.float()
+
+            _each_head(dense_head, Hg, threads)
             continue
         if fused and fused_of is not None:
             R, run = fused_of(b, n)
             count, t0 = -(-n // R), lo // R
             first = lo - t0 * R  # the first query's row in the computed tiles
-            kpad = torch.zeros(Hkv, n + count * R, D, dtype=dt, device=q.device)
-            vpad = torch.zeros_like(kpad)
-            kpad[:, n : 2 * n] = k[b, :, s : s + n]
-            vpad[:, n : 2 * n] = v[b, :, s : s + n]
-            qpad = torch.zeros(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
+            kpad = torch.empty(Hkv, n + count * R, D, dtype=dt, device=q.device)
+            vpad = torch.empty_like(kpad)
+            for x, src in ((kpad, k), (vpad, v)):  # key j at row n + j, zeros around it
+                x[:, :n].zero_()
+                x[:, n : 2 * n] = src[b, :, s : s + n]
+                x[:, 2 * n :].zero_()
+            qpad = torch.empty(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
+            qpad[:, :first].zero_()
             qpad[:, first : first + c] = qb
-            for g, (h, hv) in enumerate(zip(ids, hk.tolist())):
+            qpad[:, first + c :].zero_()
+            def head(g, b=b, qs=qs, c=c, n=n, R=R, t0=t0, first=first, count=count, run=run, qpad=qpad,
+                     kpad=kpad, vpad=vpad):
+                h, hv = ids[g], kv_ids[g]
                 acc_o = torch.zeros((count - t0) * R, D, dtype=acc_dt, device=q.device)
                 acc_l = torch.full(((count - t0) * R,), _INF, dtype=acc_dt, device=q.device)
                 run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R, t0)
-                out[b, h, qs : qs + c] = acc_o[first : first + c].to(q.dtype)
+                out[b, h, qs : qs + c] = acc_o[first : first + c].to(q.dtype)  # disjoint rows per head
                 if lse is not None:
                     lse[b, h, qs : qs + c] = acc_l[first : first + c].float()
+
+            _each_head(head, Hg, threads)
             continue
-        kb = k[b, :, s : s + n].index_select(0, hk)  # [Hg, n, D]
-        vb = v[b, :, s : s + n].index_select(0, hk)
+        kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
+        vb = _take_heads(v[b, :, s : s + n], kv_ids)
         t = tiles_of(b, n, q.dtype)
         R = t.rows
         t0 = lo // R
@@ -530,6 +638,17 @@ def _attend(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts,
     return (out, lse) if return_lse else out
 
 
+def _take_heads(x: torch.Tensor, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [H, ...]``'s entries ``ids`` stacked into a new contiguous ``[len(ids), ...]`` tensor (in
+    ``dtype``): one strided copy per head. ``index_select`` on the model's transposed ``[H, N, D]``
+    views (strides ``(D, H * D, 1)``) gathers element by element: 6 ms against 1 ms for 9 heads
+    of 4096 x 64 on one core."""
+    out = torch.empty((len(ids), *x.shape[1:]), dtype=x.dtype if dtype is None else dtype, device=x.device)
+    for g, h in enumerate(ids):
+        out[g].copy_(x[h])
+    return out
+
+
 def _ids(heads, Hq):
     if heads is not None:
         check_tensor("heads", heads, rank=1, dtypes=_INT)
@@ -555,7 +674,7 @@ def dense_attention(
         return _band_tiles(~every, every, n, dtype)
 
     return _attend(q, k, v, ids, tiles, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                   return_lse=return_lse, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   return_lse=return_lse, validate=validate, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def ashape_attention(
@@ -581,7 +700,8 @@ def ashape_attention(
 
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(*sets(n), n, dtype),
                    lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                   out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts)
 
 
 def vertical_slash_attention(
@@ -606,7 +726,8 @@ def vertical_slash_attention(
     diags = slash_set(N, slash, fill_gaps)
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
                    lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,
-                   seqstarts=seqstarts, out=out, return_lse=return_lse, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   seqstarts=seqstarts, out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
+                   q_seqstarts=q_seqstarts)
 
 
 def block_sparse_attention(
@@ -631,7 +752,7 @@ def block_sparse_attention(
     return _attend(q, k, v, ids, lambda b, n, dtype: _block_tiles(blocks[b], n, block, dtype),
                    lambda b, n: _blocks_fused(blocks[b], n, block),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse,
-                   q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   validate=validate, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
@@ -664,7 +785,7 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
         if R == 0:  # a row without queries samples nothing: zero scores
             continue
         qs = q[b, :, row0 + sampled].index_select(0, hq).float()  # [Hg, R, D]
-        ks = k[b, :, s : s + n].index_select(0, hk).float()  # [Hg, n, D]
+        ks = _take_heads(k[b, :, s : s + n], hk.tolist(), torch.float32)  # [Hg, n, D]
         i = sampled[:, None]
         j = torch.arange(n, device=q.device)[None, :]
         logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, R, n]
@@ -690,7 +811,7 @@ def _pool_torch(x: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.T
         nb = -(-n // block)
         if nb == 0:
             continue
-        rows = x[b, :, s : s + n].index_select(0, hs).float()
+        rows = _take_heads(x[b, :, s : s + n], hs.tolist(), torch.float32)
         rows = F.pad(rows, (0, 0, 0, nb * block - n)).view(len(hs), nb, block, D)
         counts = torch.clamp(n - torch.arange(nb, device=x.device) * block, max=block).float()
         out[b, :, :nb] = rows.sum(2) / counts[:, None]
@@ -744,13 +865,14 @@ def vertical_slash_index(
 ):
     """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.vertical_slash_index`."""
-    return build_vertical_slash_index(
-        _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
-        local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
-        seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
-        vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
-        threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
-        q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+    with _one_thread():  # small ops: no fork-joins (issue 30)
+        return build_vertical_slash_index(
+            _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
+            local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
+            seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
+            vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
+            threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def block_sparse_index(
@@ -765,12 +887,13 @@ def block_sparse_index(
 ):
     """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.block_sparse_index`."""
-    return build_block_sparse_index(
-        _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
-        scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
-        return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
-        threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
-        scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+    with _one_thread():  # small ops: no fork-joins (issue 30)
+        return build_block_sparse_index(
+            _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
+            scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
+            return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
+            threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
+            scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
 
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
@@ -809,7 +932,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         if nb == 0:
             continue
         km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
-        qb = F.pad(q[b, :, s : s + n].index_select(0, hq).float(), (0, 0, 0, nb * block - n))
+        qb = F.pad(_take_heads(q[b, :, s : s + n], ids, torch.float32), (0, 0, 0, nb * block - n))
         qb = qb.view(len(ids), nb, block, D)
         row_ok = (torch.arange(nb * block, device=q.device) < n).view(nb, block)
         J = torch.arange(nb, device=q.device)

@@ -13,6 +13,12 @@ of the dense softmax that the sparse index captures, measured on the queries and
 sparse layers really saw), the smallest greedy logit margin, and how many attention calls took
 each path. Coverage is measured by an observer outside the timed region (its time is
 subtracted). On a 2-core CPU the default 4K-token run takes a few minutes.
+
+On a CPU both runs use the intra-op thread count of :mod:`minference.app.threads` (``--threads``,
+else a count the user set through ``OMP_NUM_THREADS`` or ``torch.set_num_threads``, else every
+usable core), chosen once before the model loads and printed with the report (issue 30: on a
+machine shared with other jobs, the OpenMP fork-joins of the torch backend's many small ops made
+the sparse prefill 5x slower than dense; the backend no longer fork-joins its own ops).
 """
 
 from __future__ import annotations
@@ -133,6 +139,8 @@ class MainJobReport:
     #: False with ``coverage=False`` (``run --no-coverage``): the per-layer lists are not measured.
     coverage_measured: bool = True
     guard: dict | None = None  # the quality guard's summary of the sparse run (docs/guard.md)
+    #: intra-op threads of both runs on the CPU and why (minference.app.threads; "" on a GPU)
+    threads: str = ""
 
     @property
     def density(self) -> float:
@@ -179,6 +187,7 @@ def run_main_job(
     model_name: str | None = None,
     dense_tail: int | None = None,
     guard=None,
+    threads: int | None = None,
 ) -> MainJobReport:
     """Dense and sparse prefill of one passkey prompt; see the module docstring.
 
@@ -193,7 +202,27 @@ def run_main_job(
     :func:`minference.app.models.load_smollm2` (unpatched; it is left unpatched).
     ``guard``: :class:`minference.app.guard_options.GuardOptions` over the config's
     ``runtime.guard`` (the sparse run's quality guard, docs/guard.md; ``None``: the config's own).
+    ``threads``: on a CPU, the intra-op threads of both runs (``None``: the thread policy of
+    :mod:`minference.app.threads`, which keeps a count the user set through ``OMP_NUM_THREADS``
+    or ``torch.set_num_threads``); chosen once, before the model loads, and restored after.
     """
+    if torch.device(device).type != "cpu":
+        return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
+                             coverage, progress, loaded, model_name, dense_tail, guard, None)
+    from minference.app.threads import apply_threads, choose_threads
+
+    thread_choice = choose_threads(threads)  # before anything runs: the load is the other jobs'
+    before = torch.get_num_threads()
+    apply_threads(thread_choice)
+    try:
+        return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
+                             coverage, progress, loaded, model_name, dense_tail, guard, thread_choice)
+    finally:  # the caller's count again (a test session, a notebook)
+        torch.set_num_threads(before)
+
+
+def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device, coverage,
+                  progress, loaded, model_name, dense_tail, guard, thread_choice) -> MainJobReport:
     from tqdm.auto import tqdm
 
     import minference.integration as integ
@@ -280,6 +309,7 @@ def run_main_job(
         pattern_counts=config.counts(), layer_density=density, layer_coverage=cover, call_counts=counts,
         backend=backend, device=str(device), model=model_name, coverage_measured=coverage,
         guard=None if run_guard is None else run_guard.summary(),
+        threads="" if thread_choice is None else thread_choice.describe(),
     )
 
 
@@ -296,6 +326,8 @@ def format_report(r: MainJobReport) -> str:
         f"sparse prefill    : {r.sparse.prefill_s:.2f} s (minference, backend {r.backend}; "
         f"ratio {r.dense.prefill_s / r.sparse.prefill_s:.2f}x)",
     ]
+    if r.threads:
+        lines.append(f"cpu threads       : {r.threads}")
     if r.coverage_measured:
         lines += [
             f"sparsity          : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
@@ -450,6 +482,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     run.add_argument("--no-coverage", action="store_true", help="skip the per-layer coverage measurement")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--threads", type=int, default=None, metavar="N",
+                     help="CPU intra-op threads of both runs (default: OMP_NUM_THREADS or torch.set_num_threads "
+                          "if set, else every usable core: minference.app.threads)")
     guard_options.add_arguments(run)
     run.set_defaults(func=_run_cmd, check=_check_run)
 
@@ -508,6 +543,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_run(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"argument --threads: must be at least 1, got {args.threads}")
     model, _, tokens = main_job_defaults(args.device, args.model)
     if model == "qwen":
         from minference.app.models import QWEN_NATIVE_CONTEXT, QWEN_YARN_FACTOR
@@ -554,6 +591,7 @@ def _run_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
         dense_threshold=args.dense_threshold, allow_mismatch=args.allow_mismatch, device=args.device,
         coverage=not args.no_coverage, progress=not args.no_progress, dense_tail=args.dense_tail,
         guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)
+        threads=args.threads,
     )
     print(format_report(report), file=out or sys.stdout)
     return 0

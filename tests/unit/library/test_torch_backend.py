@@ -173,9 +173,9 @@ def test_argument_errors() -> None:
         tb.dense_attention(q.numpy(), k, v)
 
 
-def _patterns(N: int, H: int):
+def _patterns(N: int, H: int, **kw):
     """One call per pattern on heads ``0..H-1`` of ``q [1, H, N, D]`` and its definition's mask
-    ``[H, N, N]``: (name, run(q, k, v) -> out, mask)."""
+    ``[H, N, N]``: (name, run(q, k, v) -> out, mask); ``kw`` goes to every call."""
     g = torch.Generator().manual_seed(3)
     vertical = torch.randint(0, N, (1, H, 4), generator=g, dtype=torch.int32)
     slash = torch.cat([torch.zeros(1, H, 1, dtype=torch.int32),
@@ -184,13 +184,13 @@ def _patterns(N: int, H: int):
     nqb = -(-N // block)
     blocks = torch.randint(-1, nqb, (1, H, nqb, 3), generator=g, dtype=torch.int32)
     return [
-        ("vertical_slash", lambda q, k, v: tb.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=3),
+        ("vertical_slash", lambda q, k, v: tb.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=3, **kw),
          masks.vertical_slash_mask(N, vertical[0], slash[0], 3)),
-        ("block_sparse", lambda q, k, v: tb.block_sparse_attention(q, k, v, blocks, block=block),
+        ("block_sparse", lambda q, k, v: tb.block_sparse_attention(q, k, v, blocks, block=block, **kw),
          masks.block_sparse_mask(N, blocks[0], block)),
-        ("a_shape", lambda q, k, v: tb.ashape_attention(q, k, v, 3, 20),
+        ("a_shape", lambda q, k, v: tb.ashape_attention(q, k, v, 3, 20, **kw),
          masks.ashape_mask(N, 3, 20).expand(H, N, N)),
-        ("dense", lambda q, k, v: tb.dense_attention(q, k, v), masks.causal_mask(N).expand(H, N, N)),
+        ("dense", lambda q, k, v: tb.dense_attention(q, k, v, **kw), masks.causal_mask(N).expand(H, N, N)),
     ]
 
 
@@ -199,7 +199,8 @@ def _patterns(N: int, H: int):
 def test_a_non_finite_key_reaches_only_the_rows_that_read_it(monkeypatch, fused: bool, where: str) -> None:
     """Issue 19: one NaN key (or value) at position ``j`` makes NaN exactly the rows whose
     candidate set holds ``j`` (the definition), every other row stays equal to the clean run, on
-    both paths (``gathered``: the exact path non-CPU devices take)."""
+    both paths (``gathered``: the exact path non-CPU devices take). Validation off: on, the
+    input is refused (:func:`test_validation_refuses_non_finite_kv_naming_kv_head_and_query_heads`)."""
     if not fused:
         monkeypatch.setattr(tb, "_FLASH_CPU", None)
     N, H = 150, 2
@@ -208,7 +209,7 @@ def test_a_non_finite_key_reaches_only_the_rows_that_read_it(monkeypatch, fused:
     j = 70
     bad_k, bad_v = k.clone(), v.clone()
     (bad_k if where == "k" else bad_v)[0, 0, j, 5] = float("nan")
-    for name, run, mask in _patterns(N, H):
+    for name, run, mask in _patterns(N, H, validate=False):
         clean, out = run(q, k, v), run(q, bad_k, bad_v)
         reads = mask[:, :, j]  # [H, N]: row i's set holds key j
         assert bool(reads.any()) and bool((~reads).any()), name
@@ -251,3 +252,183 @@ def test_work_follows_the_chosen_set(monkeypatch) -> None:
     blocks = torch.stack([torch.tensor([0, i]) for i in range(N // 64)]).expand(1, 2, -1, -1).int()
     tb.block_sparse_attention(q, k, v, blocks, block=64)
     assert calls and max(calls) <= 2 * 64 + 100, calls
+
+
+#: Grouped heads for the non-finite tests (issue 34): ``Hq / Hkv >= 2`` and more than one kv head,
+#: so query head ``h`` reads kv head ``h // group``, which differs from ``h % Hkv`` and ``h // Hkv``.
+GQA_SHAPES = [(6, 2), (6, 3)]
+
+
+def _gqa_patterns(N: int, Hq: int, block: int = 16):
+    """Every pattern on ``Hq`` heads with fixed indices: ``(name, run(q, k, v, **kw), ref(q, k, v,
+    compute_dtype) -> out, mask [Hq, N, N])``."""
+    g = torch.Generator().manual_seed(5)
+    vertical = torch.randint(0, N, (1, Hq, 3), generator=g, dtype=torch.int32)
+    slash = torch.cat([torch.zeros(1, Hq, 1, dtype=torch.int32),
+                       torch.randint(1, N, (1, Hq, 4), generator=g, dtype=torch.int32)], -1)
+    nqb = -(-N // block)
+    blocks = torch.cat([torch.zeros(1, Hq, nqb, 1, dtype=torch.int32),  # the sink block: every row reads it
+                        torch.randint(-1, nqb, (1, Hq, nqb, 2), generator=g, dtype=torch.int32)], -1)
+    def sub(idx, heads):  # index tensors carry one row per computed head
+        return idx if heads is None else idx[:, heads]
+
+    return [
+        ("a_shape", lambda q, k, v, **kw: tb.ashape_attention(q, k, v, 2, 12, **kw),
+         lambda q, k, v, dt: ref.ashape_attention(q, k, v, 2, 12, compute_dtype=dt),
+         masks.ashape_mask(N, 2, 12).expand(Hq, N, N)),
+        ("vertical_slash", lambda q, k, v, heads=None, **kw: tb.vertical_slash_attention(
+            q, k, v, sub(vertical, heads), sub(slash, heads), heads=heads, **kw),
+         lambda q, k, v, dt: ref.vertical_slash_attention(q, k, v, vertical, slash, compute_dtype=dt),
+         masks.vertical_slash_mask(N, vertical[0], slash[0])),
+        ("block_sparse", lambda q, k, v, heads=None, **kw: tb.block_sparse_attention(
+            q, k, v, sub(blocks, heads), block=block, heads=heads, **kw),
+         lambda q, k, v, dt: ref.block_sparse_attention(q, k, v, blocks, block=block, compute_dtype=dt),
+         masks.block_sparse_mask(N, blocks[0], block)),
+        ("dense", lambda q, k, v, **kw: tb.dense_attention(q, k, v, **kw),
+         lambda q, k, v, dt: ref.dense_attention(q, k, v, compute_dtype=dt),
+         masks.causal_mask(N).expand(Hq, N, N)),
+    ]
+
+
+def _gqa_inputs(Hq: int, Hkv: int, N: int = 97, D: int = 16):
+    g = torch.Generator().manual_seed(Hq * 10 + Hkv)
+    return (torch.randn(1, Hq, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g),
+            torch.randn(1, Hkv, N, D, generator=g))
+
+
+def _readers(j: int, group: int, computed=None) -> str:
+    heads = [h for h in range(j * group, (j + 1) * group) if computed is None or h in computed]
+    return f"kv head {j}, read by query heads \\[{', '.join(map(str, heads))}\\];"
+
+
+@pytest.mark.parametrize("Hq,Hkv", GQA_SHAPES)
+def test_validation_refuses_non_finite_kv_naming_kv_head_and_query_heads(Hq, Hkv) -> None:
+    """Issue 34: with validation on (the default) every attention function of the backend refuses
+    a NaN or inf in one element of one key or value row, with the Triton kernels' one-line error
+    naming the kv head and the query heads that read it; computing only heads that read another
+    kv head, the same input is no error (the kv head is not read). Before, the backend returned
+    finite wrong numbers for a NaN value element (1.85 where the definition gave 0.918)."""
+    group = Hq // Hkv
+    q, k, v = _gqa_inputs(Hq, Hkv)
+    t = 40
+    for name, run, _, _ in _gqa_patterns(q.shape[2], Hq):
+        for j in range(Hkv):
+            for which, bad in (("v", float("nan")), ("k", float("inf"))):
+                kk, vv = k.clone(), v.clone()
+                (vv if which == "v" else kk)[0, j, t, 3] = bad
+                with pytest.raises(ValueError, match=f"{which} holds NaN or inf at batch row 0, token {t} "
+                                                     f"\\({_readers(j, group)}"):
+                    run(q, kk, vv)
+                mine = torch.tensor([j * group + group - 1])
+                with pytest.raises(ValueError, match=_readers(j, group, computed={j * group + group - 1})):
+                    run(q, kk, vv, heads=mine)
+                other = torch.tensor([((j + 1) % Hkv) * group])  # reads kv head j + 1 only
+                out = run(q, kk, vv, heads=other)
+                assert torch.isfinite(out).all(), (name, j, which)
+
+
+@pytest.mark.parametrize("Hq,Hkv", GQA_SHAPES)
+def test_validate_off_a_non_finite_value_element_leaves_the_other_elements_exact(Hq, Hkv) -> None:
+    """Issue 34, validation off: a NaN in element ``d`` of value row ``t`` (one kv head) makes NaN
+    exactly element ``d`` of the rows whose set holds ``t`` (in the query heads of that kv head);
+    every other element (the same rows' other elements included, which came out finite but wrong
+    before) follows the float64 definition under the tolerance rule."""
+    group = Hq // Hkv
+    q, k, v = _gqa_inputs(Hq, Hkv)
+    N, t, d = q.shape[2], 40, 3
+    for j in range(Hkv):
+        vb = v.clone()
+        vb[0, j, t, d] = float("nan")
+        v0 = vb.clone()
+        v0[0, j, t] = 0.0  # the definition of the elements that do not read the NaN
+        for name, run, run_ref, mask in _gqa_patterns(N, Hq):
+            out = run(q, k, vb, validate=False)
+            reads = torch.zeros(Hq, N, dtype=torch.bool)
+            reads[j * group : (j + 1) * group] = mask[j * group : (j + 1) * group, :, t]
+            assert bool(reads.any()) and bool((~reads).any()), name
+            want_nan = torch.zeros_like(out, dtype=torch.bool)
+            want_nan[0, :, :, d] = reads
+            assert torch.equal(~torch.isfinite(out), want_nan), (name, j)
+            r64, rsame = run_ref(q, k, vb, torch.float64), run_ref(q, k, vb, torch.float32)
+            # the reference's einsum spreads 0 * NaN over column d of the whole kv group: there
+            # the definition is the run with the row zeroed (a row outside the set never reads it)
+            z64, zsame = run_ref(q, k, v0, torch.float64), run_ref(q, k, v0, torch.float32)
+            col = torch.zeros_like(want_nan)
+            col[..., d] = True
+            r64, rsame = torch.where(col & ~want_nan, z64, r64), torch.where(col & ~want_nan, zsame, rsame)
+            assert_close_to_reference(out, r64, rsame, where=~want_nan, name=f"{name} kv head {j}")
+
+
+@pytest.mark.parametrize("Hq,Hkv", GQA_SHAPES)
+def test_dispatcher_torch_backend_non_finite_value(Hq, Hkv) -> None:
+    """Issue 34 through ``sparse_prefill(..., backend="torch")`` with a mixed plan (A-shape,
+    vertical-slash, block-sparse, dense heads): validation on refuses a NaN value element with the
+    kv head and its query heads named; validation off leaves every element but ``d`` of every
+    output row equal to the clean run's (a value row's finite elements are the same numbers), and
+    ``d`` NaN in the rows that read the token only."""
+    from minference.dispatch import sparse_prefill
+    from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
+
+    group = Hq // Hkv
+    q, k, v = _gqa_inputs(Hq, Hkv, N=160)
+    kinds = [AShape(sink=2, window=24), VerticalSlash(vertical=4, slash=6, last_q=16, sink_columns=2,
+                                                     local_diagonals=4),
+             BlockSparse(top_k=3, block=16, sink_blocks=1), Dense()]
+    plan = [kinds[h % len(kinds)] for h in range(Hq)]
+    t, d = 17, 5  # inside the first block (every block-sparse row reads it) and the A-shape window of rows 17..40
+    clean = sparse_prefill(q, k, v, plan, dense_threshold=0, backend="torch", validate=False)
+    for j in range(Hkv):
+        vb = v.clone()
+        vb[0, j, t, d] = float("nan")
+        with pytest.raises(ValueError, match=f"v holds NaN or inf at batch row 0, token {t} \\({_readers(j, group)}"):
+            sparse_prefill(q, k, vb, plan, dense_threshold=0, backend="torch")
+        out = sparse_prefill(q, k, vb, plan, dense_threshold=0, backend="torch", validate=False)
+        others = torch.ones(out.shape[-1], dtype=torch.bool)
+        others[d] = False
+        assert torch.isfinite(out[..., others]).all(), j
+        torch.testing.assert_close(out[..., others], clean[..., others], rtol=1e-5, atol=1e-6, msg=f"kv head {j}")
+        nan_rows = torch.isnan(out[0, :, :, d])  # [Hq, N]
+        assert torch.equal(nan_rows.any(-1), torch.arange(Hq) // group == j), j  # each reader head reads t
+        assert not nan_rows[:, :t].any(), j  # causal: no row before t reads it
+        v0 = vb.clone()
+        v0[0, j, t] = 0.0  # element d of a row that does not read t: the run with that value row zeroed
+        zeroed = sparse_prefill(q, k, v0, plan, dense_threshold=0, backend="torch", validate=False)
+        torch.testing.assert_close(out[0, :, :, d][~nan_rows], zeroed[0, :, :, d][~nan_rows], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fill_gaps", [0, 40])
+def test_a_solid_band_at_offset_zero_runs_causal_and_stays_exact(monkeypatch, fill_gaps) -> None:
+    """The fused path's causal shortcut: offsets ``0..b`` all chosen (the local diagonals, an
+    A-shape window; with gap filling a band with holes closes) make the rows ``i <= b`` causal,
+    run as one causal call; the columns and the other clusters add to the later rows only. Bands
+    several tiles wide, with columns inside and outside the band, against the float64 twins
+    (the hypothesis cases are shorter than two tiles)."""
+    calls = []
+    real = tb._FLASH_CPU
+
+    def spy(q, k, v, *a, **kw):
+        calls.append(bool(kw.get("is_causal")))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(tb, "_FLASH_CPU", spy)
+    N, Hq, Hkv, D = 333, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, N, D, generator=g) for h in (Hq, Hkv, Hkv))
+    band = torch.arange(0, 200, 3 if fill_gaps else 1, dtype=torch.int32)  # holes of 2 closed by fill 40
+    slash = torch.cat([band, torch.tensor([260, 261, 300], dtype=torch.int32)]).expand(1, Hq, -1).contiguous()
+    vertical = torch.tensor([3, 50, 120, 250, 330], dtype=torch.int32).expand(1, Hq, -1).contiguous()
+    for kw in ({}, dict(q_seqlens=100)):  # whole rows; the last 100 rows as queries (no shortcut)
+        qq = q[:, :, N - 100 :] if kw else q
+        calls.clear()
+        out = tb.vertical_slash_attention(qq, k, v, vertical, slash, fill_gaps=fill_gaps, **kw)
+        assert any(calls) == (not kw), calls
+        r64 = ref.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=fill_gaps)
+        rs = ref.vertical_slash_attention(q, k, v, vertical, slash, fill_gaps=fill_gaps, compute_dtype=torch.float32)
+        rows = slice(N - 100, N) if kw else slice(0, N)
+        assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"vertical_slash {kw}")
+        calls.clear()
+        out = tb.ashape_attention(qq, k, v, 5, 150, **kw)
+        assert any(calls) == (not kw), calls
+        r64 = ref.ashape_attention(q, k, v, 5, 150)
+        rs = ref.ashape_attention(q, k, v, 5, 150, compute_dtype=torch.float32)
+        assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"a_shape {kw}")
