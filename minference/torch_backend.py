@@ -67,9 +67,8 @@ from minference._checks import (
     default_scale,
 )
 from minference.index import blocks_from_slots, build_block_sparse_index, build_vertical_slash_index, scorer_rows
+from minference.index_sets import check_fill_gaps, head_ids, per_head_budget, scatter_set, slash_set
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
-from minference.reference.attention import head_ids, per_head_budget
-from minference.reference.masks import _scatter_set, check_fill_gaps, slash_set
 
 __all__ = [
     "ashape_attention",
@@ -115,7 +114,7 @@ def vertical_slash_rows_mask(i0: int, i1: int, n: int, vertical: torch.Tensor, s
     ``0..n-1``: ``vertical [..., NV]``, ``slash [..., NS]`` -> ``[..., i1-i0, n]``."""
     i, j = _positions(i0, i1, n, vertical.device)
     width = max(n, i1)
-    cols = _scatter_set(width, vertical)[..., :n]  # [..., n]
+    cols = scatter_set(width, vertical)[..., :n]  # [..., n]
     diags = slash_set(width, slash, fill_gaps)  # [..., width]
     offset = (i - j).clamp(min=0)  # [rows, n]
     return (diags[..., offset] | cols[..., None, :]) & (j <= i)
@@ -126,7 +125,7 @@ def block_sparse_rows_mask(i0: int, i1: int, n: int, blocks: torch.Tensor, block
     ``0..n-1``: ``blocks [..., NQB, K]`` -> ``[..., i1-i0, n]``."""
     i, j = _positions(i0, i1, n, blocks.device)
     nqb = blocks.shape[-2]
-    chosen = _scatter_set(nqb, blocks)  # [..., NQB, NQB]
+    chosen = scatter_set(nqb, blocks)  # [..., NQB, NQB]
     qb = (i // block).clamp(max=nqb - 1)
     kb = (j // block).clamp(max=nqb - 1)
     return chosen[..., qb, kb] & (j <= i) & (j // block < nqb)
@@ -722,7 +721,7 @@ def vertical_slash_attention(
     for name, idx in (("vertical", vertical), ("slash", slash)):
         check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
     check_fill_gaps(fill_gaps)
-    cols = _scatter_set(N, vertical)  # [B, Hg, N]: the same sets as the reference, over the whole N
+    cols = scatter_set(N, vertical)  # [B, Hg, N]: the same sets as the reference, over the whole N
     diags = slash_set(N, slash, fill_gaps)
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
                    lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,

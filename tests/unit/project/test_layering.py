@@ -60,11 +60,6 @@ KERNELS_MAY_IMPORT = ("minference.kernels", *BASE, "minference.builders")
 #: What the float64 oracle may import: itself and the base (the set definitions it shares with
 #: the library); nothing it is the oracle of.
 REFERENCE_MAY_IMPORT = ("minference.reference", *BASE)
-#: Production modules that may still import the oracle, with the names, until their owner moves
-#: them to ``minference.index_sets`` (the torch backend is being rewritten in another branch); the
-#: list only shrinks.
-PENDING_REFERENCE_IMPORTS = {"minference/torch_backend.py": ["minference.reference.attention",
-                                                             "minference.reference.masks"]}
 
 
 def test_base_modules_import_only_the_base():
@@ -93,8 +88,7 @@ def test_production_never_imports_the_oracle():
     files = list((ROOT / "minference").glob("*.py"))
     offenders = {p.relative_to(ROOT).as_posix(): sorted(n for n in _minference_imports(p)
                                                         if n.startswith("minference.reference")) for p in files}
-    offenders = {k: v for k, v in offenders.items() if not set(v) <= set(PENDING_REFERENCE_IMPORTS.get(k, ()))}
-    assert offenders == {}
+    assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_distributed_does_not_import_integration():
