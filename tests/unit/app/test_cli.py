@@ -297,6 +297,7 @@ def test_errors_after_the_checks_are_one_line_too(capsys, monkeypatch):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(models, "load_model", bug)
+    monkeypatch.setattr(models, "load_tokenizer", bug)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["run", "--no-progress"])
 
