@@ -57,4 +57,4 @@ def _as_namespace(module: types.ModuleType, why: str) -> None:
 
     module.__file__ = None
     module.__path__ = []
-    module.__getattr__ = __getattr__
+    module.__dict__["__getattr__"] = __getattr__  # PEP 562: the module-level hook

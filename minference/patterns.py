@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Literal, Union
 
 from minference._checks import check_int
@@ -78,14 +79,14 @@ def check_budget_rule(name: str, rule: object, threshold: object) -> float | Non
 
 
 def _check_minimum(name: str, field: str, minimum: object, bound: str, maximum: int) -> None:
-    check_int(f"{name}.{field}", minimum, 0)
-    if minimum > maximum:
+    if check_int(f"{name}.{field}", minimum, 0) > maximum:
         raise ValueError(f"{name}.{field} must be <= {bound} ({maximum}), got {minimum}")
 
 
 def _check_kind(pattern: object, kind: str) -> None:
-    if pattern.kind != kind:
-        raise ValueError(f"{type(pattern).__name__}.kind must be {kind!r}, got {pattern.kind!r}")
+    actual = getattr(pattern, "kind", None)
+    if actual != kind:
+        raise ValueError(f"{type(pattern).__name__}.kind must be {kind!r}, got {actual!r}")
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def pattern_from_dict(data: dict) -> Pattern:
     if kind not in PATTERN_TYPES:
         raise ValueError(f"unknown pattern kind {kind!r}; expected one of {sorted(PATTERN_TYPES)}")
     cls = PATTERN_TYPES[kind]
-    fields = set(cls.__dataclass_fields__)
+    fields = {f.name for f in dataclass_fields(cls)}
     unknown = set(data) - fields
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)} for pattern {kind!r}")
