@@ -350,6 +350,7 @@ OPTION_CHECKS = {
     "dense_threshold": _int_at_least(0),
     "dense_tail": _int_at_least(0),
     "prefill_chunk": _int_at_least(0),
+    "threads": _int_at_least(1),
     "layers": _int_at_least(0),
     "layer": _int_at_least(0),
     "head": _int_at_least(0),

@@ -1031,9 +1031,10 @@ def run_eval(
     if integ.is_patched(model):
         raise EvalError("pass an unpatched model")
     dev = next(model.parameters()).device
-    if _context_limit(model_name, _native_context(model), force_length)[0] != limit:
+    loaded_limit = _context_limit(model_name, _native_context(model), force_length)
+    if loaded_limit[0] != limit:
         # a Qwen file given by path with another context than the testbed's: its config decides
-        limit, limit_text = _context_limit(model_name, _native_context(model), force_length)
+        limit, limit_text = loaded_limit
         ruler_prompts, first = _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit,
                                               limit_text, allow_mismatch)
     resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch) for spec in configs]

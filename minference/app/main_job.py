@@ -206,19 +206,19 @@ def run_main_job(
     :mod:`minference.app.threads`, which keeps a count the user set through ``OMP_NUM_THREADS``
     or ``torch.set_num_threads``); chosen once, before the model loads, and restored after.
     """
-    if torch.device(device).type != "cpu":
-        return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
-                             coverage, progress, loaded, model_name, dense_tail, guard, None)
-    from minference.app.threads import apply_threads, choose_threads
-
-    thread_choice = choose_threads(threads)  # before anything runs: the load is the other jobs'
     before = torch.get_num_threads()
-    apply_threads(thread_choice)
+    thread_choice = None
+    if torch.device(device).type == "cpu":
+        from minference.app.threads import apply_threads, choose_threads
+
+        thread_choice = choose_threads(threads)  # before anything runs: the load is the other jobs'
+        apply_threads(thread_choice)
     try:
         return _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device,
                              coverage, progress, loaded, model_name, dense_tail, guard, thread_choice)
     finally:  # the caller's count again (a test session, a notebook)
-        torch.set_num_threads(before)
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, allow_mismatch, device, coverage,
@@ -546,8 +546,6 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_run(args: argparse.Namespace) -> None:
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"argument --threads: must be at least 1, got {args.threads}")
     model, _, tokens = main_job_defaults(args.device, args.model)
     if model == "qwen":
         from minference.app.models import QWEN_NATIVE_CONTEXT, QWEN_YARN_FACTOR

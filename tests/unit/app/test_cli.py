@@ -149,6 +149,7 @@ BAD_ARGUMENTS = {
         (["--device", "meta"], "argument --device: device 'meta' is not available"),
         (["--dense-tail", "-1"], "argument --dense-tail: must be >= 0, got -1"),
         (["--dense-threshold", "-5"], "argument --dense-threshold: must be >= 0"),
+        (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (["--model", "qwen", "--tokens", "200000"], "exceed qwen's 131072-token context"),
         (["--model", "llama"], "argument --model: invalid choice"),
     ],
