@@ -13,8 +13,6 @@ from minference.patterns import RULES
 #: Float32 score error allowed against the float64 twin (products of fp16/fp32 inputs summed
 #: over at most a few hundred terms: a few ulps of the largest score).
 SCORE_RTOL = 1e-4
-
-
 SCORE_ATOL = 1e-5
 
 
@@ -60,8 +58,6 @@ def assert_same_vs_index(fast_out, naive_out) -> None:
     assert fv.dtype == torch.int32 and fs.dtype == torch.int32
     assert_same_selection(fv, nv, ncol, "vertical")
     assert_same_selection(fs, ns, ndiag, "slash")
-
-
 
 
 def rule_kwargs(data, H_global: int, budget_names: tuple[str, ...], maxima: dict):
@@ -130,8 +126,6 @@ def check_block_rule(fast, q, k, top_k: int, kw: dict, heads, offset: int, Hq: i
     return fb, fscores
 
 
-
-
 #: Thresholds: the published settings (FlexPrefill γ 0.9-0.95, FlashPrefill α 0.08-0.18,
 #: XAttention τ 0.9), the ends of the range and anything in between.
 THRESHOLDS = st.one_of(st.sampled_from((0.08, 0.12, 0.18, 0.5, 0.9, 0.95, 1.0)),
@@ -171,8 +165,6 @@ def _per_head(kw, ids, offset) -> tuple[list[int], list[float]]:
     if isinstance(rule, torch.Tensor):
         return [int(rule[offset + h]) for h in ids], [float(thr[offset + h]) for h in ids]
     return [RULE_CODES[rule]] * len(ids), [thr] * len(ids)
-
-
 
 
 #: Two naive scores closer than this count as a tie: either side of the boundary may be chosen.

@@ -71,12 +71,6 @@ def _rule(codes, thresholds, minima):
                               torch.tensor(minima), torch.arange(len(codes), dtype=torch.int32), 0)[0]
 
 
-
-
-
-
-
-
 @given(st.data())
 def test_selection_is_the_naive_rule_vertical(data) -> None:
     """``[B, Hg, M]`` rows with a row length (columns / diagonals), forced prefixes, per-head
@@ -199,12 +193,6 @@ def test_top_k_is_unchanged(data) -> None:
         assert sorted(_picked(a)) == sorted(x for x in b if x >= 0)
 
 
-
-
-
-
-
-
 def _qk(data, shape: AttnShape, dtype=torch.float32):
     """q, k that give random, flat (zero queries: equal logits) or spiky (one key every query
     likes) attention."""
@@ -239,8 +227,6 @@ def test_vertical_slash_builders_keep_the_rule(fast, data) -> None:
                          {"min_vertical": vertical, "min_slash": slash}))
     lens = seqlens.tolist() if seqlens is not None else [shape.N] * shape.B
     check_vertical_slash_rule(fast, q, k, vertical, slash, kw, heads, offset, shape.Hq, lens)
-
-
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpret),
@@ -334,8 +320,6 @@ def test_block_sparse_builders_keep_the_rule(fast, estimate, data) -> None:
               seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=offset, return_scores=True,
               estimate=estimate, **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
     check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate)
-
-
 
 
 def _planted(N=96, D=64, hot=(3, 41), lag=7):

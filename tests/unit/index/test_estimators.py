@@ -32,12 +32,8 @@ CPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=13
 GPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=4, max_n=400, head_dims=(64,))
 
 
-
-
 def _values(budget, ids, head_offset):
     return [budget] * len(ids) if isinstance(budget, int) else [int(budget[head_offset + h]) for h in ids]
-
-
 
 
 def _vs_case(data, dtype, shapes=CPU_SHAPES):
@@ -78,8 +74,6 @@ def test_vertical_slash_matches_naive(fast, data) -> None:
         fast_out = fast.vertical_slash_index(q, k, vertical, slash, **kw)
     assert_same_vs_index(fast_out, naive.vertical_slash_index(q, k, vertical, slash, **kw))
     check_vs_invariants(shape, fast_out[0], fast_out[1], vertical, slash, kw)
-
-
 
 
 #: The invariant tests' implementations: the torch builders and the float64 twin itself. The Triton

@@ -31,8 +31,6 @@ from minference.testing.strategies import (
 )
 
 CUDA = torch.cuda.is_available()
-
-
 DEVICE = "cuda" if CUDA else "cpu"
 
 
@@ -44,16 +42,10 @@ def backend_device(backend: str) -> str:
 
 #: The interpreter computes bf16 wrongly without raising: bf16 is a GPU-only dtype here.
 DTYPES = (torch.bfloat16, torch.float16, torch.float32) if CUDA else (torch.float16, torch.float32)
-
-
 #: Head dims drawn: every supported one on the GPU; on CPU the cheapest plus a padded one.
 HEAD_DIMS = kernels.SUPPORTED_HEAD_DIMS if CUDA else (16, 64, 80)
-
-
 #: Longest sequence drawn: several interpreter tiles (16) on CPU, several 128-row tiles on GPU.
 MAX_N = 700 if CUDA else 160
-
-
 SEED = st.integers(0, 2**31 - 1)
 
 
@@ -204,8 +196,6 @@ def check_sharp(p: dict, kernel, twin, *args, **kwargs) -> None:
     assert lead.numel() >= 20, "too few rows with a masked key"
     assert float((lead > 20).double().mean()) >= 0.9, f"planted keys lead by only {lead.quantile(0.1):.1f} nats"
     run_and_check(p, kernel, twin, *args, **kwargs)
-
-
 
 
 def query_problem(data, combo, max_n: int = MAX_N):

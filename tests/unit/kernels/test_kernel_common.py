@@ -18,20 +18,6 @@ from tests.unit.kernels.cases import CUDA, DEVICE, run_and_check
 pytestmark = pytest.mark.triton
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # --------------------------------------------------------------------------------------------
 # argument checks shared by the three kernels: they raise before any launch
 # --------------------------------------------------------------------------------------------
@@ -244,11 +230,6 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
 # --------------------------------------------------------------------------------------------
 # sharp logits: a masked key dominates the kept ones (catches a mask applied after the exponential)
 # --------------------------------------------------------------------------------------------
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------------------------

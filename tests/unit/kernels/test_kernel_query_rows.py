@@ -24,10 +24,6 @@ from tests.unit.kernels.cases import COMBOS, DEVICE, query_problem, run_query_ro
 pytestmark = pytest.mark.triton
 
 
-
-
-
-
 @pytest.mark.parametrize("combo", COMBOS)
 @given(data=st.data())
 def test_ashape_query_rows(data, combo):
