@@ -432,7 +432,7 @@ def _demo_cmd(args: argparse.Namespace) -> int:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="every pattern on a bundled synthetic example: density, captured mass, error vs dense",
-        description=__doc__.split("\n\n")[2].replace("``", ""),
+        description=__doc__.split("\n\n")[2].replace("``", "") if __doc__ else None,  # None under python -OO
     )
     demo.add_argument("--tokens", type=_positive_int, default=DEMO_TOKENS, help="sequence length")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic content")
