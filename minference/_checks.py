@@ -332,8 +332,8 @@ def check_merge(out_a: object, lse_a: object, out_b: object, lse_b: object) -> t
     floating tensors of one shape and dtype, ``lse_a, lse_b [...]`` floating tensors of the
     outputs' leading shape, all four on one device. Returns the dtype to merge in: float64 when
     any of them is float64, else float32 (an integer output would be truncated: refused)."""
-    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        check_tensor(name, x, dtypes=_FLOAT_DTYPES)
+    out_a, lse_a, out_b, lse_b = (check_tensor(name, x, dtypes=_FLOAT_DTYPES) for name, x in
+                                  (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)))
     if not (out_a.device == lse_a.device == out_b.device == lse_b.device):
         raise ValueError(f"merge_attention needs its four tensors on one device, got {out_a.device}, {lse_a.device}, "
                          f"{out_b.device}, {lse_b.device}")

@@ -41,9 +41,10 @@ import os
 import platform
 import re
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -350,7 +351,21 @@ def _entry_key(entry: dict) -> tuple | None:
     return tuple(sorted(key, key=lambda item: item[0]))
 
 
-def _validator_class(draft: type, root: dict) -> type:
+class _TypeChecker(Protocol):
+    """The part of a jsonschema ``TypeChecker`` that :func:`_validator_class` uses."""
+
+    def redefine_many(self, definitions: dict[str, Callable[[Any, Any], bool]]) -> _TypeChecker: ...
+
+
+class _ValidatorClass(Protocol):
+    """The parts of a jsonschema validator class (``jsonschema.protocols.Validator``) that
+    :func:`_validator_class` reads (jsonschema ships no type information)."""
+
+    VALIDATORS: ClassVar[dict[str, Callable[..., Iterator[Exception]]]]
+    TYPE_CHECKER: ClassVar[_TypeChecker]
+
+
+def _validator_class(draft: type[_ValidatorClass], root: dict) -> type:
     """``draft`` (a jsonschema validator class) with the strict ``integer`` and finite ``number``
     types, and ``oneOf`` told tagged unions of ``root`` (the schema) apart by their tag."""
     import jsonschema
@@ -687,7 +702,7 @@ class PatternConfig:
         The shapes are checked first (layer and head counts against ``model``, at most
         :data:`MAX_CONFIG_PAIRS` pairs: work proportional to the layers), then every entry."""
         if isinstance(data, dict) and isinstance(data.get("layers"), list):
-            model = data.get("model") if isinstance(data.get("model"), dict) else {}
+            model = given if isinstance(given := data.get("model"), dict) else {}
             _check_shape(model.get("num_layers"), model.get("num_heads"), data["layers"])
         validate_schema(data)
         layers = []
@@ -791,7 +806,7 @@ def _file_kind(mode: int) -> str:
     return "a special file"
 
 
-def _read_json(source: str | os.PathLike | bytes) -> Any:
+def _read_json(source: str | os.PathLike | bytes | bytearray | memoryview) -> Any:
     if isinstance(source, (bytes, bytearray, memoryview)):
         raw = bytes(source)
     elif not isinstance(source, (str, os.PathLike)):
@@ -945,8 +960,8 @@ def to_minference(config: PatternConfig) -> list[dict]:
             score = None
             if config.provenance.scores is not None:
                 score = config.provenance.scores[l][h]
-            if getattr(p, "rule", "top_k") != "top_k":
-                raise ConfigError(f"layer {l} head {h}: budget rule {p.rule!r} has no MInference-format equivalent")
+            if (rule := getattr(p, "rule", "top_k")) != "top_k":
+                raise ConfigError(f"layer {l} head {h}: budget rule {rule!r} has no MInference-format equivalent")
             if isinstance(p, VerticalSlash):
                 layer[str(h)] = ["vertical_and_slash", p.vertical, p.slash, score]
             elif isinstance(p, AShape):
@@ -1027,7 +1042,7 @@ def _rope(cfg: Any) -> dict | None:
             rope["rope_theta"] = theta
     if not isinstance(rope, dict):
         return None
-    out = {}
+    out: dict[str, int | float | str | list[int | float] | None] = {}
     for key, value in rope.items():
         if isinstance(value, (int, float, str, bool)) or value is None:
             out[key] = value

@@ -90,7 +90,7 @@ class _Graph:
     """One captured call: its place in the group's capture order and how to replay it."""
 
     position: int
-    replay: Callable[[], None] | None = None
+    replay: Callable[[], None]
     pinned: Any = None  # device tensors the capture reads from caches it does not own
 
 
@@ -327,8 +327,8 @@ class PrefillGraphs:
         def step() -> None:
             out.copy_(sparse_prefill(inputs["q"], inputs["k"], inputs["v"], plan, **args))
 
-        graph = _Graph(len(group.order))
-        graph.replay, retained = self._steps.capture(step, group, self._warmup)
+        replay, retained = self._steps.capture(step, group, self._warmup)
+        graph = _Graph(len(group.order), replay)
         # the capture read the plan's device tensors from the dispatcher's bounded cache: hold them
         graph.pinned = prepare_plan(plan, inputs["q"].shape[1], kwargs.get("head_offset", 0), group.device)
         group.graphs[call] = graph

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, TextIO, TypedDict
 
 import torch
 
@@ -130,6 +130,13 @@ class _GroupSets:
     block: int = 0
 
 
+def _required(x: torch.Tensor | None, kind: str, name: str) -> torch.Tensor:
+    """``x``, a tensor the ``kind`` group's key sets are defined by (``None`` only in other kinds)."""
+    if x is None:
+        raise ValueError(f"a {kind} group needs its {name} tensor")
+    return x
+
+
 def _scatter(n: int, idx: torch.Tensor) -> torch.Tensor:
     """``[..., n]`` bool set of the entries of ``idx [..., K]`` in ``[0, n)``."""
     idx = idx.long()
@@ -157,11 +164,12 @@ def head_sets(groups: Sequence[_GroupSets], pos: torch.Tensor, Hq: int, N: int, 
             m = torch.ones(B, Hg, R, N, dtype=torch.bool, device=dev)
         elif g.kind == "a_shape":
             i = pos[:, None, :, None]
-            m = (j[None, None, None, :] < g.sink.long()[None, :, None, None]) | (
-                j[None, None, None, :] > i - g.window.long()[None, :, None, None])
+            sink, window = _required(g.sink, g.kind, "sink"), _required(g.window, g.kind, "window")
+            m = (j[None, None, None, :] < sink.long()[None, :, None, None]) | (
+                j[None, None, None, :] > i - window.long()[None, :, None, None])
         elif g.kind == "vertical_slash":
-            cols = _scatter(N, g.vertical)  # [B, Hg, N]
-            diags = slash_set(N, g.slash, fill_gaps)  # [B, Hg, N] offsets
+            cols = _scatter(N, _required(g.vertical, g.kind, "vertical"))  # [B, Hg, N]
+            diags = slash_set(N, _required(g.slash, g.kind, "slash"), fill_gaps)  # [B, Hg, N] offsets
             # row i reads offset i - j at key j: window i of the flipped offsets, padded with N misses
             flipped = torch.nn.functional.pad(diags.flip(-1), (0, N))  # [B, Hg, 2N]: entry N-1-i+j
             windows = flipped.unfold(-1, N, 1)  # [B, Hg, N + 1, N] view: window s is entries s .. s+N-1
@@ -171,10 +179,11 @@ def head_sets(groups: Sequence[_GroupSets], pos: torch.Tensor, Hq: int, N: int, 
             if g.dense is not None:
                 m |= g.dense[:, :, None, None]
         elif g.kind == "block_sparse":
-            K = g.blocks.shape[-1]
+            blocks = _required(g.blocks, g.kind, "blocks")
+            K = blocks.shape[-1]
             nkb = -(-N // g.block)
             qb = (pos.clamp(min=0) // g.block)[:, None, :, None].expand(B, Hg, R, K)
-            rows = g.blocks.gather(2, qb)  # [B, Hg, R, K] key blocks of each row's query block
+            rows = blocks.gather(2, qb)  # [B, Hg, R, K] key blocks of each row's query block
             m = _scatter(nkb, rows).repeat_interleave(g.block, dim=-1)[..., :N]
         else:
             raise ValueError(f"unknown group kind {g.kind!r}")
@@ -365,6 +374,21 @@ class HeadStats:
                 "mass_hist": list(self.mass_hist), "error_hist": list(self.error_hist)}
 
 
+class _LayerRecord(TypedDict):
+    """One checked layer in a call's record (``"layers"``): global heads, checked rows, and per head
+    the mean and minimum mass and the relative error (:func:`_num`), the heads below the floor and
+    those recomputed dense."""
+
+    layer: int
+    heads: list[int]
+    rows: int
+    mass: list[float | None]
+    mass_min: list[float | None]
+    error: list[float | None]
+    below: list[int]
+    fallback: list[int]
+
+
 def _num(x: float) -> float | None:
     """A JSON-safe float (6 significant digits; ``None`` for NaN and infinities)."""
     return float(f"{x:.6g}") if math.isfinite(x) else None
@@ -400,7 +424,8 @@ class QualityGuard:
         if jsonl is not None and not isinstance(jsonl, (str, os.PathLike)) and not hasattr(jsonl, "write"):
             raise TypeError(f"jsonl must be a path or a text file, got {type(jsonl).__name__}")
         self.settings, self.on_record, self.name = settings, on_record, name
-        self._jsonl_target, self._jsonl_file = jsonl, None
+        self._jsonl_target = jsonl
+        self._jsonl_file: TextIO | None = None
         self.prompt_id: Any = None
         self._rng = random.Random(settings.seed)
         self.heads: dict[tuple[int, int], HeadStats] = {}
@@ -480,7 +505,8 @@ class QualityGuard:
     def _record(self) -> None:
         s = self.settings
         host = torch.stack([stats for _, stats, _ in self._layers]).cpu().tolist()  # observe: the call's one sync
-        layers, below_total, fallback_total = [], 0, 0
+        layers: list[_LayerRecord] = []
+        below_total, fallback_total = 0, 0
         for (check, _, fallback), (mass, low, error, rows) in zip(self._layers, host):
             heads = [check.head_offset + h for h in range(len(mass))]
             below = [heads[h] for h in range(len(mass)) if mass[h] < s.min_mass]

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 
@@ -210,16 +210,21 @@ def _prepare(local: tuple[Pattern, ...], head_offset: int, device: str) -> tuple
             budgets[arg] = torch.tensor(values, dtype=dtype, device=device)
         widths = {arg: min(max(getattr(p, _BUDGET_FIELDS[group.kind][b]) for p in group.patterns), BUDGET_MAX)
                   for arg, b in _WIDTHS.get(group.kind, {}).items()}
-        resolved, rules = (), None
+        resolved: tuple[torch.Tensor, ...] = ()
+        rules: tuple[SelectionRule, ...] | None = None
         if group.kind in ("vertical_slash", "block_sparse"):
-            used = frozenset(p.rule for p in group.patterns)
-            code, threshold = [0] * (head_offset + Hq), [1.0] * (head_offset + Hq)
-            for h, pattern in zip(group.heads, group.patterns):
+            # grouped by kind: the patterns of these two kinds are of their two classes
+            ruled = cast("tuple[VerticalSlash | BlockSparse, ...]", group.patterns)
+            used = frozenset(p.rule for p in ruled)
+            code, thresholds = [0] * (head_offset + Hq), [1.0] * (head_offset + Hq)
+            for h, pattern in zip(group.heads, ruled):
                 code[head_offset + h] = RULE_CODES[pattern.rule]
-                threshold[head_offset + h] = 1.0 if pattern.threshold is None else pattern.threshold
-            rule, threshold = ("top_k", None) if used == {"top_k"} else (
-                torch.tensor(code, dtype=torch.int64, device=device),
-                torch.tensor(threshold, dtype=torch.float64, device=device))
+                thresholds[head_offset + h] = 1.0 if pattern.threshold is None else pattern.threshold
+            rule: str | torch.Tensor = "top_k"
+            threshold: torch.Tensor | None = None
+            if used != {"top_k"}:
+                rule = torch.tensor(code, dtype=torch.int64, device=device)
+                threshold = torch.tensor(thresholds, dtype=torch.float64, device=device)
         if group.kind == "vertical_slash":
             resolved = vertical_slash_budgets(budgets["vertical"], budgets["slash"], budgets["sink_columns"],
                                               budgets["local_diagonals"], heads, head_offset)
@@ -240,6 +245,21 @@ def prepare_plan(plan: Sequence[Pattern], Hq: int, head_offset: int,
     return _prepare(local, head_offset, str(torch.device(device)))
 
 
+class _BuildArgs(TypedDict):
+    """The arguments :func:`build_group_index` passes to both builders alike."""
+
+    scale: float | None
+    seqlens: torch.Tensor | None
+    seqstarts: torch.Tensor | None
+    heads: torch.Tensor
+    head_offset: int
+    validate: bool
+    resolved: tuple[torch.Tensor, ...]
+    resolved_rules: tuple[SelectionRule, ...] | None
+    q_seqlens: int | torch.Tensor | None
+    q_seqstarts: torch.Tensor | None
+
+
 def build_group_index(
     builders: IndexBuilders,
     group: DeviceGroup,
@@ -251,7 +271,7 @@ def build_group_index(
     seqstarts: torch.Tensor | None,
     head_offset: int,
     validate: bool = False,
-    q_seqlens=None,
+    q_seqlens: int | torch.Tensor | None = None,
     q_seqstarts: torch.Tensor | None = None,
 ):
     """Logical index of one group with a backend's ``builders``
@@ -263,18 +283,22 @@ def build_group_index(
         ``(vertical [B, Hg, NV], slash [B, Hg, NS])`` for vertical-slash groups, ``blocks
         [B, Hg, NQB, K]`` for block-sparse groups.
     """
-    g = group.group
-    common = dict(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
-                  validate=validate, resolved=group.resolved, resolved_rules=group.rules, q_seqlens=q_seqlens,
-                  q_seqstarts=q_seqstarts)
+    g, b, w = group.group, group.budgets, group.widths
+    common = _BuildArgs(scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=group.heads, head_offset=head_offset,
+                        validate=validate, resolved=group.resolved, resolved_rules=group.rules, q_seqlens=q_seqlens,
+                        q_seqstarts=q_seqstarts)
+    # the budgets and widths by the names _BUDGET_FIELDS and _WIDTHS give them for the group's kind
     if g.kind == "vertical_slash":
         last_q, extra_rows, aggregation = g.key
-        return builders.vertical_slash_index(q, k, last_q=last_q, extra_rows=extra_rows, aggregation=aggregation,
-                                             **group.budgets, **group.widths, **common)
+        return builders.vertical_slash_index(
+            q, k, vertical=b["vertical"], slash=b["slash"], last_q=last_q, extra_rows=extra_rows,
+            aggregation=aggregation, sink_columns=b["sink_columns"], local_diagonals=b["local_diagonals"],
+            min_vertical=b["min_vertical"], min_slash=b["min_slash"], vertical_width=w["vertical_width"],
+            slash_width=w["slash_width"], **common)
     if g.kind == "block_sparse":
         block, force_diagonal, estimate = g.key
-        return builders.block_sparse_index(q, k, block=block, force_diagonal=force_diagonal, estimate=estimate,
-                                           **group.budgets,
-                                           **group.widths, **common)
+        return builders.block_sparse_index(
+            q, k, top_k=b["top_k"], block=block, force_diagonal=force_diagonal, estimate=estimate,
+            sink_blocks=b["sink_blocks"], min_blocks=b["min_blocks"], top_k_width=w["top_k_width"], **common)
     raise ValueError(f"{g.kind} heads have no online index")
 

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -73,6 +73,9 @@ from minference.dispatch import ATTENTION_RANGE, profile_range
 from minference.distributed import check_head_partition, row_shard
 from minference.index_sets import check_fill_gaps
 from minference.patterns import Dense, Pattern
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -148,10 +151,13 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+#: ``(seqlens, seqstarts, q_seqlens, q_seqstarts)`` ``[B]`` int32: a mask's rows in query-row terms.
+_QueryRowTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 _mask_cache: list = [None, None]  # [weakref to the last mask, {(L, S): its rows}]
 
 
-def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | None | bool:
+def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor] | Literal[False] | None:
     """Ragged rows ``(seqlens [B], seqstarts [B])`` int32 from a prefill mask ``[B, 1, n, n]``.
 
     Returns ``None`` for no mask (plain causal, no padding) and ``False`` when the mask is not
@@ -161,11 +167,11 @@ def padding_rows(mask: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch
     """
     if mask is None:
         return None
-    rows = query_rows(mask, n, n)
-    return False if rows is False else rows[:2]
+    rows = query_rows(mask, n, n)  # a square mask's rows are never None (the plain case after a cache)
+    return rows if rows is False or rows is None else rows[:2]
 
 
-def query_rows(mask: torch.Tensor, L: int, S: int):
+def query_rows(mask: torch.Tensor, L: int, S: int) -> _QueryRowTensors | Literal[False] | None:
     """The rows of a mask ``[B, 1, L, S]`` (bool, or additive with 0 = attend) in the kernels'
     query-row terms (docs/kernels.md): int32 ``(seqlens, seqstarts, q_seqlens, q_seqstarts)``
     ``[B]``; ``None`` after a cache (``L < S``) when every row is the plain case (all ``S`` keys,
@@ -195,7 +201,7 @@ def query_rows(mask: torch.Tensor, L: int, S: int):
     return result
 
 
-def _query_rows(mask: torch.Tensor, L: int, S: int):
+def _query_rows(mask: torch.Tensor, L: int, S: int) -> _QueryRowTensors | Literal[False] | None:
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2] != L or mask.shape[-1] != S or L > S:
         return False
     allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [B, L, S]
@@ -266,8 +272,9 @@ def minference_attention(
     dense = lambda: _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if state is None:
         return dense()
-    rows = None
-    chunk_rows = False  # the query rows of a short chunk after a cache, where dense_continue can take them
+    rows: tuple[torch.Tensor, torch.Tensor] | _QueryRowTensors | Literal[False] | None = None
+    # the query rows of a short chunk after a cache, where dense_continue can take them
+    chunk_rows: _QueryRowTensors | Literal[False] | None = False
     if L == 1:
         path = "dense_decode"
     elif not state.sparse or dropout:
@@ -302,10 +309,14 @@ def minference_attention(
             f"{state.heads} heads (global {state.head_offset}..{state.head_offset + state.heads - 1}) from the "
             "model; its projections are not sharded the way patch() saw them"
         )
-    seqlens = seqstarts = q_seqlens = q_seqstarts = None
-    if rows is not None and L == S:
+    seqlens: torch.Tensor | None = None
+    seqstarts: torch.Tensor | None = None
+    q_seqlens: torch.Tensor | None = None
+    q_seqstarts: torch.Tensor | None = None
+    # rows is None (plain) or a tuple here: False took a dense path above
+    if isinstance(rows, tuple) and len(rows) == 2:  # a padded prefill (L == S)
         seqlens, seqstarts = rows
-    elif rows is not None:
+    elif isinstance(rows, tuple):  # a chunk after a cache
         seqlens, seqstarts, q_seqlens, q_seqstarts = rows
     if state.observer is not None and L == S:
         state.observer(state.layer, query, key, seqlens, seqstarts)
@@ -388,10 +399,10 @@ def _local_heads(module: torch.nn.Module, cfg: Any) -> int:
 _CROSS_NAMES = ("encoder_attn", "crossattention", "cross_attn", "cross_attention", "enc_dec_attn", "src_attn")
 
 
-def _attention_entries(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Every module :func:`attention_modules` would consider, with its qualified name."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
+def _attention_entries(model: torch.nn.Module) -> list[tuple[str, int, torch.nn.Module]]:
+    """Every module :func:`attention_modules` would consider, with its qualified name and layer index."""
+    return [(name, idx, m) for name, m in model.named_modules()
+            if isinstance(idx := getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
 
 
 def _not_causal_self_attention(name: str, module: torch.nn.Module) -> str | None:
@@ -487,7 +498,7 @@ def _is_tensor_parallel(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def tensor_parallel_kwargs(tp_plan: str | dict = "auto") -> dict[str, Any]:
+def tensor_parallel_kwargs(tp_plan: Literal["auto"] | dict[str, str] = "auto") -> dict[str, Any]:
     """``from_pretrained`` keyword arguments that shard a model with transformers' own tensor
     parallelism: ``AutoModelForCausalLM.from_pretrained(path, **tensor_parallel_kwargs())`` in
     every process of an initialised ``torch.distributed`` group (``torchrun``).
@@ -510,7 +521,7 @@ def tensor_parallel_kwargs(tp_plan: str | dict = "auto") -> dict[str, Any]:
 
 
 def patch(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     config: PatternConfig,
     *,
     layers: list[int] | range | None = None,
@@ -524,7 +535,7 @@ def patch(
     dense_tail: int = 0,
     cuda_graphs: Any = False,
     guard: Any = None,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """Route ``model``'s prefill attention through sparse patterns (in place; returns ``model``).
 
     Args:
@@ -607,7 +618,7 @@ def patch(
     entries = _attention_entries(model)
     if not entries:
         raise ValueError("model has no attention modules with a layer_idx (not a transformers decoder?)")
-    layer_ids = {m.layer_idx for _, m in entries}
+    layer_ids = {idx for _, idx, _ in entries}
     if layers is None:
         chosen = set(layer_ids)
     else:
@@ -616,11 +627,11 @@ def patch(
             if isinstance(l, bool) or not isinstance(l, int) or l not in layer_ids:
                 raise ValueError(f"layers entries must be layer indices in [0, {len(layer_ids)}), got {l!r}")
             chosen.add(l)
-    for name, module in entries:
+    for name, idx, module in entries:
         why = _not_causal_self_attention(name, module)
-        if why is not None and module.layer_idx in chosen:
+        if why is not None and idx in chosen:
             raise ValueError(
-                f"{name} ({type(module).__name__}, layer {module.layer_idx}) is {why}; minference's sparse prefill "
+                f"{name} ({type(module).__name__}, layer {idx}) is {why}; minference's sparse prefill "
                 "is causal self-attention only (leave the layer out of layers= to keep it dense)"
             )
     if is_patched(model):
@@ -636,7 +647,7 @@ def patch(
     if tensor_parallel:
         num_heads = int(cfg.num_attention_heads)
         num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
-        names = {id(m): n for n, m in entries}
+        names = {id(m): n for n, _, m in entries}
         shards = [_tp_shard(model, names[id(m)], m, num_heads, num_kv) for m in modules.values()]
         failed = [s for s in shards if s is not None and s.problem]
         shard = failed[0] if failed else next((s for s in shards if s is not None), None)
@@ -693,7 +704,7 @@ def patch(
     return model
 
 
-def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     """Undo :func:`patch`: restore the previous attention implementation and drop layer states."""
     saved = getattr(model, MODEL_ATTR, None)
     if saved is None:
@@ -779,7 +790,7 @@ def _observing_attention(module, query, key, value, attention_mask, dropout=0.0,
 
 
 @contextmanager
-def observe_attention(model: torch.nn.Module, observer: Callable) -> Iterator[torch.nn.Module]:
+def observe_attention(model: PreTrainedModel, observer: Callable) -> Iterator[PreTrainedModel]:
     """Run ``model`` with dense SDPA attention while ``observer(layer, query [B, Hq, N, D],
     key [B, Hkv, N, D], seqlens, seqstarts)`` sees every prefill call (the offline search and the
     coverage measurements read the model's real queries and keys this way)."""

@@ -38,11 +38,14 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from minference.dispatch import FILL_GAPS
+
+if TYPE_CHECKING:
+    from minference.patterns import Pattern
 
 __all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "user_errors", "check_arguments", "Parser", "HelpFormatter",
            "check_device", "check_config_file", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
@@ -124,7 +127,7 @@ def demo_qkv(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def demo_patterns(n: int = DEMO_TOKENS) -> dict[str, object]:
+def demo_patterns(n: int = DEMO_TOKENS) -> dict[str, Pattern]:
     """The demo's pattern per name, budgets scaled to ``n`` tokens (about an eighth of the pairs)."""
     from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
@@ -414,8 +417,9 @@ class Parser(argparse.ArgumentParser):
     every level, and usage errors on one line (``minference run: error: argument --tokens:
     invalid int value: 'x'``, exit 2)."""
 
-    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs) -> None:
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+    def __init__(self, *, formatter_class: type[argparse.HelpFormatter] = HelpFormatter, **kwargs) -> None:
+        # keywords only (as add_subparsers passes them): a positional formatter_class would be given twice
+        super().__init__(formatter_class=formatter_class, **kwargs)
         self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                           help="on an error, show the traceback instead of one line")
         self.set_defaults(cli_prog=self.prog)
@@ -432,7 +436,7 @@ def _demo_cmd(args: argparse.Namespace) -> int:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="every pattern on a bundled synthetic example: density, captured mass, error vs dense",
-        description=__doc__.split("\n\n")[2].replace("``", ""),
+        description=__doc__.split("\n\n")[2].replace("``", "") if __doc__ else None,  # None under python -OO
     )
     demo.add_argument("--tokens", type=_positive_int, default=DEMO_TOKENS, help="sequence length")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic content")

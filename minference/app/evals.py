@@ -656,10 +656,10 @@ def _spec(task: str, rng: random.Random, n_tokens: int, index: int, samples: int
         rng.shuffle(order)
         lines = [chains[c].pop(0) for c in order]  # each chain keeps its order
         needles = list(zip(_stratified(rng, len(lines)), lines))
-        asked = tuple(names[:size])
+        asked_names = tuple(names[:size])
         # The question ends with "VAR", so the answer text starts at the first name.
-        return _Spec(_INTRO_VT, needles, [], _QUESTION_VT.format(value=values[0], count=size), asked,
-                     " " + ", VAR ".join(asked) + ".")
+        return _Spec(_INTRO_VT, needles, [], _QUESTION_VT.format(value=values[0], count=size), asked_names,
+                     " " + ", VAR ".join(asked_names) + ".")
     # frequent_words
     words = _distinct(lambda: _coded_word(rng), CODED_WORDS)  # by rank
     occurrences = [w for w, c in zip(words, _coded_counts(n_tokens)) for _ in range(c)]

@@ -301,7 +301,19 @@ class HeadOptions:
     def totals(self, choice: torch.Tensor) -> tuple[float, float, float]:
         """``(cost, error, worst)`` summed over heads for ``choice [L, H]`` (candidate indices)."""
         pick = choice.long()[..., None]
-        return tuple(float(x.gather(-1, pick).sum()) for x in (self.cost, self.error, self.worst_cost))
+        cost, error, worst = (float(x.gather(-1, pick).sum()) for x in (self.cost, self.error, self.worst_cost))
+        return cost, error, worst
+
+
+def _search_shape(result: SearchResult) -> tuple[int, int]:
+    """``(n_tokens, head_dim)`` of the search, which the frontier's costs are computed at."""
+    if result.n_tokens is None:
+        raise FrontierError("the frontier needs a search() result with per-prompt tiles and masses")
+    head_dim = result.head_dim or result.config.model.head_dim
+    if head_dim is None:
+        raise FrontierError("the frontier needs the model's head dim (neither the search result nor its config "
+                            "records one)")
+    return result.n_tokens, head_dim
 
 
 def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float = 0.0) -> HeadOptions:
@@ -312,7 +324,7 @@ def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float
         raise FrontierError("the frontier needs a search() result with per-prompt tiles and masses")
     if not 0 <= min_mass <= 1:
         raise FrontierError(f"min_mass must lie in [0, 1], got {min_mass!r}")
-    n = result.n_tokens
+    n, head_dim = _search_shape(result)
     cands = list(result.candidates)
     mass, worst_mass, density = result.mass, result.worst_mass, result.density
     tiles, max_tiles = result.tiles, result.max_tiles
@@ -322,7 +334,7 @@ def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float
         mass, worst_mass, density, tiles, max_tiles = (torch.cat([x, ones], -1) for x in
                                                        (mass, worst_mass, density, tiles, max_tiles))
     sig = result.config.model
-    cost_model.check(cands, head_dim=result.head_dim or sig.head_dim, num_heads=sig.num_heads, n_tokens=n)
+    cost_model.check(cands, head_dim=head_dim, num_heads=sig.num_heads, n_tokens=n)
     cost = torch.stack([cost_model.head_cost(c, tiles[..., i], n) for i, c in enumerate(cands)], -1)
     worst_tiles = torch.stack([torch.clamp(max_tiles[..., i], min=flat_tiles(c, n)) if is_adaptive(c)
                                else max_tiles[..., i] for i, c in enumerate(cands)], -1)
@@ -441,8 +453,8 @@ def lagrangian_path(cost: torch.Tensor, error: torch.Tensor, allowed: torch.Tens
         first = float(x.gather(1, start[:, None]).sum())
         return torch.cumsum(torch.tensor([first] + deltas, dtype=torch.float64), 0)
 
-    rate = torch.tensor([-s[0] for s in segments], dtype=torch.float64)
-    return _Path(start, heads, choices, totals(cost, d_cost), totals(error, d_err), totals(worst, d_worst), rate)
+    rates = torch.tensor([-s[0] for s in segments], dtype=torch.float64)
+    return _Path(start, heads, choices, totals(cost, d_cost), totals(error, d_err), totals(worst, d_worst), rates)
 
 
 def _check_budget(name: str, value: float) -> float:
@@ -462,7 +474,7 @@ def _paths(options: HeadOptions, worst_ratio: float | None) -> list[tuple[float,
     for t in (MU_GRID if worst_ratio is not None else (0.0,)):
         mu = t / worst_ratio if worst_ratio is not None else 0.0
         # the penalty mu * (worst - R cost) rescaled so the cost keeps weight 1
-        objective = cost if mu == 0 else cost + mu / (1 - mu * worst_ratio) * worst
+        objective = cost if worst_ratio is None or mu == 0 else cost + mu / (1 - mu * worst_ratio) * worst
         out.append((mu, lagrangian_path(cost, error, allowed, worst=worst, objective=objective)))
     return out
 
@@ -679,10 +691,8 @@ def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, co
     is installed)."""
     if "{budget}" not in out:
         raise FrontierError("a frontier family needs '{budget}' in the output path")
-    n = result.n_tokens
-    sig = result.config.model
-    model = (CostModel.load(cost_table) if cost_table else
-             CostModel.proxy(result.head_dim or sig.head_dim, n, sig.num_heads))
+    n, head_dim = _search_shape(result)  # before the proxy, which needs both
+    model = CostModel.load(cost_table) if cost_table else CostModel.proxy(head_dim, n, result.config.model.num_heads)
     if fixed and not model.calibrated:
         raise FrontierError("a fixed time outside attention is in ms: it needs a calibrated --cost-table")
     options = head_options(result, model, min_mass=min_mass)

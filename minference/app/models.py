@@ -193,7 +193,7 @@ def load_smollm2(
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=SMOLLM2_GGUF, dtype=dtype, local_files_only=True, **kwargs
     )
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # to() is @wraps(Module.to): typeshed's _Wrapped binds no self
     return model, load_smollm2_tokenizer()
 
 
@@ -449,7 +449,7 @@ def load_qwen(
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype,
                                                   local_files_only=True, **kwargs)
-    loaded.to(device).eval()
+    loaded.to(device).eval()  # type: ignore[arg-type]  # to() is @wraps(Module.to): typeshed's _Wrapped binds no self
     return loaded, _qwen_tokenizer(file)
 
 

@@ -711,7 +711,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(check=lambda args: _matplotlib())  # before any model runs (minference.app.cli.main)
     kinds = show.add_subparsers(dest="picture", metavar="PICTURE", title="pictures", required=True)
     cfg = kinds.add_parser("config", help="layer x head grid of a PatternConfig, coloured by pattern kind",
-                           description=plot_config.__doc__.split("\n\n")[0])
+                           description=(plot_config.__doc__ or "").split("\n\n")[0])  # python -OO: no docstrings
     cfg.add_argument("path", help="PatternConfig (native or MInference JSON)")
     cfg.add_argument("--out", required=True, help="image file to write (.png, .svg, .pdf)")
     cfg.add_argument("--no-annotate", action="store_true", help="no budget text in the cells")

@@ -68,7 +68,10 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "RULER_TASKS",
@@ -360,7 +363,7 @@ def generate(
                 "headroom": headroom, "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer),
                                                     "vocab_size": len(tokenizer), "name": tokenizer_dir.name},
                 "versions": _versions(), "punkt_tab_sha256": PUNKT_TAB_ZIP_SHA256}
-    manifest = {**settings, "tasks": {}, "files": []}
+    manifest: dict = {**settings, "tasks": {}, "files": []}  # the JSON manifest generate returns
     old = out / "manifest.json"
     if old.is_file():
         previous = json.loads(old.read_text(encoding="utf-8"))
@@ -413,7 +416,7 @@ class RulerSample:
     task: str
     length: int
     index: int
-    ids: object
+    ids: torch.Tensor
     answers: tuple[str, ...]
     metric: str
     max_new_tokens: int

@@ -30,6 +30,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from minference.dispatch import FILL_GAPS
 from minference.index_sets import scatter_set, slash_set
 from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
 from minference.torch_backend import block_sparse_index, vertical_slash_index
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "DEFAULT_TARGET_DENSITY",
@@ -529,7 +533,7 @@ SELECTIONS = ("best_mass", "cheapest")
 
 
 def search(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prompts: Sequence[torch.Tensor],
     *,
     target_density: float = DEFAULT_TARGET_DENSITY,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,14 @@ def test_help_documents_every_subcommand(capsys) -> None:
             cli.main([name, "--help"])
         assert exit_.value.code == 0
         assert f"usage: minference {name}" in capsys.readouterr().out
+
+
+def test_the_parser_is_built_without_docstrings() -> None:
+    """``python -OO`` strips docstrings; the descriptions taken from them must not be needed."""
+    code = "from minference.app import cli; cli.build_parser().format_help()"
+    run = subprocess.run([sys.executable, "-OO", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_no_command_prints_help(capsys) -> None:

@@ -5,6 +5,7 @@ interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -274,6 +275,19 @@ def test_head_options_costs_errors_and_worst_cases():
     assert opts.allowed[0].tolist() == [[True, True, True, True], [False, True, True, True]]
     with pytest.raises(F.FrontierError, match="head dim"):
         F.head_options(res, F.CostModel.from_dict(table(head_dim=64)))
+
+
+def test_a_search_without_its_length_or_head_dim_is_refused_before_the_proxy(tmp_path):
+    """The tile proxy is made at the search's length and head dim: without them, write_family refuses
+    with a FrontierError (it raised a TypeError inside the proxy before)."""
+    out = str(tmp_path / "fam_{budget}.json")
+    with pytest.raises(F.FrontierError, match="tiles and masses"):
+        F.write_family(fake_result(n=None), [0.1], out)
+    res = fake_result()
+    res = dataclasses.replace(res, head_dim=None, config=dataclasses.replace(
+        res.config, model=dataclasses.replace(res.config.model, head_dim=None)))
+    with pytest.raises(F.FrontierError, match="head dim"):
+        F.write_family(res, [0.1], out)
 
 
 # ---------------------------------------------------------------------------------------------
