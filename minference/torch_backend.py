@@ -52,6 +52,7 @@ causal square, merged by log-sum-exp like every other pair of pieces.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -316,51 +317,72 @@ def _clusters(diags: torch.Tensor, gap: int) -> list[tuple[int, int]]:
     return list(zip(lo, hi))
 
 
-def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=0) -> None:
-    """One head's vertical-slash set ``{j in cols: j <= i} ∪ {i - δ: δ in diags}`` into the
-    accumulators. ``qh [(count-t0)*R, D]`` holds the rows of tiles ``t0..count-1`` (tile ``c``:
-    rows ``c*R ..``; the accumulators likewise), ``kpad, vpad [pad + count*R, D]`` hold key ``j``
-    at row ``pad + j`` (zeros around it), ``cols`` 1-D key positions, ``diags [n]`` bool."""
+class _Band:
+    """One head's vertical-slash set ``{j in cols: j <= i} ∪ {i - δ: δ in diags}`` prepared once for
+    :func:`_fused_band` (every part of the head's rows reuses it): ``cols`` 1-D key positions and
+    their keys and values ``kc, vc [NV, D]``, the offset table of the columns' masks, ``solid``
+    (offsets ``0..solid-1`` all chosen; 0 if offset 0 is not) and the clusters ``(a, b, band [R, W])``
+    of the offsets with their masks. ``kpad, vpad [pad + count*R, D]`` hold key ``j`` at row ``pad + j``."""
+
+    def __init__(self, cols: torch.Tensor, diags: torch.Tensor, n: int, R: int, kpad, vpad, pad: int, dt):
+        dev = diags.device
+        self.n, self.R, self.cols = n, R, cols
+        self.solid = 0
+        if n and bool(diags[0]):
+            self.solid = int((~diags).int().argmax()) if not bool(diags.all()) else n
+        if cols.numel():
+            # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
+            table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
+            table[R : R + n].masked_fill_(~diags, 0)
+            table[R + n :] = 0
+            self.windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
+            self.kc, self.vc = kpad[pad + cols], vpad[pad + cols]
+        self.clusters = []
+        for a, b in _clusters(diags, R):
+            W = b - a + R
+            r = torch.arange(R, device=dev)[:, None]
+            x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
+            inside = (x >= a) & (x <= b)
+            band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
+            self.clusters.append((a, b, band))
+
+
+def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> None:
+    """One head's vertical-slash set (``band``) into the accumulators. ``qh [(count-t0)*R, D]``
+    holds the rows of tiles ``t0..count-1`` (tile ``c``: rows ``c*R ..``; the accumulators
+    likewise), ``kpad, vpad [pad + count*R, D]`` hold key ``j`` at row ``pad + j`` (zeros around it)."""
+    n, R, cols = band.n, band.R, band.cols
     count, D = t0 + qh.shape[0] // R, qh.shape[1]
-    dt, dev = qh.dtype, qh.device
+    dev = qh.device
     q4 = qh.view(1, count - t0, R, D)
-    clusters = _clusters(diags, R)
     # A solid run of offsets from 0 (every offset 0..b chosen: the local diagonals, closed by gap
     # filling; an A-shape window): a row i <= b reads exactly the keys 0..i, so the tiles wholly
     # inside it are one causal call (no mask, no per-tile chunks); no column and no other offset
-    # adds to them (a column j <= i lies on a chosen offset, other offsets exceed i). Whole rows
-    # only (t0 = 0: the causal kernel aligns its queries with the first keys).
-    causal = 0  # tiles 0..causal-1 done by the causal call
-    if t0 == 0 and n and bool(diags[0]):
-        solid = int((~diags).int().argmax()) if not bool(diags.all()) else n  # offsets 0..solid-1 chosen
-        causal = min(count, solid // R)
-        if causal:
-            rows = causal * R
-            o, l = _FLASH_CPU(q4.view(1, 1, -1, D)[:, :, :rows], kpad[None, None, pad : pad + rows],
-                              vpad[None, None, pad : pad + rows], is_causal=True, scale=scale)
-            acc_o[:rows] = o.reshape(rows, D)
-            acc_l[:rows] = l.reshape(rows)
+    # adds to them (a column j <= i lies on a chosen offset, other offsets exceed i). From a tile
+    # t0 > 0 (a part of the rows, or query rows): the causal square of the tiles' own keys (the
+    # kernel aligns its queries with the first keys it gets) merged with the keys before them.
+    causal = min(count, band.solid // R)  # tiles t0..causal-1 done by the causal call
+    if causal > t0:
+        r0, rows = t0 * R, (causal - t0) * R
+        qs = q4.view(1, 1, -1, D)[:, :, :rows]
+        o, l = _FLASH_CPU(qs, kpad[None, None, pad + r0 : pad + r0 + rows],
+                          vpad[None, None, pad + r0 : pad + r0 + rows], is_causal=True, scale=scale)
+        acc_o[:rows] = o.reshape(rows, D)
+        acc_l[:rows] = l.reshape(rows)
+        if r0:  # the keys before the first tile: every row sees all of them (a part of the rows)
+            o, l = _FLASH_CPU(qs, kpad[None, None, pad : pad + r0], vpad[None, None, pad : pad + r0], scale=scale)
+            _merge(acc_o, acc_l, 0, o.reshape(rows, D), l.reshape(rows),
+                   torch.zeros(rows, dtype=torch.bool, device=dev))
     if cols.numel() and causal < count:
-        # columns off the chosen offsets: x = i - j >= 0 and x not in diags (those pairs are a cluster's)
-        table = torch.full((n + 2 * R,), _INF, dtype=dt, device=dev)
-        table[R : R + n].masked_fill_(~diags, 0)
-        table[R + n :] = 0
-        windows = table.unfold(0, R, 1)  # windows[u] = table[u : u + R], offsets u - R ..
-        kc = kpad[pad + cols]
-        vc = vpad[pad + cols]
         for c0, c1 in _tile_chunks(max(t0, causal), count, R * cols.numel()):
             lo = torch.arange(c0, c1, device=dev)[:, None] * R
-            mask = windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
+            mask = band.windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
-            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], kc.expand(1, nt, -1, -1), vc.expand(1, nt, -1, -1),
+            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], band.kc.expand(1, nt, -1, -1), band.vc.expand(1, nt, -1, -1),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
-    for a, b in clusters:
+    for a, b, mask_ab in band.clusters:
         W = b - a + R
-        r = torch.arange(R, device=dev)[:, None]
-        x = b - torch.arange(W, device=dev)[None, :] + r  # offset of (row r, window key l)
-        inside = (x >= a) & (x <= b)
-        band = torch.full((R, W), _INF, dtype=dt, device=dev).masked_fill_(inside & diags[x.clamp(a, b)], 0)
         first = max(t0, a // R, causal)  # tiles before a // R have no row i >= a
         body = min(count, max(first, -(-b // R)))  # tiles before `body` reach keys < 0
 
@@ -376,14 +398,14 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, n, cols, diags, scale, R, t0=
             c1 = min(body, c0 + max(1, (c0 * R + R - a) // (4 * R)), c0 + max(1, CHUNK_ELEMENTS // (R * W)))
             skip = max(0, b - (c1 - 1) * R)
             jpos = torch.arange(c0, c1, device=dev)[:, None] * R - b + torch.arange(skip, W, device=dev)[None, :]
-            mask = band[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
+            mask = mask_ab[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
             o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
             c0 = c1
         if body < count:  # every row of these tiles has its keys r .. r + b - a of the window
             o, l = _FLASH_CPU(q4[:, body - t0 :], window(body, count, kpad), window(body, count, vpad),
-                              attn_mask=band[None, None], scale=scale)
+                              attn_mask=mask_ab[None, None], scale=scale)
             rows = (count - body) * R
             _merge(acc_o, acc_l, (body - t0) * R, o.reshape(-1, D), l.reshape(-1),
                    torch.zeros(rows, dtype=torch.bool, device=dev))
@@ -399,7 +421,7 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
     tiles = torch.arange(t0, count, device=dev)
     kblocks = kpad[pad : pad + count * R].view(count, R, D)
     vblocks = vpad[pad : pad + count * R].view(count, R, D)
-    blk = blk[t0:]  # the query blocks before t0 hold no query
+    blk = blk[t0:count]  # the query blocks of these tiles
     diag = (blk == tiles[:, None]).any(-1)
     if bool(diag.any()):  # the diagonal block: causal inside, a view of the keys
         o, l = _FLASH_CPU(q4, kblocks[None, t0:], vblocks[None, t0:], is_causal=True, scale=scale)
@@ -425,25 +447,60 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
 
 def _band_fused(cols: torch.Tensor, diags: torch.Tensor):
     """``fused_of`` of a band set (``cols, diags [Hg, n]`` bool)."""
+    n, R = cols.shape[-1], TILE_ROWS
+    mid = (torch.arange(-(-n // R), device=cols.device) * R + R // 2).clamp(max=max(n - 1, 0))
+    # a tile's keys, estimated at its middle row: the chosen offsets and columns up to it
+    work = diags.int().cumsum(-1)[:, mid] + cols.int().cumsum(-1)[:, mid] if n else cols.new_zeros(cols.shape[0], 0)
+
+    prepared: dict[int, _Band] = {}  # per head, for all its parts (two parts may both make it: same result)
 
     def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0):
-        _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, cols.shape[-1], cols[g].nonzero().flatten(), diags[g],
-                    scale, R, t0)
+        band = prepared.get(g)
+        if band is None:
+            band = prepared[g] = _Band(cols[g].nonzero().flatten(), diags[g], n, R, kpad, vpad, pad, qh.dtype)
+        _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band, scale, t0)
 
-    return TILE_ROWS, run
+    return R, run, work
 
 
 def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
     """``fused_of`` of block-sparse (``blocks [Hg, NQB, K]`` of one batch row)."""
-    blk, big, _ = _chosen_blocks(blocks, n, block)
+    blk, big, nvalid = _chosen_blocks(blocks, n, block)
 
     def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0):
         _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk[g], big, scale, R, t0)
 
-    return block, run
+    return block, run, nvalid * block
 
 
-#: Head workers of the fused path (:func:`_each_head`): ``(threads, executor)``, made on first use.
+#: The heads' rows are cut into parts of about ``1 / (PARTS_PER_THREAD * T)`` of a call's work
+#: for its ``T`` head workers (:func:`_parts`), so that the workers end together: with one task
+#: per head, 9 heads on 2 workers leave one idle for a head's time (a tenth), and one head (a
+#: group of one dense or A-shape head) runs on one core while the other waits.
+PARTS_PER_THREAD = 8
+
+
+def _parts(work: torch.Tensor, threads: int) -> list[tuple[int, int, int]]:
+    """Tasks ``(g, c0, c1)``: local head ``g``'s tiles ``c0..c1-1`` of ``work [Hg, tiles]``
+    (estimated cost per tile), longest first. ``threads <= 1``: one task per head, in order."""
+    Hg, count = work.shape
+    if threads <= 1 or count == 0:
+        return [(g, 0, count) for g in range(Hg)]
+    cum = (work.double() + 1).cumsum(-1)  # + 1: a tile costs something even with no key
+    piece = float(cum[:, -1].sum()) / (PARTS_PER_THREAD * threads)
+    tasks = []
+    for g in range(Hg):
+        total = float(cum[g, -1])
+        P = max(1, min(count, round(total / piece)))
+        cuts = torch.searchsorted(cum[g], cum.new_tensor([total * p / P for p in range(1, P)])) + 1
+        bounds = sorted({0, count, *(c for c in cuts.tolist() if 0 < c < count)})
+        for c0, c1 in zip(bounds[:-1], bounds[1:]):
+            tasks.append((float(cum[g, c1 - 1] - (cum[g, c0 - 1] if c0 else 0)), g, c0, c1))
+    tasks.sort(key=lambda t: -t[0])
+    return [t[1:] for t in tasks]
+
+
+#: Head workers of the fused path (:func:`_each_task`): ``(threads, executor)``, made on first use.
 _WORKERS: list = [0, None]
 
 
@@ -451,21 +508,28 @@ def _single_thread() -> None:
     torch.set_num_threads(1)  # this worker's OpenMP / MKL threads (per thread; the caller's stay)
 
 
-def _each_head(fn, count: int, threads: int) -> None:
-    """``fn(g)`` for the local heads ``g = 0..count-1`` of the fused path.
+def _each_task(fn, tasks: list, threads: int) -> None:
+    """``fn(*task)`` for each task of the fused path (a head's tiles, :func:`_parts`).
 
-    With ``T = torch.get_num_threads() > 1`` intra-op threads the heads go to ``T`` worker
-    threads, each running its heads' pieces single-threaded (the CPU flash kernel and the other
-    ops release the GIL), taken from a shared queue: one head per worker at a time instead of an
-    OpenMP fork-join over ``T`` threads in every one of the many small ops of a head. On a
-    machine shared with other jobs a descheduled worker delays only its own head (issue 30: the
-    fork-joins made the sparse prefill 5x slower than dense at a load of 2.4-4.2 on 2 cores);
-    idle, the heads run side by side. ``T = 1`` (or one head): a plain loop in this thread.
-    ``threads``: the caller's ``T`` (read before :func:`_one_thread`)."""
-    if threads <= 1 or count <= 1:
-        for g in range(count):
-            fn(g)
+    With ``T = torch.get_num_threads() > 1`` intra-op threads the tasks go to ``T`` worker
+    threads, each running its tasks' pieces single-threaded (the CPU flash kernel and the other
+    ops release the GIL), taken in order from a shared queue (longest first): one task per worker
+    at a time instead of an OpenMP fork-join over ``T`` threads in every one of the many small
+    ops of a head. On a machine shared with other jobs a descheduled worker delays only its own
+    task (issue 30: the fork-joins made the sparse prefill 5x slower than dense at a load of
+    2.4-4.2 on 2 cores); idle, the tasks run side by side. ``T = 1`` (or one task): a plain loop
+    in this thread. ``threads``: the caller's ``T`` (read before :func:`_one_thread`)."""
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            fn(*task)
         return
+    # grad and inference mode are per thread: the workers take the caller's (an output made in
+    # inference mode can only be written in inference mode)
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def call(*task):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn(*task)
     if _WORKERS[0] != threads:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -473,7 +537,7 @@ def _each_head(fn, count: int, threads: int) -> None:
             _WORKERS[1].shutdown(wait=True)
         _WORKERS[:] = [threads, ThreadPoolExecutor(threads, thread_name_prefix="minference-head",
                                                    initializer=_single_thread)]
-    for f in [_WORKERS[1].submit(fn, g) for g in range(count)]:
+    for f in [_WORKERS[1].submit(call, *task) for task in tasks]:
         f.result()  # re-raises a worker's error here
 
 
@@ -482,7 +546,7 @@ def _one_thread():
     """The calling thread's ops single-threaded inside (yields its intra-op thread count ``T``
     from before, restored after): on a shared machine each OpenMP fork-join of a small op waits
     for a descheduled thread (issue 30: 2 threads under three busy loops, sparse 0.49x dense), so
-    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_head`)."""
+    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_task`)."""
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
@@ -508,11 +572,13 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     ``q`` from ``q_starts[b]``; ``out`` and ``lse`` have ``q``'s rows. Only the query tiles
     (``lo // R ..``) are computed; tiles, sets and index values stay in the row's positions.
 
-    Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run)``, where
-    ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head ``g``'s pieces
-    for the tiles ``t0..`` (:func:`_fused_band`, :func:`_fused_blocks`); ``dense`` runs the
-    causal kernel instead (a chunk after a cache: the cached keys unmasked, merged with the
-    chunk's causal square). Any other input takes the exact gathered path: ``tiles_of(b, n,
+    Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run, work)``,
+    where ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head ``g``'s
+    pieces for the tiles ``t0 .. t0 + len(qh) / R - 1`` (:func:`_fused_band`,
+    :func:`_fused_blocks`) and ``work [Hg, tiles]`` estimates each tile's cost: the heads' tiles
+    are cut into parts of about equal cost for the head workers (:func:`_parts`). ``dense`` runs
+    the causal kernel instead, per part of the rows (its causal square merged with the keys before
+    it: a chunk after a cache, or a later part). Any other input takes the exact gathered path: ``tiles_of(b, n,
     dtype) -> _Tiles``, per chunk of query tiles the union of the tile's candidate keys gathered
     and one small softmax (:func:`_manual`)."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
@@ -537,7 +603,6 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     if not ids:
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
-    hk = hq // (Hq // Hkv)
     kv_ids = [h // (Hq // Hkv) for h in ids]
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
@@ -547,55 +612,62 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
         if c == 0:
             continue
         lo = n - c  # the queries' first logical position
-        used = hk.unique()
+        used = sorted(set(kv_ids))
         # The fused CPU kernel adds the mask to the logits and multiplies every value it loads, so
         # a non-finite key or value would reach rows outside its set: such rows take _manual.
-        fused = _FLASH_CPU is not None and q.device.type == "cpu" and bool(
-            torch.isfinite(k[b, used, s : s + n]).all() and torch.isfinite(v[b, used, s : s + n]).all())
-        qb = _take_heads(q[b, :, qs : qs + c], ids)  # [Hg, c, D]
+        fused = _FLASH_CPU is not None and q.device.type == "cpu" and all(
+            _finite(x[b, j, s : s + n]) for x in (k, v) for j in used)
         if dense and fused:
-            def dense_head(g, b=b, s=s, n=n, qs=qs, c=c, lo=lo):  # views of q, k, v: no copies
-                h, hv = ids[g], kv_ids[g]
-                qh = q[b, h, qs : qs + c][None, None]  # [1, 1, c, D]
-                kh, vh = k[b, hv, s : s + n][None, None], v[b, hv, s : s + n][None, None]
-                o, l = _FLASH_CPU(qh, kh[:, :, lo:], vh[:, :, lo:], is_causal=True, scale=scale)
-                o, l = o[0, 0], l[0, 0]
-                if lo:  # the keys before the queries: every query sees all of them
-                    o, l = o.to(acc_dt), l.to(acc_dt)
-                    oc, lc = _FLASH_CPU(qh, kh[:, :, :lo], vh[:, :, :lo], scale=scale)
-                    _merge(o, l, 0, oc[0, 0], lc[0, 0], torch.zeros(c, dtype=torch.bool, device=q.device))
-                out[b, h, qs : qs + c] = o.to(q.dtype)
-                if lse is not None:
-                    lse[b, h, qs : qs + c] = l.float()
+            R = TILE_ROWS
+            count, t0 = -(-n // R), lo // R
+            tiles = torch.arange(t0, count, device=q.device)[None] * R + R // 2  # a tile's keys
 
-            _each_head(dense_head, Hg, threads)
+            def dense_part(g, c0, c1, b=b, s=s, n=n, qs=qs, lo=lo, t0=t0, R=R):  # views of q, k, v: no copies
+                h, hv = ids[g], kv_ids[g]
+                a, e = max((t0 + c0) * R, lo), min((t0 + c1) * R, n)  # the part's logical query rows
+                qh = q[b, h, qs + a - lo : qs + e - lo][None, None]  # [1, 1, e - a, D]
+                kh, vh = k[b, hv, s : s + n][None, None], v[b, hv, s : s + n][None, None]
+                o, l = _FLASH_CPU(qh, kh[:, :, a:e], vh[:, :, a:e], is_causal=True, scale=scale)
+                o, l = o[0, 0], l[0, 0]
+                if a:  # the keys before the part: every one of its queries sees all of them
+                    o, l = o.to(acc_dt), l.to(acc_dt)
+                    oc, lc = _FLASH_CPU(qh, kh[:, :, :a], vh[:, :, :a], scale=scale)
+                    _merge(o, l, 0, oc[0, 0], lc[0, 0], torch.zeros(e - a, dtype=torch.bool, device=q.device))
+                out[b, h, qs + a - lo : qs + e - lo] = o.to(q.dtype)
+                if lse is not None:
+                    lse[b, h, qs + a - lo : qs + e - lo] = l.float()
+
+            _each_task(dense_part, _parts(tiles.expand(Hg, -1), threads), threads)
             continue
         if fused and fused_of is not None:
-            R, run = fused_of(b, n)
+            R, run, work = fused_of(b, n)
             count, t0 = -(-n // R), lo // R
-            first = lo - t0 * R  # the first query's row in the computed tiles
             kpad = torch.empty(Hkv, n + count * R, D, dtype=dt, device=q.device)
             vpad = torch.empty_like(kpad)
-            for x, src in ((kpad, k), (vpad, v)):  # key j at row n + j, zeros around it
-                x[:, :n].zero_()
-                x[:, n : 2 * n] = src[b, :, s : s + n]
-                x[:, 2 * n :].zero_()
-            qpad = torch.empty(Hg, (count - t0) * R, D, dtype=dt, device=q.device)
-            qpad[:, :first].zero_()
-            qpad[:, first : first + c] = qb
-            qpad[:, first + c :].zero_()
-            def head(g, b=b, qs=qs, c=c, n=n, R=R, t0=t0, first=first, count=count, run=run, qpad=qpad,
-                     kpad=kpad, vpad=vpad):
-                h, hv = ids[g], kv_ids[g]
-                acc_o = torch.zeros((count - t0) * R, D, dtype=acc_dt, device=q.device)
-                acc_l = torch.full(((count - t0) * R,), _INF, dtype=acc_dt, device=q.device)
-                run(g, acc_o, acc_l, qpad[g], kpad[hv], vpad[hv], n, scale, R, t0)
-                out[b, h, qs : qs + c] = acc_o[first : first + c].to(q.dtype)  # disjoint rows per head
-                if lse is not None:
-                    lse[b, h, qs : qs + c] = acc_l[first : first + c].float()
+            for x, src in ((kpad, k), (vpad, v)):  # key j at row n + j, zeros around it (read kv heads only)
+                for j in used:
+                    x[j, :n].zero_()
+                    x[j, n : 2 * n] = src[b, j, s : s + n]
+                    x[j, 2 * n :].zero_()
 
-            _each_head(head, Hg, threads)
+            def part(g, c0, c1, b=b, qs=qs, n=n, R=R, t0=t0, lo=lo, run=run, kpad=kpad, vpad=vpad):
+                h, hv = ids[g], kv_ids[g]  # tiles t0 + c0 .. t0 + c1 - 1 of head g
+                rows, r0 = (c1 - c0) * R, (t0 + c0) * R
+                a, e = max(r0, lo), min(r0 + rows, n)  # the part's logical query rows
+                qh = torch.empty(rows, D, dtype=dt, device=q.device)  # its tiles' rows, zeros around the queries
+                qh[: a - r0].zero_()
+                qh[a - r0 : e - r0] = q[b, h, qs + a - lo : qs + e - lo]
+                qh[e - r0 :].zero_()
+                acc_o = torch.zeros(rows, D, dtype=acc_dt, device=q.device)
+                acc_l = torch.full((rows,), _INF, dtype=acc_dt, device=q.device)
+                run(g, acc_o, acc_l, qh, kpad[hv], vpad[hv], n, scale, R, t0 + c0)
+                out[b, h, qs + a - lo : qs + e - lo] = acc_o[a - r0 : e - r0].to(q.dtype)  # disjoint rows
+                if lse is not None:
+                    lse[b, h, qs + a - lo : qs + e - lo] = acc_l[a - r0 : e - r0].float()
+
+            _each_task(part, _parts(work[:, t0:], threads), threads)
             continue
+        qb = _take_heads(q[b, :, qs : qs + c], ids)  # [Hg, c, D]
         kb = _take_heads(k[b, :, s : s + n], kv_ids)  # [Hg, n, D]
         vb = _take_heads(v[b, :, s : s + n], kv_ids)
         t = tiles_of(b, n, q.dtype)
@@ -635,6 +707,13 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
                     lse[b, hq, qs + w0 - lo : qs + r1 - lo] = l
                 a = e
     return (out, lse) if return_lse else out
+
+
+def _finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: one sum (a NaN or inf makes it non-finite; a
+    finite tensor whose sum overflows is then checked element by element)."""
+    total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(x).all())
 
 
 def _take_heads(x: torch.Tensor, ids: list[int], dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -755,11 +834,12 @@ def block_sparse_attention(
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
-                     aggregation: str, qrows=None):
+                     aggregation: str, qrows=None, *, threads: int = 1):
     """Column and diagonal scores ``[B, Hg, N]`` float32 from the materialised sampled rows (the
     last ``last_q`` of each batch row plus its extra rows ``rows [B, E]``, -1 = none). Query rows
     ``qrows`` (:class:`minference.index.QueryRows`): only positions from the row's first query
-    ``q_lo`` on are sampled, position ``p`` read at q's row ``q_starts + p - q_lo``."""
+    ``q_lo`` on are sampled, position ``p`` read at q's row ``q_starts + p - q_lo``. The heads
+    run on ``threads`` head workers (:func:`_each_task`), each one head's products at a time."""
     B, Hq, _, _ = q.shape
     N = k.shape[2]
     hq = hs.long()
@@ -767,6 +847,7 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
     col = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
     diag = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
     reduce = "sum" if aggregation == "sum" else "amax"
+    q_heads, kv_heads = hq.tolist(), hk.tolist()
     q_lens, q_starts = (None, None) if qrows is None else (qrows.lens.tolist(), qrows.starts.tolist())
     for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         if n == 0:
@@ -783,15 +864,19 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
         R = sampled.shape[0]
         if R == 0:  # a row without queries samples nothing: zero scores
             continue
-        qs = q[b, :, row0 + sampled].index_select(0, hq).float()  # [Hg, R, D]
-        ks = _take_heads(k[b, :, s : s + n], hk.tolist(), torch.float32)  # [Hg, n, D]
         i = sampled[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [Hg, R, n]
-        probs = torch.softmax(logits.masked_fill(j > i, float("-inf")), dim=-1)
-        col[b, :, :n] = probs.sum(1) if aggregation == "sum" else probs.amax(1)
-        delta = (i - j).clamp(min=0).expand(len(hq), R, n).reshape(len(hq), R * n)  # j > i carry p = 0
-        diag[b, :, :n].scatter_reduce_(-1, delta, probs.reshape(len(hq), R * n), reduce=reduce)
+        later = j > i
+        delta = (i - j).clamp(min=0).flatten()  # [R * n]; j > i carry p = 0
+
+        def head(g, b=b, s=s, n=n, row0=row0, sampled=sampled, later=later, delta=delta):
+            qs = q[b, q_heads[g], row0 + sampled].float()  # [R, D]
+            ks = k[b, kv_heads[g], s : s + n].float()  # [n, D]
+            probs = torch.softmax((qs @ ks.T).mul_(scale).masked_fill_(later, float("-inf")), dim=-1)  # [R, n]
+            col[b, g, :n] = probs.sum(0) if aggregation == "sum" else probs.amax(0)
+            diag[b, g, :n].scatter_reduce_(-1, delta, probs.flatten(), reduce=reduce)
+
+        _each_task(head, [(g,) for g in range(len(hq))], threads)
     return col, diag
 
 
@@ -864,10 +949,11 @@ def vertical_slash_index(
 ):
     """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.vertical_slash_index`."""
-    with _one_thread():  # small ops: no fork-joins (issue 30)
+    with _one_thread() as threads:  # small ops: no fork-joins (issue 30); the heads' scores on workers
         return build_vertical_slash_index(
-            _vs_scores_torch, q, k, vertical, slash, last_q=last_q, extra_rows=extra_rows, sink_columns=sink_columns,
-            local_diagonals=local_diagonals, aggregation=aggregation, scale=scale, seqlens=seqlens,
+            functools.partial(_vs_scores_torch, threads=threads), q, k, vertical, slash, last_q=last_q,
+            extra_rows=extra_rows, sink_columns=sink_columns, local_diagonals=local_diagonals,
+            aggregation=aggregation, scale=scale, seqlens=seqlens,
             seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
             vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
             threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,

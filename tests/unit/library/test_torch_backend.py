@@ -432,3 +432,73 @@ def test_a_solid_band_at_offset_zero_runs_causal_and_stays_exact(monkeypatch, fi
         r64 = ref.ashape_attention(q, k, v, 5, 150)
         rs = ref.ashape_attention(q, k, v, 5, 150, compute_dtype=torch.float32)
         assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"a_shape {kw}")
+
+
+@pytest.mark.parametrize("query_rows", [None, 300])
+def test_parts_of_the_heads_rows_stay_exact(monkeypatch, query_rows) -> None:
+    """Each head's tiles cut into parts for the head workers (:func:`_parts`): every pattern,
+    a solid band whose causal tiles start inside a part, whole rows and query rows, against the
+    float64 twins; the cut really happens (more tasks than heads, parts that start after tile 0)."""
+    tasks = []
+    real = tb._each_task
+
+    def spy(fn, parts, threads):
+        tasks.append(list(parts))
+        return real(fn, parts, threads)
+
+    monkeypatch.setattr(tb, "_each_task", spy)
+    monkeypatch.setattr(tb, "PARTS_PER_THREAD", 16)
+    N, Hq, Hkv, D = 700, 4, 2, 16
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, N, D, generator=g) for h in (Hq, Hkv, Hkv))
+    slash = torch.cat([torch.arange(0, 330, dtype=torch.int32), torch.tensor([400, 401, 520], dtype=torch.int32)])
+    vertical = torch.tensor([3, 50, 120, 450, 690], dtype=torch.int32).expand(1, Hq, -1).contiguous()
+    slash = slash.expand(1, Hq, -1).contiguous()
+    nqb = -(-N // 64)
+    blocks = torch.stack([torch.tensor([0, i, max(0, i - 3)]) for i in range(nqb)]).expand(1, Hq, -1, -1).int()
+    runs = [
+        ("vertical_slash", lambda qq, **kw: tb.vertical_slash_attention(qq, k, v, vertical, slash, **kw),
+         lambda dt: ref.vertical_slash_attention(q, k, v, vertical, slash, compute_dtype=dt)),
+        ("a_shape", lambda qq, **kw: tb.ashape_attention(qq, k, v, 5, 260, **kw),
+         lambda dt: ref.ashape_attention(q, k, v, 5, 260, compute_dtype=dt)),
+        ("block_sparse", lambda qq, **kw: tb.block_sparse_attention(qq, k, v, blocks, block=64, **kw),
+         lambda dt: ref.block_sparse_attention(q, k, v, blocks, block=64, compute_dtype=dt)),
+        ("dense", lambda qq, **kw: tb.dense_attention(qq, k, v, **kw),
+         lambda dt: ref.dense_attention(q, k, v, compute_dtype=dt)),
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the parts are cut only for more than one head worker
+    try:
+        kw = {} if query_rows is None else dict(q_seqlens=query_rows)
+        qq = q if query_rows is None else q[:, :, N - query_rows :]
+        rows = slice(0, N) if query_rows is None else slice(N - query_rows, N)
+        for name, run, reference in runs:
+            tasks.clear()
+            out = run(qq, **kw)
+            assert len(tasks[0]) > Hq and any(c0 > 0 for _, c0, _ in tasks[0]), (name, tasks)
+            assert_close_to_reference(out, reference(torch.float64)[:, :, rows], reference(torch.float32)[:, :, rows],
+                                      name=f"{name} {kw}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", ["inference", "no_grad"])
+def test_head_workers_take_the_callers_grad_mode(mode) -> None:
+    """The head workers run in the caller's mode: an output made under ``torch.inference_mode``
+    is written there (a worker outside it may not update an inference tensor in place), and
+    nothing computed under ``no_grad`` records a graph."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g), torch.randn(
+        1, 2, 300, 16, generator=g)
+    k.requires_grad_(True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode() if mode == "inference" else torch.no_grad():
+            out = tb.dense_attention(q, k, v, out=torch.zeros_like(q))
+            assert not out.requires_grad
+    finally:
+        torch.set_num_threads(threads)
+    kd = k.detach()
+    assert_close_to_reference(out, ref.dense_attention(q, kd, v),
+                              ref.dense_attention(q, kd, v, compute_dtype=torch.float32), name=mode)
