@@ -387,8 +387,9 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
         body = min(count, max(first, -(-b // R)))  # tiles before `body` reach keys < 0
 
         def window(c0, c1, t, skip=0, W=W, b=b):  # tiles c0..c1-1, window keys skip..W-1
-            return t.as_strided((1, c1 - c0, W - skip, D), (0, R * D, D, 1),
-                                t.storage_offset() + (pad + c0 * R - b + skip) * D)
+            start = pad + c0 * R - b + skip  # key c0*R - b + skip >= -pad: inside the padding (masked)
+            assert start >= 0, (pad, c0, b, skip)
+            return t.as_strided((1, c1 - c0, W - skip, D), (0, R * D, D, 1), t.storage_offset() + start * D)
 
         c0 = first
         while c0 < body:
@@ -460,7 +461,9 @@ def _band_fused(cols: torch.Tensor, diags: torch.Tensor):
             band = prepared[g] = _Band(cols[g].nonzero().flatten(), diags[g], n, R, kpad, vpad, pad, qh.dtype)
         _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band, scale, t0)
 
-    return R, run, work
+    # the windows reach keys down to -b for the largest chosen offset b: the keys' padding before key 0
+    chosen = diags.any(0).nonzero()
+    return R, run, work, int(chosen[-1]) if chosen.numel() else 0
 
 
 def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
@@ -470,7 +473,7 @@ def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
     def run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0):
         _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk[g], big, scale, R, t0)
 
-    return block, run, nvalid * block
+    return block, run, nvalid * block, 0
 
 
 #: The heads' rows are cut into parts of about ``1 / (PARTS_PER_THREAD * T)`` of a call's work
@@ -572,10 +575,11 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     ``q`` from ``q_starts[b]``; ``out`` and ``lse`` have ``q``'s rows. Only the query tiles
     (``lo // R ..``) are computed; tiles, sets and index values stay in the row's positions.
 
-    Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run, work)``,
-    where ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head ``g``'s
-    pieces for the tiles ``t0 .. t0 + len(qh) / R - 1`` (:func:`_fused_band`,
-    :func:`_fused_blocks`) and ``work [Hg, tiles]`` estimates each tile's cost: the heads' tiles
+    Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run, work,
+    reach)``, where ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head
+    ``g``'s pieces for the tiles ``t0 .. t0 + len(qh) / R - 1`` (:func:`_fused_band`,
+    :func:`_fused_blocks`; ``kpad`` holds key ``j`` at row ``pad + j``, zeros around it, ``reach``
+    the zero rows its pieces read before key 0) and ``work [Hg, tiles]`` estimates each tile's cost: the heads' tiles
     are cut into parts of about equal cost for the head workers (:func:`_parts`). ``dense`` runs
     the causal kernel instead, per part of the rows (its causal square merged with the keys before
     it: a chunk after a cache, or a later part). Any other input takes the exact gathered path: ``tiles_of(b, n,
@@ -640,17 +644,17 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
             _each_task(dense_part, _parts(tiles.expand(Hg, -1), threads), threads)
             continue
         if fused and fused_of is not None:
-            R, run, work = fused_of(b, n)
+            R, run, work, pad = fused_of(b, n)
             count, t0 = -(-n // R), lo // R
-            kpad = torch.empty(Hkv, n + count * R, D, dtype=dt, device=q.device)
+            kpad = torch.empty(Hkv, pad + count * R, D, dtype=dt, device=q.device)
             vpad = torch.empty_like(kpad)
-            for x, src in ((kpad, k), (vpad, v)):  # key j at row n + j, zeros around it (read kv heads only)
+            for x, src in ((kpad, k), (vpad, v)):  # key j at row pad + j, zeros around it (read kv heads only)
                 for j in used:
-                    x[j, :n].zero_()
-                    x[j, n : 2 * n] = src[b, j, s : s + n]
-                    x[j, 2 * n :].zero_()
+                    x[j, :pad].zero_()
+                    x[j, pad : pad + n] = src[b, j, s : s + n]
+                    x[j, pad + n :].zero_()
 
-            def part(g, c0, c1, b=b, qs=qs, n=n, R=R, t0=t0, lo=lo, run=run, kpad=kpad, vpad=vpad):
+            def part(g, c0, c1, b=b, qs=qs, n=n, R=R, t0=t0, lo=lo, run=run, kpad=kpad, vpad=vpad, pad=pad):
                 h, hv = ids[g], kv_ids[g]  # tiles t0 + c0 .. t0 + c1 - 1 of head g
                 rows, r0 = (c1 - c0) * R, (t0 + c0) * R
                 a, e = max(r0, lo), min(r0 + rows, n)  # the part's logical query rows
@@ -660,7 +664,7 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
                 qh[e - r0 :].zero_()
                 acc_o = torch.zeros(rows, D, dtype=acc_dt, device=q.device)
                 acc_l = torch.full((rows,), _INF, dtype=acc_dt, device=q.device)
-                run(g, acc_o, acc_l, qh, kpad[hv], vpad[hv], n, scale, R, t0 + c0)
+                run(g, acc_o, acc_l, qh, kpad[hv], vpad[hv], pad, scale, R, t0 + c0)
                 out[b, h, qs + a - lo : qs + e - lo] = acc_o[a - r0 : e - r0].to(q.dtype)  # disjoint rows
                 if lse is not None:
                     lse[b, h, qs + a - lo : qs + e - lo] = acc_l[a - r0 : e - r0].float()

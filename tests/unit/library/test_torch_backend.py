@@ -502,3 +502,29 @@ def test_head_workers_take_the_callers_grad_mode(mode) -> None:
     kd = k.detach()
     assert_close_to_reference(out, ref.dense_attention(q, kd, v),
                               ref.dense_attention(q, kd, v, compute_dtype=torch.float32), name=mode)
+
+
+def test_a_wide_cluster_after_the_first_tiles_reads_only_its_padding(monkeypatch) -> None:
+    """A cluster of offsets ``a..b`` wider than several tiles, not solid from offset 0: its tiles
+    before ``b / R`` run in chunks whose earlier tiles read keys before key 0 (masked), which lie
+    in the keys' zero padding; the padding is as deep as the largest chosen offset. Against the
+    float64 twins, with the padding's depth checked on every window."""
+    N, Hq, Hkv, D = 1500, 2, 1, 16
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(1, h, N, D, generator=g) for h in (Hq, Hkv, Hkv))
+    slash = torch.arange(100, 1201, dtype=torch.int32).expand(1, Hq, -1).contiguous()
+    vertical = torch.tensor([[[0, 7]] * Hq], dtype=torch.int32)
+    strided = []
+    real = torch.Tensor.as_strided
+
+    def spy(t, size, stride, offset=None):
+        strided.append(offset - t.storage_offset())
+        return real(t, size, stride, offset)
+
+    monkeypatch.setattr(torch.Tensor, "as_strided", spy)
+    out = tb.vertical_slash_attention(q, k, v, vertical, slash)
+    monkeypatch.undo()
+    assert min(strided) < 1200 * D, "no window read keys before key 0"
+    assert_close_to_reference(out, ref.vertical_slash_attention(q, k, v, vertical, slash),
+                              ref.vertical_slash_attention(q, k, v, vertical, slash, compute_dtype=torch.float32),
+                              name="wide cluster")
