@@ -348,7 +348,7 @@ def check_merge(out_a: object, lse_a: object, out_b: object, lse_b: object) -> t
 
 
 def check_budget(name: str, value: object, *, total: int, minimum: int, values: bool,
-                 read: torch.Tensor | None = None) -> object:
+                 read: torch.Tensor | None = None) -> int | torch.Tensor:
     """Check a budget given as an int or a 1-D int tensor indexed by global head id; return the
     int clamped to :data:`BUDGET_MAX`, or the tensor as given (:func:`clamp_budget` bounds it).
 

@@ -287,8 +287,12 @@ def vertical_slash_rules(rule, threshold, min_vertical, min_slash, heads: torch.
     the adaptive rules), or a 1-D float tensor per global head (with a rule tensor);
     ``min_vertical``, ``min_slash``: ints or 1-D int tensors per global head. ``total``,
     ``validate``: as :func:`budget_tensor` (tensor lengths; codes, thresholds and minima read)."""
-    return _selection_rules(rule, threshold, {"min_vertical": min_vertical, "min_slash": min_slash}, heads,
+    made = _selection_rules(rule, threshold, {"min_vertical": min_vertical, "min_slash": min_slash}, heads,
                             head_offset, rules, total, validate)
+    if made is None:
+        return None
+    columns, diagonals = made  # one rule per entry of the minima
+    return columns, diagonals
 
 
 def block_sparse_rules(rule, threshold, min_blocks, heads: torch.Tensor, head_offset: int, *,
@@ -296,7 +300,11 @@ def block_sparse_rules(rule, threshold, min_blocks, heads: torch.Tensor, head_of
                        validate: bool = False) -> tuple[SelectionRule] | None:
     """The per computed head budget rule of a block-sparse build, ``(blocks,)``, or ``None`` when
     ``rule`` is ``"top_k"``; arguments as :func:`vertical_slash_rules`."""
-    return _selection_rules(rule, threshold, {"min_blocks": min_blocks}, heads, head_offset, rules, total, validate)
+    made = _selection_rules(rule, threshold, {"min_blocks": min_blocks}, heads, head_offset, rules, total, validate)
+    if made is None:
+        return None
+    (blocks,) = made  # one rule per entry of the minima
+    return (blocks,)
 
 
 def select_top(scores: torch.Tensor, forced: torch.Tensor, budget: torch.Tensor, width: int,
@@ -442,7 +450,9 @@ def _inside(lens: torch.Tensor, N: int) -> torch.Tensor:
 #: Joint per-head tensors of :func:`select_vertical_slash` (columns' heads, then the diagonals')
 #: by the identity and version of their parts; bounded (a plan's groups reuse their tensors on
 #: every call, so a few entries serve a model).
-_JOINT: dict[tuple, tuple] = {}
+_JointKey = tuple[tuple[tuple[int, int], ...], frozenset[str]]
+_Joint = tuple[torch.Tensor, torch.Tensor, SelectionRule]
+_JOINT: dict[_JointKey, tuple[tuple[torch.Tensor, ...], _Joint]] = {}
 _JOINT_SIZE = 64
 
 
@@ -455,13 +465,13 @@ def _joint_heads(sinks: torch.Tensor, locs: torch.Tensor, nv: torch.Tensor, ns: 
     parts = (sinks, locs, nv, ns, rule_v.code, rule_s.code, rule_v.threshold, rule_s.threshold, rule_v.minimum,
              rule_s.minimum)
     cache = not capturing() and not any(t.is_inference() for t in parts)
-    key = (tuple((id(t), t._version) for t in parts), rule_v.rules) if cache else None
-    hit = _JOINT.get(key) if cache else None
+    key: _JointKey | None = (tuple((id(t), t._version) for t in parts), rule_v.rules) if cache else None
+    hit = _JOINT.get(key) if key is not None else None
     if hit is not None and all(a is b for a, b in zip(hit[0], parts)):
         return hit[1]
     forced, budget, code, threshold, minimum = (torch.cat(parts[i : i + 2]) for i in range(0, 10, 2))
     joint = (forced, budget, SelectionRule(code, threshold, minimum, rule_v.rules))
-    if cache:
+    if key is not None:
         if len(_JOINT) >= _JOINT_SIZE:
             _JOINT.pop(next(iter(_JOINT)))  # the oldest entry
         _JOINT[key] = (parts, joint)  # the parts are kept alive: their ids stay theirs
@@ -475,12 +485,13 @@ def vertical_slash_budgets(vertical, slash, sink_columns, local_diagonals, heads
     locs)``, the forced counts capped by their budgets and at least one local diagonal (``δ =
     0``). Each argument is an int or a 1-D tensor indexed by global head ``head_offset + h``;
     ``total``, ``validate``: as :func:`budget_tensor`."""
-    kw = dict(total=total, validate=validate)
-    nv = budget_tensor("vertical", vertical, heads, head_offset, 0, **kw)
-    ns = budget_tensor("slash", slash, heads, head_offset, 1, **kw)
-    sinks = torch.minimum(budget_tensor("sink_columns", sink_columns, heads, head_offset, 0, **kw), nv)
-    locs = torch.minimum(budget_tensor("local_diagonals", local_diagonals, heads, head_offset, 0, **kw).clamp(min=1),
-                         ns)
+    def budget(name: str, value: int | torch.Tensor, minimum: int) -> torch.Tensor:
+        return budget_tensor(name, value, heads, head_offset, minimum, total=total, validate=validate)
+
+    nv = budget("vertical", vertical, 0)
+    ns = budget("slash", slash, 1)
+    sinks = torch.minimum(budget("sink_columns", sink_columns, 0), nv)
+    locs = torch.minimum(budget("local_diagonals", local_diagonals, 0).clamp(min=1), ns)
     return nv, ns, sinks, locs
 
 
@@ -555,7 +566,7 @@ def build_vertical_slash_index(scorer, q, k, vertical, slash, *, last_q, extra_r
 
 
 def _sampled_mask(lens: torch.Tensor, starts: torch.Tensor, N: int, last_q: int,
-                  rows: torch.Tensor | None, qrows: QueryRows | None = None, Nq: int | None = None) -> torch.Tensor:
+                  rows: torch.Tensor | None, qrows: QueryRows | None, Nq: int) -> torch.Tensor:
     """``[B, Nq]`` bool: the positions of q's N axis whose query rows a vertical-slash estimate
     samples (the last ``min(last_q, n)`` of each row, with query rows ``qrows`` only those that
     are queries, and its extra rows ``rows [B, E]``)."""

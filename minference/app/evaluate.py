@@ -54,12 +54,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO, cast
 
 import torch
 
 from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
 from minference.app.models import decode_step, forward_chunks, output_cache, synchronize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from minference.app.evals import Sample
+    from minference.app.ruler import PromptSet, RulerSample
 
 __all__ = [
     "DENSE",
@@ -404,8 +410,7 @@ class EvalReport:
         out = []
         for (config, task, n), items in cells.items():
             times = [t for _, _, t in items]
-            pairs = [(t, timed.get((dense, k, n, i)), k, i) for k, i, t in items] if dense else []
-            pairs = [p for p in pairs if p[1] is not None]
+            pairs = [(t, dt, k, i) for k, i, t in items if dense and (dt := timed.get((dense, k, n, i))) is not None]
             d = [p[1] for p in pairs]
             med, top = statistics.median(times), max(times)
             worst = max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
@@ -420,15 +425,15 @@ class EvalReport:
 
     def perplexity(self) -> list[dict]:
         """``{config, n_tokens, samples, nll, buckets}``: means over the perplexity samples."""
-        groups: dict[tuple, list[SampleRecord]] = {}
+        groups: dict[tuple, list[tuple[float, list[float] | None]]] = {}
         for r in self.records:
             if r.nll is not None:
-                groups.setdefault((r.config, r.n_tokens), []).append(r)
+                groups.setdefault((r.config, r.n_tokens), []).append((r.nll, r.nll_buckets))
         out = []
         for (config, n), recs in groups.items():
-            buckets = [statistics.fmean(col) for col in zip(*(r.nll_buckets for r in recs))]
+            buckets = [statistics.fmean(col) for col in zip(*(b for _, b in recs))]
             out.append(dict(config=config, n_tokens=n, samples=len(recs),
-                            nll=statistics.fmean(r.nll for r in recs), buckets=buckets))
+                            nll=statistics.fmean(nll for nll, _ in recs), buckets=buckets))
         return out
 
     def to_dict(self) -> dict:
@@ -582,7 +587,8 @@ def _decode(model, cache, nxt: torch.Tensor, max_new_tokens: Sequence[int], eos:
             cache = output_cache(out)
             nxt = out.logits[:, -1].argmax(-1)
     del cache
-    return [s[:-1] if s and s[-1] in eos else s for s in seqs], stops
+    done = cast("list[str]", stops)  # the loop ends only once every row has stopped
+    return [s[:-1] if s and s[-1] in eos else s for s in seqs], done
 
 
 def _answer(model, ids: torch.Tensor, max_new_tokens: int, eos: set[int],
@@ -607,7 +613,7 @@ def _settled(sample, tokens: list[int], tokenizer) -> bool:
     return bool(text) and not text[-1].isalnum() and evals.score(sample, text)
 
 
-def sequence_nll(model: torch.nn.Module, ids: torch.Tensor, *, chunk: int = NLL_CHUNK,
+def sequence_nll(model: PreTrainedModel, ids: torch.Tensor, *, chunk: int = NLL_CHUNK,
                  prefill_chunk: int = 0) -> torch.Tensor:
     """Next-token NLL ``[n - 1]`` float32 (on the CPU) of ``ids [n]`` from ONE prefill of the
     decoder (in chunks of ``prefill_chunk`` tokens through the cache, 0: one call): the LM head and
@@ -753,9 +759,10 @@ def _physical_density(plan, query: torch.Tensor, key: torch.Tensor, scale, fill_
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
-    if not values or any(v is None or (isinstance(v, float) and math.isnan(v)) for v in values):
+    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values or len(present) < len(values):
         return None
-    return float(statistics.fmean(values))
+    return float(statistics.fmean(present))
 
 
 def _measure_coverage(model, config, ids: torch.Tensor, stats: RunStats, *, physical: bool) -> None:
@@ -839,20 +846,47 @@ def _context_limit(model_name: str, native: int, force_length: bool) -> tuple[in
     return native, f"{model_name}'s {native}-token context (force_length / --force-length: run YaRN beyond it)"
 
 
+@dataclass
+class _Round:
+    """The procedural prompts of one (length, sample index): a sample per generation task, in task
+    order, and the perplexity task's ids ``[n]`` (``None``: that task is not run)."""
+
+    samples: dict[str, Sample]
+    perplexity: torch.Tensor | None = None
+
+    def tasks(self) -> list[str]:
+        """The round's tasks in run order: the generation tasks, then the perplexity task."""
+        from minference.app import evals
+
+        return list(self.samples) + ([evals.PERPLEXITY_TASK] if self.perplexity is not None else [])
+
+    def first_ids(self) -> torch.Tensor:
+        """``[n]`` the first task's prompt (what the once-per-length prefills run)."""
+        for sample in self.samples.values():
+            return sample.ids
+        if self.perplexity is None:
+            raise EvalError("a round without prompts (no tasks)")
+        return self.perplexity
+
+    def max_new_tokens(self) -> int:
+        """The most new tokens a generation task of the round asks for (0: none)."""
+        return max((s.max_new_tokens for s in self.samples.values()), default=0)
+
+
 def _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit: int, limit_text: str,
-                   allow_mismatch: bool) -> tuple[dict, dict]:
-    """``(RULER prompts per length, {length: {task: first procedural sample}})``, each checked to
-    fit its task and the model's context ``limit``; raises :class:`EvalError` naming the length."""
+                   allow_mismatch: bool) -> tuple[dict[int, list[RulerSample]], dict[int, _Round]]:
+    """``(RULER prompts per length, {length: first procedural round})``, each checked to fit its
+    task and the model's context ``limit``; raises :class:`EvalError` naming the length."""
     from minference.app import evals
 
     if ruler_set is not None:
         return _ruler_prompts(ruler_set, tokenizer, lengths, tasks, samples, limit, limit_text, allow_mismatch), {}
-    first: dict[int, dict[str, Any]] = {}
+    first: dict[int, _Round] = {}
     for n in lengths:
-        first[n] = {}
+        first[n] = _Round({})
         for task in (t for t in tasks if t != evals.PERPLEXITY_TASK):
             try:
-                first[n][task] = evals.make_sample(task, tokenizer, n, 0, samples=samples, seed=seed)
+                first[n].samples[task] = evals.make_sample(task, tokenizer, n, 0, samples=samples, seed=seed)
             except ValueError as err:
                 raise EvalError(f"length {n} does not fit task {task!r}: {err}") from None
         if evals.PERPLEXITY_TASK in tasks:
@@ -860,10 +894,10 @@ def _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit: i
                 raise EvalError(f"length {n} is too short for the perplexity task: it needs at least "
                                 f"{NLL_BUCKETS + 1} tokens ({NLL_BUCKETS} position buckets)")
             try:
-                first[n][evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, 0, seed=seed)
+                first[n].perplexity = evals.perplexity_ids(tokenizer, n, 0, seed=seed)
             except ValueError as err:
                 raise EvalError(f"length {n} does not fit the perplexity task: {err}") from None
-        need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+        need = n + first[n].max_new_tokens()
         if need > limit:
             raise EvalError(f"length {n} + {need - n} new tokens exceeds {limit_text}")
     return {}, first
@@ -1076,54 +1110,59 @@ def run_eval(
                           graphs=graphs, coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk,
                           checkpoint=checkpoint, t_start=t_start)
         else:
+            assert seed is not None  # the procedural suite's seed, 0 by default (set above)
             for n in lengths:
-                need = n + max((s.max_new_tokens for s in first[n].values() if hasattr(s, "max_new_tokens")), default=0)
+                need = n + first[n].max_new_tokens()
                 yarn = set_context_length(model, need)
                 for cache in graphs.values():  # one length's shapes at a time
                     cache.clear()
                 for index in range(samples):
                     if index == 0:
-                        prompts = first[n]
+                        round_prompts = first[n]
                     else:
-                        prompts = {t: evals.make_sample(t, tokenizer, n, index, samples=samples, seed=seed)
-                                   for t in gen_tasks}
+                        round_prompts = _Round({t: evals.make_sample(t, tokenizer, n, index, samples=samples, seed=seed)
+                                                for t in gen_tasks})
                         if with_ppl:
-                            prompts[evals.PERPLEXITY_TASK] = evals.perplexity_ids(tokenizer, n, index, seed=seed)
+                            round_prompts.perplexity = evals.perplexity_ids(tokenizer, n, index, seed=seed)
                     for cfg in resolved:
                         bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
                         if pattern_configs[cfg.name] is not None and (cfg.name, n) not in guards:
                             guards[(cfg.name, n)] = guard_opts.make(pattern_configs[cfg.name], f"{cfg.name}@{n}")
                         run_guard = guards.get((cfg.name, n))
-                        guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in prompts])
+                        guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in round_prompts.tasks()])
                         _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
                                graphs.get(cfg.name), run_guard or guard_options.OFF)
                         stats = report.run(cfg.name, n)
                         if stats is None:
                             stats = RunStats(cfg.name, n, yarn=yarn)
                             report.runs.append(stats)
-                            _once_per_length(model, cfg, pattern_configs[cfg.name], prompts, stats, dev,
-                                             coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk)
+                            _once_per_length(model, cfg, pattern_configs[cfg.name], round_prompts.first_ids(), stats,
+                                             dev, coverage=coverage, profile=profile, physical=physical,
+                                             chunk=prefill_chunk)
                         if gen_tasks:
                             # TTFT: one timed single-prompt prefill (the first task's); the answers:
                             # every task's prompt (all n tokens) in one batch, one greedy decode loop
                             guard_options.set_prompt(run_guard, f"{gen_tasks[0]}/{n}/{index}")
-                            ttft = _prefill(model, prompts[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
+                            gen = round_prompts.samples
+                            ttft = _prefill(model, gen[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
                             stats.ttft_s.append(ttft)
-                            batch = torch.stack([prompts[t].ids for t in gen_tasks]).to(dev)
+                            batch = torch.stack([gen[t].ids for t in gen_tasks]).to(dev)
                             guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in gen_tasks])
-                            answers = _generate(model, batch, [prompts[t].max_new_tokens for t in gen_tasks], eos,
-                                                settled=lambda b, tokens, p=prompts: _settled(p[gen_tasks[b]], tokens,
-                                                                                              tokenizer),
-                                                chunk=prefill_chunk)
+
+                            def settled(b: int, tokens: list[int], p: dict[str, Sample] = gen) -> bool:
+                                return _settled(p[gen_tasks[b]], tokens, tokenizer)
+
+                            answers = _generate(model, batch, [gen[t].max_new_tokens for t in gen_tasks], eos,
+                                                settled=settled, chunk=prefill_chunk)
                             for task, tokens in zip(gen_tasks, answers):
-                                sample = prompts[task]
+                                sample = gen[task]
                                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                                 report.records.append(SampleRecord(
                                     cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
                                     bool(evals.score(sample, text)), text, ttft if task == gen_tasks[0] else None,
                                     len(tokens), found=float(evals.score_fraction(sample, text))))
-                        if with_ppl:
-                            ids = prompts[evals.PERPLEXITY_TASK].to(dev)
+                        if round_prompts.perplexity is not None:  # the perplexity task (with_ppl)
+                            ids = round_prompts.perplexity.to(dev)
                             guard_options.set_prompt(run_guard, f"{evals.PERPLEXITY_TASK}/{n}/{index}")
                             ttft = None
                             if not gen_tasks:  # nothing else is timed: time this prompt's prefill
@@ -1148,14 +1187,15 @@ def run_eval(
             report.settings["cuda_graph_stats"] = {name: cache.stats for name, cache in graphs.items()}
             graphs.clear()
         for (name, n), run_guard in guards.items():  # the quality guards' summaries
-            if run_guard is not None and report.run(name, n) is not None:
-                report.run(name, n).guard = run_guard.summary()
+            done = report.run(name, n)
+            if run_guard is not None and done is not None:
+                done.guard = run_guard.summary()
                 run_guard.close()
     report.wall_s = time.perf_counter() - t_start
     return report
 
 
-def _ruler_plan(prompts, lengths, tasks, samples, seed):
+def _ruler_plan(prompts, lengths, tasks, samples, seed) -> tuple[PromptSet, list[int], list[str], int]:
     """``(prompt set, lengths, tasks, samples)`` of a RULER run, checked against the set before any
     model is loaded."""
     from minference.app import ruler
@@ -1187,7 +1227,8 @@ def _ruler_plan(prompts, lengths, tasks, samples, seed):
     return prompt_set, lengths, tasks, samples
 
 
-def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_text, allow_mismatch) -> dict:
+def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_text,
+                   allow_mismatch) -> dict[int, list[RulerSample]]:
     """Every RULER prompt per length (task order, then sample order), after checking the
     tokenizer and the model's context."""
     from minference.app import ruler
@@ -1197,7 +1238,7 @@ def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_
     except ruler.RulerError as err:
         if not allow_mismatch:
             raise EvalError(f"{err} (--allow-mismatch runs it anyway)") from None
-    out = {}
+    out: dict[int, list[RulerSample]] = {}
     for n in lengths:
         try:
             out[n] = [s for t in tasks for s in prompt_set.samples(t, n, samples)]
@@ -1217,9 +1258,9 @@ def _ruler_settings(prompt_set) -> dict:
             "metrics": {t: i["metric"] for t, i in m["tasks"].items()}}
 
 
-def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_configs, prompts: dict, eos: set[int],
-                  dev: torch.device, bar, *, apply, graphs, coverage: bool, profile: bool, physical: bool, chunk: int,
-                  checkpoint, t_start: float) -> None:
+def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_configs,
+                  prompts: dict[int, list[RulerSample]], eos: set[int], dev: torch.device, bar, *, apply, graphs,
+                  coverage: bool, profile: bool, physical: bool, chunk: int, checkpoint, t_start: float) -> None:
     """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
     prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
     ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`)."""
@@ -1240,8 +1281,8 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 if stats is None:
                     stats = RunStats(cfg.name, n, yarn=yarn)
                     report.runs.append(stats)
-                    _once_per_length(model, cfg, pattern_configs[cfg.name], firsts, stats, dev, coverage=coverage,
-                                     profile=profile, physical=physical, chunk=chunk)
+                    _once_per_length(model, cfg, pattern_configs[cfg.name], next(iter(firsts.values())).ids, stats,
+                                     dev, coverage=coverage, profile=profile, physical=physical, chunk=chunk)
                 def check(tokens: list[int], s=sample) -> bool:
                     return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
 
@@ -1282,14 +1323,13 @@ def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, d
                     **extra)
 
 
-def _once_per_length(model, cfg: EvalConfig, config, prompts: dict, stats: RunStats, dev: torch.device, *,
+def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats: RunStats, dev: torch.device, *,
                      coverage: bool, profile: bool, physical: bool, chunk: int = 0) -> None:
     """Warm-up prefill (untimed), the profiled prefill (CUDA) and the coverage prefill, on the
-    first prompt of this (config, length)."""
+    first prompt ``prompt [n]`` of this (config, length)."""
     import minference.integration as integ
 
-    first = next(iter(prompts.values()))
-    ids = (first.ids if hasattr(first, "ids") else first).to(dev)
+    ids = prompt.to(dev)
     if config is not None:
         integ.reset_counts(model)
     stats.warmup_s = _prefill(model, ids, chunk)[0]
@@ -1427,14 +1467,15 @@ def format_report(report: EvalReport) -> str:
     configs = [f"- {c.name}: {c.spec} ({c.kind}; {c.counts() or 'SDPA'})" for c in report.configs]
     lines += ["", "Configs:"] + configs
     longest = max(report.lengths) if report.lengths else None
-    tops = [r for r in report.runs if r.n_tokens == longest and r.split is not None and r.split.top]
+    tops = [(r.config, r.split.top) for r in report.runs if r.n_tokens == longest and r.split is not None
+            and r.split.top]
     if tops:
         lines += ["", f"Costliest kernels at {longest} tokens (device ms in the profiled prefill, top 3 per part)", ""]
-        for r in tops:
+        for config, top in tops:
             for part in ("attention", "index", "other"):
-                items = list(r.split.top.get(part, {}).items())[:3]
+                items = list(top.get(part, {}).items())[:3]
                 if items:
-                    lines.append(f"- {r.config} / {part}: " + "; ".join(f"`{n}` {t:.1f}" for n, t in items))
+                    lines.append(f"- {config} / {part}: " + "; ".join(f"`{n}` {t:.1f}" for n, t in items))
     return "\n".join(lines)
 
 
@@ -1454,10 +1495,10 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
         raise ImportError(f"{MATPLOTLIB_HINT} ({err})") from None
     counts: dict[tuple, list[int]] = {}
     for a in report.accuracy():
-        c = counts.setdefault((a["config"], a["n_tokens"]), [0, 0])
-        c[0] += a["correct"]
-        c[1] += a["total"]
-    pooled = {key: c[0] / c[1] for key, c in counts.items() if c[1]}
+        tally = counts.setdefault((a["config"], a["n_tokens"]), [0, 0])
+        tally[0] += a["correct"]
+        tally[1] += a["total"]
+    pooled = {key: right / total for key, (right, total) in counts.items() if total}
     if report.settings.get("suite") == "ruler":  # RULER's score, averaged over tasks
         scores: dict[tuple, list[float]] = {}
         for a in report.accuracy():
@@ -1605,7 +1646,8 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
 def _write_outputs(report: EvalReport, args: argparse.Namespace, out: TextIO) -> int:
     print(format_report(report), file=out)
     if any(r.guard for r in report.runs):  # the quality guard (docs/guard.md)
-        print(guard_options.format_summaries({f"{r.config} @ {r.n_tokens}": r.guard for r in report.runs}), file=out)
+        print(guard_options.format_summaries({f"{r.config} @ {r.n_tokens}": r.guard for r in report.runs if r.guard}),
+              file=out)
     if args.out:
         report.save(args.out)
         print(f"wrote {args.out}", file=out)
