@@ -143,6 +143,15 @@ _INF = float("-inf")
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def _flash(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :data:`_FLASH_CPU` (read at each call); the fused path that calls it runs
+    only where the operator exists."""
+    op = _FLASH_CPU
+    assert op is not None, "the fused path needs the CPU flash-attention operator"
+    out = op(*args, **kwargs)
+    return out[0], out[1]
+
+
 class _Tiles:
     """One batch row's candidate sets for one pattern, cut into query tiles.
 
@@ -365,12 +374,12 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
     if causal > t0:
         r0, rows = t0 * R, (causal - t0) * R
         qs = q4.view(1, 1, -1, D)[:, :, :rows]
-        o, l = _FLASH_CPU(qs, kpad[None, None, pad + r0 : pad + r0 + rows],
+        o, l = _flash(qs, kpad[None, None, pad + r0 : pad + r0 + rows],
                           vpad[None, None, pad + r0 : pad + r0 + rows], is_causal=True, scale=scale)
         acc_o[:rows] = o.reshape(rows, D)
         acc_l[:rows] = l.reshape(rows)
         if r0:  # the keys before the first tile: every row sees all of them (a part of the rows)
-            o, l = _FLASH_CPU(qs, kpad[None, None, pad : pad + r0], vpad[None, None, pad : pad + r0], scale=scale)
+            o, l = _flash(qs, kpad[None, None, pad : pad + r0], vpad[None, None, pad : pad + r0], scale=scale)
             _merge(acc_o, acc_l, 0, o.reshape(rows, D), l.reshape(rows),
                    torch.zeros(rows, dtype=torch.bool, device=dev))
     if cols.numel() and causal < count:
@@ -378,7 +387,7 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
             lo = torch.arange(c0, c1, device=dev)[:, None] * R
             mask = band.windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
-            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], band.kc.expand(1, nt, -1, -1), band.vc.expand(1, nt, -1, -1),
+            o, l = _flash(q4[:, c0 - t0 : c1 - t0], band.kc.expand(1, nt, -1, -1), band.vc.expand(1, nt, -1, -1),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
     for a, b, mask_ab in band.clusters:
@@ -400,12 +409,12 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
             skip = max(0, b - (c1 - 1) * R)
             jpos = torch.arange(c0, c1, device=dev)[:, None] * R - b + torch.arange(skip, W, device=dev)[None, :]
             mask = mask_ab[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
-            o, l = _FLASH_CPU(q4[:, c0 - t0 : c1 - t0], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
+            o, l = _flash(q4[:, c0 - t0 : c1 - t0], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
                               attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
             c0 = c1
         if body < count:  # every row of these tiles has its keys r .. r + b - a of the window
-            o, l = _FLASH_CPU(q4[:, body - t0 :], window(body, count, kpad), window(body, count, vpad),
+            o, l = _flash(q4[:, body - t0 :], window(body, count, kpad), window(body, count, vpad),
                               attn_mask=mask_ab[None, None], scale=scale)
             rows = (count - body) * R
             _merge(acc_o, acc_l, (body - t0) * R, o.reshape(-1, D), l.reshape(-1),
@@ -425,7 +434,7 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
     blk = blk[t0:count]  # the query blocks of these tiles
     diag = (blk == tiles[:, None]).any(-1)
     if bool(diag.any()):  # the diagonal block: causal inside, a view of the keys
-        o, l = _FLASH_CPU(q4, kblocks[None, t0:], vblocks[None, t0:], is_causal=True, scale=scale)
+        o, l = _flash(q4, kblocks[None, t0:], vblocks[None, t0:], is_causal=True, scale=scale)
         _merge(acc_o, acc_l, 0, o.reshape(-1, D), l.reshape(-1), (~diag).repeat_interleave(R))
     below = torch.where(blk < tiles[:, None], blk, big).sort(-1).values
     nbelow = (below < big).sum(-1)
@@ -442,7 +451,7 @@ def _fused_blocks(acc_o, acc_l, qh, kpad, vpad, pad, blk, big, scale, R, t0=0) -
         vg = vblocks.view(count, R * D).index_select(0, ids.flatten()).view(1, nt, width * R, D)
         real = (below[c0:c1] < big).repeat_interleave(R, -1)  # [C, width * R]
         mask = torch.zeros(nt, width * R, dtype=qh.dtype, device=dev).masked_fill_(~real, _INF)
-        o, l = _FLASH_CPU(q4[:, c0:c1], kg, vg, attn_mask=mask[None, :, None, :], scale=scale)
+        o, l = _flash(q4[:, c0:c1], kg, vg, attn_mask=mask[None, :, None, :], scale=scale)
         _merge(acc_o, acc_l, c0 * R, o.reshape(-1, D), l.reshape(-1), (nbelow[c0:c1] == 0).repeat_interleave(R))
 
 
@@ -631,11 +640,11 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
                 a, e = max((t0 + c0) * R, lo), min((t0 + c1) * R, n)  # the part's logical query rows
                 qh = q[b, h, qs + a - lo : qs + e - lo][None, None]  # [1, 1, e - a, D]
                 kh, vh = k[b, hv, s : s + n][None, None], v[b, hv, s : s + n][None, None]
-                o, l = _FLASH_CPU(qh, kh[:, :, a:e], vh[:, :, a:e], is_causal=True, scale=scale)
+                o, l = _flash(qh, kh[:, :, a:e], vh[:, :, a:e], is_causal=True, scale=scale)
                 o, l = o[0, 0], l[0, 0]
                 if a:  # the keys before the part: every one of its queries sees all of them
                     o, l = o.to(acc_dt), l.to(acc_dt)
-                    oc, lc = _FLASH_CPU(qh, kh[:, :, :a], vh[:, :, :a], scale=scale)
+                    oc, lc = _flash(qh, kh[:, :, :a], vh[:, :, :a], scale=scale)
                     _merge(o, l, 0, oc[0, 0], lc[0, 0], torch.zeros(e - a, dtype=torch.bool, device=q.device))
                 out[b, h, qs + a - lo : qs + e - lo] = o.to(q.dtype)
                 if lse is not None:
@@ -698,7 +707,7 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
                 kt, vt = kb[heads, p], vb[heads, p]
                 qc = qt[:, c0 + a - t0 : c0 + e - t0]
                 if fused:
-                    o, l = _FLASH_CPU(qc, kt, vt, attn_mask=mask, scale=scale)
+                    o, l = _flash(qc, kt, vt, attn_mask=mask, scale=scale)
                 else:
                     o, l = _manual(qc, kt, vt, mask, scale)
                 r0, r1 = (c0 + a) * R, min(n, (c0 + e) * R)  # logical rows of these tiles
@@ -780,9 +789,12 @@ def ashape_attention(
         pos = torch.arange(n, device=q.device)
         return pos < sinks[:, None], pos < windows[:, None]
 
-    return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(*sets(n), n, dtype),
-                   lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens, seqstarts=seqstarts,
-                   out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
+    def tiles(b, n, dtype):
+        cols, diags = sets(n)
+        return _band_tiles(cols, diags, n, dtype)
+
+    return _attend(q, k, v, ids, tiles, lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens,
+                   seqstarts=seqstarts, out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
                    q_seqstarts=q_seqstarts)
 
 
@@ -852,7 +864,8 @@ def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | N
     diag = torch.zeros(B, len(hq), N, dtype=torch.float32, device=q.device)
     reduce = "sum" if aggregation == "sum" else "amax"
     q_heads, kv_heads = hq.tolist(), hk.tolist()
-    q_lens, q_starts = (None, None) if qrows is None else (qrows.lens.tolist(), qrows.starts.tolist())
+    q_lens: list[int] = [] if qrows is None else qrows.lens.tolist()
+    q_starts: list[int] = [] if qrows is None else qrows.starts.tolist()
     for b, (s, n) in enumerate(zip(starts.tolist(), lens.tolist())):
         if n == 0:
             continue
