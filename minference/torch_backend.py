@@ -134,7 +134,7 @@ def block_sparse_rows_mask(i0: int, i1: int, n: int, blocks: torch.Tensor, block
 
 #: Query rows per tile on the vertical-slash, A-shape and dense paths (block-sparse tiles are its
 #: blocks). Each tile gathers the union of its rows' candidate keys, so a tile of ``R`` rows reads
-#: each slash run's keys plus ``R - 1`` (measured on 2 cores at 4K: 32, 64 and 128 rows within 10%).
+#: each slash run's keys plus ``R - 1`` (see docs/tuning.md#tile-rows).
 TILE_ROWS = 64
 
 _INF = float("-inf")
@@ -489,7 +489,7 @@ def _blocks_fused(blocks: torch.Tensor, n: int, block: int):
 #: for its ``T`` head workers (:func:`_parts`), so that the workers end together: with one task
 #: per head, 9 heads on 2 workers leave one idle for a head's time (a tenth), and one head (a
 #: group of one dense or A-shape head) runs on one core while the other waits.
-PARTS_PER_THREAD = 8
+PARTS_PER_THREAD = 8  # see docs/tuning.md#parts-per-thread
 
 
 def _parts(work: torch.Tensor, threads: int) -> list[tuple[int, int, int]]:
