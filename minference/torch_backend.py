@@ -34,10 +34,11 @@ entry point reads the row lengths on the host, so this backend synchronises on C
 is for portability, not for graph capture.
 
 The index builders :func:`vertical_slash_index` and :func:`block_sparse_index` share validation,
-budgets, budget rules and the selection with the Triton builders (:mod:`minference.kernels.estimate`); only
-the score computation differs: here the ``[Hg, r, n]`` probabilities of the sampled rows are
-materialised (fine on the host at the lengths this backend is for) and reduced with
-``scatter_reduce``, and blocks are pooled with reshapes.
+budgets, budget rules and the selection with the Triton builders (:mod:`minference.builders`,
+used by :mod:`minference.kernels.estimate_vs` and :mod:`minference.kernels.estimate_bs`); only
+the score computation differs: here each head's ``[r, n]`` probabilities of the sampled rows are
+materialised (fine on the host at the lengths this backend is for; one head per worker) and
+reduced with ``scatter_reduce``, and blocks are pooled with reshapes.
 Rows outside a sequence and rows with an empty candidate set come out as zeros (log-sum-exp
 ``-inf``); heads not listed in ``heads`` are left untouched in ``out``.
 
@@ -375,7 +376,7 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
         r0, rows = t0 * R, (causal - t0) * R
         qs = q4.view(1, 1, -1, D)[:, :, :rows]
         o, l = _flash(qs, kpad[None, None, pad + r0 : pad + r0 + rows],
-                          vpad[None, None, pad + r0 : pad + r0 + rows], is_causal=True, scale=scale)
+                      vpad[None, None, pad + r0 : pad + r0 + rows], is_causal=True, scale=scale)
         acc_o[:rows] = o.reshape(rows, D)
         acc_l[:rows] = l.reshape(rows)
         if r0:  # the keys before the first tile: every row sees all of them (a part of the rows)
@@ -388,7 +389,7 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
             mask = band.windows[(lo - cols + R).clamp(0, n + R)].transpose(-1, -2)  # [C, R, NV]
             nt = c1 - c0
             o, l = _flash(q4[:, c0 - t0 : c1 - t0], band.kc.expand(1, nt, -1, -1), band.vc.expand(1, nt, -1, -1),
-                              attn_mask=mask[None], scale=scale)
+                          attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
     for a, b, mask_ab in band.clusters:
         W = b - a + R
@@ -410,12 +411,12 @@ def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> 
             jpos = torch.arange(c0, c1, device=dev)[:, None] * R - b + torch.arange(skip, W, device=dev)[None, :]
             mask = mask_ab[:, skip:].expand(c1 - c0, R, W - skip).masked_fill((jpos < 0)[:, None, :], _INF)
             o, l = _flash(q4[:, c0 - t0 : c1 - t0], window(c0, c1, kpad, skip), window(c0, c1, vpad, skip),
-                              attn_mask=mask[None], scale=scale)
+                          attn_mask=mask[None], scale=scale)
             _merge(acc_o, acc_l, (c0 - t0) * R, o.reshape(-1, D), l.reshape(-1), (mask.amax(-1) == _INF).flatten())
             c0 = c1
         if body < count:  # every row of these tiles has its keys r .. r + b - a of the window
             o, l = _flash(q4[:, body - t0 :], window(body, count, kpad), window(body, count, vpad),
-                              attn_mask=mask_ab[None, None], scale=scale)
+                          attn_mask=mask_ab[None, None], scale=scale)
             rows = (count - body) * R
             _merge(acc_o, acc_l, (body - t0) * R, o.reshape(-1, D), l.reshape(-1),
                    torch.zeros(rows, dtype=torch.bool, device=dev))
@@ -585,15 +586,15 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     (``lo // R ..``) are computed; tiles, sets and index values stay in the row's positions.
 
     Finite keys and values on the CPU take the fused path: ``fused_of(b, n) -> (R, run, work,
-    reach)``, where ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head
-    ``g``'s pieces for the tiles ``t0 .. t0 + len(qh) / R - 1`` (:func:`_fused_band`,
-    :func:`_fused_blocks`; ``kpad`` holds key ``j`` at row ``pad + j``, zeros around it, ``reach``
-    the zero rows its pieces read before key 0) and ``work [Hg, tiles]`` estimates each tile's cost: the heads' tiles
-    are cut into parts of about equal cost for the head workers (:func:`_parts`). ``dense`` runs
-    the causal kernel instead, per part of the rows (its causal square merged with the keys before
-    it: a chunk after a cache, or a later part). Any other input takes the exact gathered path: ``tiles_of(b, n,
-    dtype) -> _Tiles``, per chunk of query tiles the union of the tile's candidate keys gathered
-    and one small softmax (:func:`_manual`)."""
+    reach)``. ``run(g, acc_o, acc_l, qh, kpad, vpad, pad, scale, R, t0)`` adds local head ``g``'s
+    pieces for the tiles ``t0 .. t0 + len(qh) / R - 1`` (:func:`_fused_band`,
+    :func:`_fused_blocks`; ``kpad`` holds key ``j`` at row ``pad + j`` with zeros around it,
+    ``reach`` rows of them before key 0); ``work [Hg, tiles]`` estimates each tile's cost, and
+    the heads' tiles are cut into parts of about equal cost for the head workers
+    (:func:`_parts`). ``dense`` runs the causal kernel instead, per part of the rows (its causal
+    square merged with the keys before it: a chunk after a cache, or a later part). Any other
+    input takes the exact gathered path: ``tiles_of(b, n, dtype) -> _Tiles``, per chunk of query
+    tiles the union of the tile's candidate keys gathered and one small softmax (:func:`_manual`)."""
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
@@ -965,7 +966,7 @@ def vertical_slash_index(
     q_seqstarts: torch.Tensor | None = None,
 ):
     """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
-    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.vertical_slash_index`."""
+    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate_vs.vertical_slash_index`."""
     with _one_thread() as threads:  # small ops: no fork-joins (issue 30); the heads' scores on workers
         return build_vertical_slash_index(
             functools.partial(_vs_scores_torch, threads=threads), q, k, vertical, slash, last_q=last_q,
@@ -988,7 +989,7 @@ def block_sparse_index(
     q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
 ):
     """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
-    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate.block_sparse_index`."""
+    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate_bs.block_sparse_index`."""
     with _one_thread():  # small ops: no fork-joins (issue 30)
         return build_block_sparse_index(
             _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
@@ -1004,7 +1005,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
                        slots=None) -> torch.Tensor:
     """Query-aware block scores in plain PyTorch (float32): every query against the block-mean
     keys, softmaxed over its block-causal key blocks, maxed over the query block's rows. Same
-    arguments and result as :func:`minference.kernels.estimate.query_block_scores` (definition:
+    arguments and result as :func:`minference.kernels.estimate_bs.query_block_scores` (definition:
     :func:`minference.reference.estimators.query_block_scores`; query rows ``q_seqlens``,
     ``q_seqstarts`` or the builder's ``slots`` included).
 
