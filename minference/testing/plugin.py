@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -42,7 +44,8 @@ MARKERS = {
 #: Every phase but shrinking (``explain`` needs a shrunk example, so it goes too).
 NO_SHRINK = ("explicit", "reuse", "generate", "target")
 
-PROFILES = {
+#: hypothesis settings by profile name (``phases`` by name; the plugin turns them into ``Phase``).
+PROFILES: dict[str, dict[str, Any]] = {
     "ci": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True, phases=NO_SHRINK),
     "ci-shrink": dict(max_examples=25, deadline=None, derandomize=True, print_blob=True),
     "gpu": dict(max_examples=400, deadline=None, print_blob=True),
@@ -120,7 +123,7 @@ class _CompileCounter:
         from triton import knobs
 
         self.compiles: list[tuple[str, float]] = []
-        self._started = None
+        self._started: float | None = None
         self._prev = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
 
@@ -136,6 +139,10 @@ class _CompileCounter:
             self._prev[1](**kwargs)
 
 
+#: The session's compile counter (``--compile-report``), in the pytest config's stash.
+_COMPILES = pytest.StashKey[_CompileCounter]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Each xdist worker's torch would start a thread per core: 16 workers on 16 cores ran 256 threads
@@ -147,50 +154,57 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         torch.set_num_threads(worker_threads(os.cpu_count() or 1, int(workers)))
     # after the conftests chose TRITON_INTERPRET; the interpreter compiles nothing
     if session.config.getoption("compile_report", False):
-        session.config._minference_compiles = _CompileCounter()
+        session.config.stash[_COMPILES] = _CompileCounter()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    counter = getattr(item.config, "_minference_compiles", None)
+    counter = item.config.stash.get(_COMPILES, None)
     if counter is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
         item.user_properties.append((COMPILE_PROPERTY, counter.compiles))
         counter.compiles = []
     yield
 
 
+@dataclass
+class _Tally:
+    """One row of the compile report: the tests (per file), their seconds, compiles and compile seconds."""
+
+    ids: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+
+
 def compile_report(reports, top: int = 20) -> list[str]:
     """Lines of the report: per test file (tests, seconds in setup+call+teardown, compiles, compile
     seconds), the ``top`` longest tests, and per kernel (compiles, seconds), most expensive first."""
-    files = defaultdict(lambda: [set(), 0.0, 0, 0.0])
-    kernels = defaultdict(lambda: [0, 0.0])
-    tests = defaultdict(lambda: [0.0, 0, 0.0])
+    files: defaultdict[str, _Tally] = defaultdict(_Tally)
+    kernels: defaultdict[str, _Tally] = defaultdict(_Tally)
+    tests: defaultdict[str, _Tally] = defaultdict(_Tally)
     for r in reports:
         f = files[r.nodeid.split("::")[0]]
-        f[0].add(r.nodeid)
-        f[1] += r.duration
-        tests[r.nodeid][0] += r.duration
+        f.ids.add(r.nodeid)
+        f.seconds += r.duration
+        tests[r.nodeid].seconds += r.duration
         for name, value in r.user_properties:
             if name == COMPILE_PROPERTY:
                 for kernel, seconds in value:
-                    f[2] += 1
-                    f[3] += seconds
-                    tests[r.nodeid][1] += 1
-                    tests[r.nodeid][2] += seconds
-                    kernels[kernel][0] += 1
-                    kernels[kernel][1] += seconds
+                    for t in (f, tests[r.nodeid], kernels[kernel]):
+                        t.compiles += 1
+                        t.compile_seconds += seconds
     lines = [f"{'test file':<48} {'tests':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}"]
-    for path, (ids, seconds, n, cs) in sorted(files.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"{path:<48} {len(ids):>5} {seconds:>8.1f} {n:>8} {cs:>9.1f}")
-    total = [sum(v[i] for v in files.values()) for i in (1, 2, 3)]
-    lines.append(f"{'all':<48} {sum(len(v[0]) for v in files.values()):>5} {total[0]:>8.1f} {total[1]:>8} "
-                 f"{total[2]:>9.1f}")
+    for path, t in sorted(files.items(), key=lambda kv: -kv[1].seconds):
+        lines.append(f"{path:<48} {len(t.ids):>5} {t.seconds:>8.1f} {t.compiles:>8} {t.compile_seconds:>9.1f}")
+    lines.append(f"{'all':<48} {sum(len(t.ids) for t in files.values()):>5} "
+                 f"{sum(t.seconds for t in files.values()):>8.1f} {sum(t.compiles for t in files.values()):>8} "
+                 f"{sum(t.compile_seconds for t in files.values()):>9.1f}")
     lines.append(f"{f'test (the {top} longest)':<48} {'':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}")
-    for nodeid, (seconds, n, cs) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{nodeid:<48} {'':>5} {seconds:>8.1f} {n:>8} {cs:>9.1f}")
+    for nodeid, t in sorted(tests.items(), key=lambda kv: -kv[1].seconds)[:top]:
+        lines.append(f"{nodeid:<48} {'':>5} {t.seconds:>8.1f} {t.compiles:>8} {t.compile_seconds:>9.1f}")
     lines.append(f"{'kernel':<48} {'':>5} {'':>8} {'compiles':>8} {'compile s':>9}")
-    for kernel, (n, cs) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"{kernel:<48} {'':>5} {'':>8} {n:>8} {cs:>9.1f}")
+    for kernel, t in sorted(kernels.items(), key=lambda kv: -kv[1].compile_seconds):
+        lines.append(f"{kernel:<48} {'':>5} {'':>8} {t.compiles:>8} {t.compile_seconds:>9.1f}")
     return lines
 
 

@@ -144,9 +144,8 @@ def ragged_rows(draw, B: int, N: int) -> tuple[torch.Tensor | None, torch.Tensor
             s = 0 if form == "lens_only" else draw(st.integers(0, N))
         else:
             n = draw(st.integers(0, N))
-            s = {"right": 0, "left": N - n}.get(mode)
-            if s is None:
-                s = draw(st.integers(0, N - n))
+            fixed = {"right": 0, "left": N - n}.get(mode)
+            s = draw(st.integers(0, N - n)) if fixed is None else fixed
         lens.append(n)
         starts.append(s)
     seqlens = torch.tensor(lens, dtype=torch.int32)
@@ -380,4 +379,5 @@ def qkv(
     q = torch.randn(shape.B, shape.Hq, shape.N, shape.D, generator=g, dtype=torch.float64) * sharpness
     k = torch.randn(shape.B, shape.Hkv, shape.N, shape.D, generator=g, dtype=torch.float64)
     v = torch.randn(shape.B, shape.Hkv, shape.N, shape.D, generator=g, dtype=torch.float64)
-    return tuple(_view(x.to(dtype=dtype).to(device), layout) for x in (q, k, v))
+    return _view(q.to(dtype=dtype).to(device), layout), _view(k.to(dtype=dtype).to(device), layout), _view(
+        v.to(dtype=dtype).to(device), layout)
