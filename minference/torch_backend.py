@@ -577,7 +577,7 @@ def _attend(*args, **kwargs):
 
 
 def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqstarts, out, return_lse, validate,
-                 threads=1, dense=False, q_seqlens=None, q_seqstarts=None):
+                 threads=1, dense=False, q_seqlens=None, q_seqstarts=None, checked=False):
     """Attention on heads ``ids`` over the candidate sets of batch row ``b`` (``n`` tokens).
 
     Queries may be part of the key rows (docs/kernels.md, "query rows"): ``q [B,Hq,Nq,D]``, row
@@ -594,14 +594,19 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     (:func:`_parts`). ``dense`` runs the causal kernel instead, per part of the rows (its causal
     square merged with the keys before it: a chunk after a cache, or a later part). Any other
     input takes the exact gathered path: ``tiles_of(b, n, dtype) -> _Tiles``, per chunk of query
-    tiles the union of the tile's candidate keys gathered and one small softmax (:func:`_manual`)."""
-    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
+    tiles the union of the tile's candidate keys gathered and one small softmax (:func:`_manual`).
+    ``checked``: the caller validated the form of the arguments (the row arguments' values are
+    read here whatever it says: this backend reads them on the host)."""
+    if checked:
+        (B, Hq, Nq, D), (Hkv, N) = q.shape, k.shape[1:3]
+    else:
+        B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
     rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
                             given_rows=seqlens is not None or seqstarts is not None)
     q_lens, q_starts = rows if rows is not None else (lens, starts)
-    if not isinstance(validate, bool):
+    if not checked and not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     if validate and ids:  # the Triton kernels' rule (kernels._common.prepare), with their messages
         computed = None if ids == list(range(Hq)) else torch.tensor(ids, device=q.device)
@@ -609,7 +614,7 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
         check_finite_kv({"k": k, "v": v}, lens, starts, group=Hq // Hkv, query_heads=computed)
     if out is None:
         out = torch.zeros_like(q)
-    else:
+    elif not checked:
         check_tensor("out", out, rank=4, dtypes=(q.dtype,))
         if out.shape != q.shape or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
@@ -741,7 +746,9 @@ def _take_heads(x: torch.Tensor, ids: list[int], dtype: torch.dtype | None = Non
     return out
 
 
-def _ids(heads, Hq):
+def _ids(heads, Hq, checked: bool = False) -> list[int]:
+    if checked:  # the caller's distinct ids in range
+        return list(range(Hq)) if heads is None else heads.tolist()
     if heads is not None:
         check_tensor("heads", heads, rank=1, dtypes=_INT)
     return head_ids(heads, Hq)
@@ -752,21 +759,26 @@ def dense_attention(
     seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
     validate: bool = True, q_seqlens: torch.Tensor | int | None = None, q_seqstarts: torch.Tensor | None = None,
+    checked: bool = False,
 ):
     """Causal dense attention (the ``Dense`` pattern): ``q [B,Hq,N,D]``, ``k, v [B,Hkv,N,D]`` ->
     ``out [B,Hq,N,D]`` (and ``lse [B,Hq,N]`` fp32).
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
-    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
-    check_qkv_rows(q, k, v)
-    ids = _ids(heads, q.shape[1])
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
+    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    if not checked:
+        check_qkv_rows(q, k, v)
+    ids = _ids(heads, q.shape[1], checked)
 
     def tiles(b, n, dtype):  # only for inputs the fused causal kernel cannot take
         every = torch.ones(len(ids), n, dtype=torch.bool, device=q.device)
         return _band_tiles(~every, every, n, dtype)
 
     return _attend(q, k, v, ids, tiles, scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out,
-                   return_lse=return_lse, validate=validate, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   return_lse=return_lse, validate=validate, dense=True, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts,
+                   checked=checked)
 
 
 def ashape_attention(
@@ -774,15 +786,18 @@ def ashape_attention(
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, head_offset: int = 0, out: torch.Tensor | None = None,
     return_lse: bool = False, validate: bool = True, q_seqlens: torch.Tensor | int | None = None,
-    q_seqstarts: torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None, checked: bool = False,
 ):
     """A-shape attention; ``sink``, ``window``: ints or 1-D int tensors indexed by global head
     ``head_offset + h``. Shapes as :func:`minference.kernels.ashape_attention`.
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
-    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
-    check_qkv_rows(q, k, v)
-    ids = _ids(heads, q.shape[1])
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
+    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    if not checked:
+        check_qkv_rows(q, k, v)
+    ids = _ids(heads, q.shape[1], checked)
     sinks = torch.tensor(per_head_budget("sink", sink, ids, head_offset, 0), device=q.device)
     windows = torch.tensor(per_head_budget("window", window, ids, head_offset, 1), device=q.device)
 
@@ -796,7 +811,7 @@ def ashape_attention(
 
     return _attend(q, k, v, ids, tiles, lambda b, n: _band_fused(*sets(n)), scale=scale, seqlens=seqlens,
                    seqstarts=seqstarts, out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
-                   q_seqstarts=q_seqstarts)
+                   q_seqstarts=q_seqstarts, checked=checked)
 
 
 def vertical_slash_attention(
@@ -804,25 +819,30 @@ def vertical_slash_attention(
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
     validate: bool = True, fill_gaps: int = 0, q_seqlens: torch.Tensor | int | None = None,
-    q_seqstarts: torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None, checked: bool = False,
 ):
     """Vertical-slash attention on logical ``vertical [B,Hg,NV]`` / ``slash [B,Hg,NS]`` (-1 padded),
     offsets closed over gaps of at most ``fill_gaps``. Shapes as
     :func:`minference.kernels.vertical_slash_attention`.
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
-    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows."""
-    B, Hq, _, _, N, _ = check_qkv_rows(q, k, v)
-    ids = _ids(heads, Hq)
-    for name, idx in (("vertical", vertical), ("slash", slash)):
-        check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
-    check_fill_gaps(fill_gaps)
+    ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
+    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    if not checked:
+        check_qkv_rows(q, k, v)
+    B, Hq, N = q.shape[0], q.shape[1], k.shape[2]
+    ids = _ids(heads, Hq, checked)
+    if not checked:
+        for name, idx in (("vertical", vertical), ("slash", slash)):
+            check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
+        check_fill_gaps(fill_gaps)
     cols = scatter_set(N, vertical)  # [B, Hg, N]: the same sets as the reference, over the whole N
     diags = slash_set(N, slash, fill_gaps)
     return _attend(q, k, v, ids, lambda b, n, dtype: _band_tiles(cols[b, :, :n], diags[b, :, :n], n, dtype),
                    lambda b, n: _band_fused(cols[b, :, :n], diags[b, :, :n]), scale=scale, seqlens=seqlens,
                    seqstarts=seqstarts, out=out, return_lse=return_lse, validate=validate, q_seqlens=q_seqlens,
-                   q_seqstarts=q_seqstarts)
+                   q_seqstarts=q_seqstarts, checked=checked)
 
 
 def block_sparse_attention(
@@ -830,24 +850,30 @@ def block_sparse_attention(
     scale: float | None = None, seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
     heads: torch.Tensor | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
     validate: bool = True, q_seqlens: torch.Tensor | int | None = None, q_seqstarts: torch.Tensor | None = None,
+    checked: bool = False,
 ):
     """Block-sparse attention on ``blocks [B,Hg,ceil(N/block),K]`` (-1 padded, any block size).
     Shapes as :func:`minference.kernels.block_sparse_attention`.
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``blocks`` has one row per query block of the key row (``ceil(N / block)``)."""
-    B, Hq, _, _, N, _ = check_qkv_rows(q, k, v)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    ids = _ids(heads, Hq)
-    nqb = -(-N // block)
-    check_index("blocks", blocks, rank=4, lead=(B, len(ids), nqb), device=q.device, upper=max(nqb, 1),
-                values=validate)
+    ``blocks`` has one row per query block of the key row (``ceil(N / block)``).
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
+    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    if not checked:
+        check_qkv_rows(q, k, v)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
+    B, Hq, N = q.shape[0], q.shape[1], k.shape[2]
+    ids = _ids(heads, Hq, checked)
+    if not checked:
+        nqb = -(-N // block)
+        check_index("blocks", blocks, rank=4, lead=(B, len(ids), nqb), device=q.device, upper=max(nqb, 1),
+                    values=validate)
     return _attend(q, k, v, ids, lambda b, n, dtype: _block_tiles(blocks[b], n, block, dtype),
                    lambda b, n: _blocks_fused(blocks[b], n, block),
                    scale=scale, seqlens=seqlens, seqstarts=seqstarts, out=out, return_lse=return_lse,
-                   validate=validate, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+                   validate=validate, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, checked=checked)
 
 
 def _vs_scores_torch(q, k, hs, lens, starts, last_q: int, rows: torch.Tensor | None, scale: float,
@@ -963,10 +989,11 @@ def vertical_slash_index(
     validate: bool = True, resolved: tuple | None = None, rule: str | torch.Tensor = "top_k",
     threshold: float | torch.Tensor | None = None, min_vertical: int | torch.Tensor = 0,
     min_slash: int | torch.Tensor = 0, resolved_rules: tuple | None = None, q_seqlens=None,
-    q_seqstarts: torch.Tensor | None = None,
+    q_seqstarts: torch.Tensor | None = None, checked: bool = False,
 ):
     """Vertical-slash index in plain PyTorch; same arguments (query rows ``q_seqlens``,
-    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate_vs.vertical_slash_index`."""
+    ``q_seqstarts`` and the internal ``checked`` included) and result as
+    :func:`minference.kernels.estimate_vs.vertical_slash_index`."""
     with _one_thread() as threads:  # small ops: no fork-joins (issue 30); the heads' scores on workers
         return build_vertical_slash_index(
             functools.partial(_vs_scores_torch, threads=threads), q, k, vertical, slash, last_q=last_q,
@@ -975,7 +1002,7 @@ def vertical_slash_index(
             seqstarts=seqstarts, heads=heads, head_offset=head_offset, return_scores=return_scores,
             vertical_width=vertical_width, slash_width=slash_width, validate=validate, resolved=resolved, rule=rule,
             threshold=threshold, min_vertical=min_vertical, min_slash=min_slash, resolved_rules=resolved_rules,
-            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, checked=checked)
 
 
 def block_sparse_index(
@@ -986,23 +1013,25 @@ def block_sparse_index(
     top_k_width: int | None = None, validate: bool = True, resolved: tuple | None = None,
     rule: str | torch.Tensor = "top_k", threshold: float | torch.Tensor | None = None,
     min_blocks: int | torch.Tensor = 0, resolved_rules: tuple | None = None, estimate: str = "pooled",
-    q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
+    q_seqlens=None, q_seqstarts: torch.Tensor | None = None, checked: bool = False,
 ):
     """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
-    ``q_seqstarts`` included) and result as :func:`minference.kernels.estimate_bs.block_sparse_index`."""
+    ``q_seqstarts`` and the internal ``checked`` included) and result as
+    :func:`minference.kernels.estimate_bs.block_sparse_index`."""
     with _one_thread():  # small ops: no fork-joins (issue 30)
         return build_block_sparse_index(
             _pool_torch, q, k, top_k, block=block, sink_blocks=sink_blocks, force_diagonal=force_diagonal,
             scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=head_offset,
             return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
             threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
-            scorer=query_block_scores, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts)
+            scorer=functools.partial(query_block_scores, checked=True) if checked else query_block_scores,
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, checked=checked)
 
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
                        heads: torch.Tensor | None = None, q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
-                       slots=None) -> torch.Tensor:
+                       slots=None, checked: bool = False) -> torch.Tensor:
     """Query-aware block scores in plain PyTorch (float32): every query against the block-mean
     keys, softmaxed over its block-causal key blocks, maxed over the query block's rows. Same
     arguments and result as :func:`minference.kernels.estimate_bs.query_block_scores` (definition:
@@ -1012,14 +1041,18 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
     ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` -> ``scores [B, Hg, NQB, NQB]`` float32 (``-inf``
     above the diagonal and outside the row). Query blocks are taken in chunks so that one
     chunk's ``[Hg, C, block, keys]`` probabilities stay within :data:`CHUNK_ELEMENTS`.
+    ``checked``: internal: the caller (the builder of a checked call) validated the arguments' form.
     """
-    B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
+    if checked:
+        (B, Hq, Nq, D), (Hkv, N) = q.shape, k.shape[1:3]
+    else:
+        B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block must be a positive int, got {block!r}")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
     qr = scorer_rows(slots, q_seqlens, q_seqstarts, lens, starts, Nq, N, seqlens is not None or seqstarts is not None)
-    ids = _ids(heads, Hq)
+    ids = _ids(heads, Hq, checked)
     nqb = -(-N // block)
     if qr is not None:
         out = _query_block_scores_rows(q, k, block, scale, lens, starts, ids, qr)

@@ -43,11 +43,11 @@ def test_get_backend_refuses_other_names() -> None:
         B.get_backend("auto")
 
 
-@pytest.mark.interpret
-def test_a_triton_call_checks_q_once(monkeypatch) -> None:
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.interpret), "torch"])
+def test_a_call_checks_q_once(monkeypatch, backend) -> None:
     """Following q through one sparse_prefill call (every pattern, the query-aware block scores, the
     dense tail): its form is checked by the dispatcher only; the builders, the scorer and the
-    launchers run with checked=True."""
+    launchers (Triton) or attention functions (torch) run with checked=True."""
     calls = []
     for mod in [m for n, m in list(sys.modules.items()) if n.startswith("minference") and m is not None]:
         real = getattr(mod, "check_qkv_rows", None)
@@ -60,7 +60,7 @@ def test_a_triton_call_checks_q_once(monkeypatch) -> None:
     plan = [VerticalSlash(vertical=6, slash=10, last_q=16), AShape(sink=2, window=16),
             BlockSparse(top_k=3, block=16, estimate="query"), BlockSparse(top_k=2, block=16), Dense()]
     q, k, v = qkv(AttnShape(B=1, Hq=5, Hkv=1, N=48, D=16), torch.float32, "cpu", seed=0)
-    out = sparse_prefill(q, k, v, plan, dense_threshold=0, dense_tail=8, backend="triton",
+    out = sparse_prefill(q, k, v, plan, dense_threshold=0, dense_tail=8, backend=backend,
                          seqlens=torch.tensor([40], dtype=torch.int32))
     assert calls == ["minference.dispatch"]
     assert torch.isfinite(out).all()
