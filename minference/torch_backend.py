@@ -52,8 +52,13 @@ causal square, merged by log-sum-exp like every other pair of pieces.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import os
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -358,9 +363,10 @@ class _Band:
 
 
 def _fused_band(acc_o, acc_l, qh, kpad, vpad, pad, band: _Band, scale, t0=0) -> None:
-    """One head's vertical-slash set (``band``) into the accumulators. ``qh [(count-t0)*R, D]``
-    holds the rows of tiles ``t0..count-1`` (tile ``c``: rows ``c*R ..``; the accumulators
-    likewise), ``kpad, vpad [pad + count*R, D]`` hold key ``j`` at row ``pad + j`` (zeros around it)."""
+    """One head's vertical-slash set (``band``) on a part of its rows into the accumulators:
+    ``qh [(count-t0)*R, D]`` holds the rows of tiles ``t0..count-1`` (tile ``c``: rows ``c*R ..``;
+    ``count`` the part's end, not necessarily the row's; the accumulators likewise), ``kpad, vpad``
+    hold key ``j`` at row ``pad + j`` with zeros around it, to the row's last tile."""
     n, R, cols = band.n, band.R, band.cols
     count, D = t0 + qh.shape[0] // R, qh.shape[1]
     dev = qh.device
@@ -513,45 +519,65 @@ def _parts(work: torch.Tensor, threads: int) -> list[tuple[int, int, int]]:
     return [t[1:] for t in tasks]
 
 
-#: Head workers of the fused path (:func:`_each_task`): ``(threads, executor)``, made on first use.
-_WORKERS: list = [0, None]
+#: The head workers (:func:`_each_task`): ``(size, executor, pid)``, made on first use, made larger
+#: when a call wants more threads (the smaller pool is left to finish, never shut down under a
+#: concurrent call), made anew in a forked child (the parent's threads do not exist there).
+_WORKERS: list = [0, None, 0]
+_WORKERS_LOCK = threading.Lock()
 
 
 def _single_thread() -> None:
     torch.set_num_threads(1)  # this worker's OpenMP / MKL threads (per thread; the caller's stay)
 
 
-def _each_task(fn, tasks: list, threads: int) -> None:
-    """``fn(*task)`` for each task of the fused path (a head's tiles, :func:`_parts`).
+def _executor(threads: int) -> ThreadPoolExecutor:
+    with _WORKERS_LOCK:
+        size, executor, pid = _WORKERS
+        if executor is None or size < threads or pid != os.getpid():
+            executor = ThreadPoolExecutor(threads, thread_name_prefix="minference-head", initializer=_single_thread)
+            _WORKERS[:] = [threads, executor, os.getpid()]
+        return executor
 
-    With ``T = torch.get_num_threads() > 1`` intra-op threads the tasks go to ``T`` worker
-    threads, each running its tasks' pieces single-threaded (the CPU flash kernel and the other
-    ops release the GIL), taken in order from a shared queue (longest first): one task per worker
-    at a time instead of an OpenMP fork-join over ``T`` threads in every one of the many small
-    ops of a head. On a machine shared with other jobs a descheduled worker delays only its own
-    task (issue 30: the fork-joins made the sparse prefill 5x slower than dense at a load of
-    2.4-4.2 on 2 cores); idle, the tasks run side by side. ``T = 1`` (or one task): a plain loop
-    in this thread. ``threads``: the caller's ``T`` (read before :func:`_one_thread`)."""
+
+def _each_task(fn, tasks: list, threads: int) -> None:
+    """``fn(*task)`` for each task, on at most ``threads`` head workers (the parts of heads of the
+    fused and dense paths, :func:`_parts`; the heads' vertical-slash scores).
+
+    With ``T = torch.get_num_threads() > 1`` intra-op threads, ``T`` runners on the shared
+    executor take the tasks in order (longest first) from this call's queue, each running its
+    tasks' ops single-threaded (the CPU flash kernel and the other ops release the GIL): one task
+    per worker at a time instead of an OpenMP fork-join over ``T`` threads in every one of the
+    many small ops of a head. On a machine shared with other jobs a descheduled worker delays only
+    its own task (issue 30: the fork-joins made the sparse prefill 5x slower than dense at a load
+    of 2.4-4.2 on 2 cores); idle, the tasks run side by side. After a task raises, the runners take
+    no new task, and the first error is raised here once all runners have stopped (no task of the
+    call still writes). Runners enter the caller's grad and inference mode (both are per thread).
+    ``T = 1`` (or one task): a plain loop in this thread. ``threads``: the caller's ``T`` (read
+    before :func:`_one_thread`)."""
     if threads <= 1 or len(tasks) <= 1:
         for task in tasks:
             fn(*task)
         return
-    # grad and inference mode are per thread: the workers take the caller's (an output made in
-    # inference mode can only be written in inference mode)
     inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+    queue = collections.deque(tasks)
+    errors: list[BaseException] = []
 
-    def call(*task):
+    def runner() -> None:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            fn(*task)
-    if _WORKERS[0] != threads:
-        from concurrent.futures import ThreadPoolExecutor
+            while not errors:
+                try:
+                    task = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    fn(*task)
+                except BaseException as error:  # re-raised in the caller
+                    errors.append(error)
 
-        if _WORKERS[1] is not None:
-            _WORKERS[1].shutdown(wait=True)
-        _WORKERS[:] = [threads, ThreadPoolExecutor(threads, thread_name_prefix="minference-head",
-                                                   initializer=_single_thread)]
-    for f in [_WORKERS[1].submit(call, *task) for task in tasks]:
-        f.result()  # re-raises a worker's error here
+    executor = _executor(threads)
+    futures.wait([executor.submit(runner) for _ in range(min(threads, len(tasks)))])
+    if errors:
+        raise errors[0]
 
 
 @contextlib.contextmanager
@@ -559,12 +585,18 @@ def _one_thread():
     """The calling thread's ops single-threaded inside (yields its intra-op thread count ``T``
     from before, restored after): on a shared machine each OpenMP fork-join of a small op waits
     for a descheduled thread (issue 30: 2 threads under three busy loops, sparse 0.49x dense), so
-    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_task`)."""
+    the backend's own ops run in one thread and its parallelism is the heads' (:func:`_each_task`).
+    Autocast is off inside, as it is in the head workers (it is per thread): the backend chooses
+    its compute dtypes itself, so a result never depends on the thread count."""
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
     try:
-        yield threads
+        with contextlib.ExitStack() as stack:
+            for device in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            yield threads
     finally:
         if threads > 1:
             torch.set_num_threads(threads)
@@ -623,6 +655,10 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     kv_ids = [h // (Hq // Hkv) for h in ids]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        # the CPU flash kernel gives no gradient of its log-sum-exp, which the merges of pieces use
+        raise RuntimeError("the torch backend is for inference: its gradients are not implemented; call it under "
+                           "torch.no_grad() or torch.inference_mode(), or detach q, k and v")
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
     dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
@@ -766,8 +802,9 @@ def dense_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
-    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
+    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
+    only the finite checks of q, k, v."""
     if not checked:
         check_qkv_rows(q, k, v)
     ids = _ids(heads, q.shape[1], checked)
@@ -793,8 +830,9 @@ def ashape_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
-    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
+    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
+    only the finite checks of q, k, v."""
     if not checked:
         check_qkv_rows(q, k, v)
     ids = _ids(heads, q.shape[1], checked)
@@ -827,8 +865,9 @@ def vertical_slash_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
-    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
+    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
+    only the finite checks of q, k, v."""
     if not checked:
         check_qkv_rows(q, k, v)
     B, Hq, N = q.shape[0], q.shape[1], k.shape[2]
@@ -858,8 +897,9 @@ def block_sparse_attention(
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
     ``blocks`` has one row per query block of the key row (``ceil(N / block)``).
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments'
-    form at its edge; the entry checks are skipped (values are checked only with ``validate``)."""
+    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
+    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
+    only the finite checks of q, k, v."""
     if not checked:
         check_qkv_rows(q, k, v)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:

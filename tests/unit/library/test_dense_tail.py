@@ -125,3 +125,16 @@ def test_patch_passes_the_tail_to_every_layer() -> None:
         I.unpatch(model)
     assert (sparse - dense).abs().max() > 1e-3
     torch.testing.assert_close(tail, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dense_tail_refuses_an_out_of_another_form(backend) -> None:
+    """``out`` is the caller's: its dtype, rank, shape and device are checked at this public entry
+    (the backends write it with their entry checks off)."""
+    q, k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 1, 100, 16), torch.randn(1, 1, 100, 16)
+    for out, error, match in ((torch.zeros(1, 2, 100, 16, dtype=torch.float64), TypeError, "out"),
+                              (torch.zeros(1, 2, 120, 16), ValueError, "out must be"),
+                              (torch.zeros(1, 4, 100, 16), ValueError, "out must be"),
+                              (torch.zeros(2, 100, 16), ValueError, "out")):
+        with pytest.raises(error, match=match):
+            dense_tail_attention(q, k, v, 8, out=out, backend=backend)

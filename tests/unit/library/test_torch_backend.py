@@ -434,10 +434,11 @@ def test_a_solid_band_at_offset_zero_runs_causal_and_stays_exact(monkeypatch, fi
         assert_close_to_reference(out, r64[:, :, rows], rs[:, :, rows], name=f"a_shape {kw}")
 
 
-@pytest.mark.parametrize("query_rows", [None, 300])
+@pytest.mark.parametrize("query_rows", [None, 300, 600])
 def test_parts_of_the_heads_rows_stay_exact(monkeypatch, query_rows) -> None:
     """Each head's tiles cut into parts for the head workers (:func:`_parts`): every pattern,
-    a solid band whose causal tiles start inside a part, whole rows and query rows, against the
+    a solid band whose causal tiles start inside a part, whole rows and query rows (600: the first
+    query tile starts inside the solid band, with rows before the first query), against the
     float64 twins; the cut really happens (more tasks than heads, parts that start after tile 0)."""
     tasks = []
     real = tb._each_task
@@ -528,3 +529,110 @@ def test_a_wide_cluster_after_the_first_tiles_reads_only_its_padding(monkeypatch
     assert_close_to_reference(out, ref.vertical_slash_attention(q, k, v, vertical, slash),
                               ref.vertical_slash_attention(q, k, v, vertical, slash, compute_dtype=torch.float32),
                               name="wide cluster")
+
+
+def _with_threads(count: int, fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_thread(fn):
+    return _with_threads(1, fn)
+
+
+def _two_threads(fn):
+    return _with_threads(2, fn)
+
+
+def test_a_call_that_records_gradients_is_refused() -> None:
+    """The backend is for inference: its pieces merge by log-sum-exp, of which the CPU flash kernel
+    gives no gradient (autograd through it was wrong by up to 16 at two threads). A call that would
+    record a graph is refused in one line; under no_grad, or on detached inputs, it runs."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 300, 16, generator=g) for h in (2, 1, 1))
+    k.requires_grad_(True)
+    for run in (_one_thread, _two_threads):
+        with pytest.raises(RuntimeError, match="for inference"):
+            run(lambda: tb.dense_attention(q, k, v))
+        with torch.no_grad():
+            run(lambda: tb.dense_attention(q, k, v))
+        run(lambda: tb.dense_attention(q, k.detach(), v))
+
+
+def test_autocast_does_not_change_the_backend() -> None:
+    """The backend chooses its compute dtypes: under CPU autocast the vertical-slash index (whose
+    scores a bf16 matmul broke) and the attention equal the results without it, at one thread
+    and at two (autocast is per thread: the head workers never had it)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, h, 200, 16, generator=g) for h in (2, 1, 1))
+    want = tb.vertical_slash_index(q, k, 8, 12, last_q=16)
+    out = tb.vertical_slash_attention(q, k, v, *want)
+    for run in (_one_thread, _two_threads):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = run(lambda: tb.vertical_slash_index(q, k, 8, 12, last_q=16))
+            attn = run(lambda: tb.vertical_slash_attention(q, k, v, *want))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert attn.dtype == torch.float32
+        torch.testing.assert_close(attn, out, rtol=0, atol=0)
+
+
+def test_concurrent_calls_with_other_thread_counts_and_a_fork() -> None:
+    """The head workers are shared: callers in several threads, each with its own intra-op thread
+    count, all finish with the right result (a larger pool never shuts down one in use); a forked
+    child makes its own workers (the parent's threads do not exist there; it hung)."""
+    import multiprocessing
+    import threading
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, h, 256, 16, generator=g) for h in (4, 2, 2))
+    want = tb.dense_attention(q, k, v)
+    errors = []
+
+    def caller(count: int) -> None:
+        torch.set_num_threads(count)
+        try:
+            for _ in range(5):
+                torch.testing.assert_close(tb.dense_attention(q, k, v), want, rtol=0, atol=0)
+        except BaseException as error:
+            errors.append(error)
+
+    _two_threads(lambda: tb.dense_attention(q, k, v))  # the parent's workers exist
+    callers = [threading.Thread(target=caller, args=(n,)) for n in (2, 3, 2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert not errors, errors
+    child = multiprocessing.get_context("fork").Process(target=_child_call, args=(q, k, v, want))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, child.exitcode
+
+
+def _child_call(q, k, v, want) -> None:
+    torch.set_num_threads(2)
+    torch.testing.assert_close(tb.dense_attention(q, k, v), want, rtol=0, atol=0)
+
+
+def test_an_error_in_a_task_is_raised_by_the_call(monkeypatch) -> None:
+    """A task that raises on a head worker: the call raises it (after its other runners stopped)."""
+    real = tb._fused_band
+
+    def failing(acc_o, acc_l, qh, kpad, vpad, pad, band, scale, t0=0):
+        if t0 > 0:
+            raise ArithmeticError("planted")
+        return real(acc_o, acc_l, qh, kpad, vpad, pad, band, scale, t0)
+
+    monkeypatch.setattr(tb, "_fused_band", failing)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 700, 16, generator=g) for h in (2, 1, 1))
+    slash = torch.arange(0, 50, dtype=torch.int32).expand(1, 2, -1).contiguous()
+    with pytest.raises(ArithmeticError, match="planted"):
+        _two_threads(lambda: tb.vertical_slash_attention(q, k, v, torch.zeros(1, 2, 1, dtype=torch.int32), slash))
