@@ -790,6 +790,17 @@ def _ids(heads, Hq, checked: bool = False) -> list[int]:
     return head_ids(heads, Hq)
 
 
+def _entry(q, k, v, heads, checked: bool) -> list[int]:
+    """The attention functions' entry: the form of ``q, k, v`` and ``heads`` checked, the local
+    heads to compute returned. ``checked`` (internal): the caller, the dispatcher's torch backend,
+    validated the arguments at its edge; the entry checks of the attention functions (forms of
+    q, k, v, heads, index tensors and their values, ``fill_gaps``, block, ``out``) are skipped,
+    and ``validate`` then governs only the finite checks of q, k, v."""
+    if not checked:
+        check_qkv_rows(q, k, v)
+    return _ids(heads, q.shape[1], checked)
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
     seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
@@ -802,12 +813,8 @@ def dense_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
-    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
-    only the finite checks of q, k, v."""
-    if not checked:
-        check_qkv_rows(q, k, v)
-    ids = _ids(heads, q.shape[1], checked)
+    ``checked``: internal (:func:`_entry`)."""
+    ids = _entry(q, k, v, heads, checked)
 
     def tiles(b, n, dtype):  # only for inputs the fused causal kernel cannot take
         every = torch.ones(len(ids), n, dtype=torch.bool, device=q.device)
@@ -830,12 +837,8 @@ def ashape_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
-    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
-    only the finite checks of q, k, v."""
-    if not checked:
-        check_qkv_rows(q, k, v)
-    ids = _ids(heads, q.shape[1], checked)
+    ``checked``: internal (:func:`_entry`)."""
+    ids = _entry(q, k, v, heads, checked)
     sinks = torch.tensor(per_head_budget("sink", sink, ids, head_offset, 0), device=q.device)
     windows = torch.tensor(per_head_budget("window", window, ids, head_offset, 1), device=q.device)
 
@@ -865,13 +868,9 @@ def vertical_slash_attention(
 
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
-    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
-    only the finite checks of q, k, v."""
-    if not checked:
-        check_qkv_rows(q, k, v)
-    B, Hq, N = q.shape[0], q.shape[1], k.shape[2]
-    ids = _ids(heads, Hq, checked)
+    ``checked``: internal (:func:`_entry`)."""
+    ids = _entry(q, k, v, heads, checked)
+    B, N = q.shape[0], k.shape[2]
     if not checked:
         for name, idx in (("vertical", vertical), ("slash", slash)):
             check_index(name, idx, rank=3, lead=(B, len(ids)), device=q.device, upper=max(N, 1), values=validate)
@@ -897,16 +896,12 @@ def block_sparse_attention(
     ``q_seqlens``, ``q_seqstarts``: queries that are part of the key rows, ``q [B,Hq,Nq,D]`` with
     ``Nq <= N`` (docs/kernels.md, "query rows"); the output has ``q``'s rows.
     ``blocks`` has one row per query block of the key row (``ceil(N / block)``).
-    ``checked``: internal: the caller (the dispatcher's torch backend) validated the arguments
-    at its edge; the entry checks (forms, index values) are skipped, and ``validate`` then governs
-    only the finite checks of q, k, v."""
+    ``checked``: internal (:func:`_entry`)."""
+    ids = _entry(q, k, v, heads, checked)
+    B, N = q.shape[0], k.shape[2]
     if not checked:
-        check_qkv_rows(q, k, v)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive int, got {block!r}")
-    B, Hq, N = q.shape[0], q.shape[1], k.shape[2]
-    ids = _ids(heads, Hq, checked)
-    if not checked:
         nqb = -(-N // block)
         check_index("blocks", blocks, rank=4, lead=(B, len(ids), nqb), device=q.device, upper=max(nqb, 1),
                     values=validate)
