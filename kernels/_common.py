@@ -38,6 +38,7 @@ from minference._checks import (
     capturing,
     check_finite_kv,
     check_finite_rows,
+    check_out,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
@@ -602,11 +603,7 @@ def prepare(q, k, v, *, scale, seqlens, seqstarts, heads, out, return_lse, valid
         alloc = torch.zeros if partial else torch.empty
         out = alloc(B, Hq, Nq, D, dtype=q.dtype, device=q.device)
     elif not checked:
-        check_tensor("out", out, rank=4, dtypes=(q.dtype,))
-        if tuple(out.shape) != (B, Hq, Nq, D):
-            raise ValueError(f"out must have shape {(B, Hq, Nq, D)}, got {tuple(out.shape)}")
-        if out.device != q.device:
-            raise ValueError(f"out must be on {q.device}, got {out.device}")
+        check_out(out, q)
     lse = None
     if return_lse:
         if partial:  # rows and heads the kernel never touches read as empty rows

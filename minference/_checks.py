@@ -72,6 +72,16 @@ def check_qkv(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int
     return B, Hq, Hkv, N, D
 
 
+def check_out(out: object, q: torch.Tensor) -> torch.Tensor:
+    """A caller's ``out`` for the attention of ``q``: a tensor of q's dtype, shape and device."""
+    out = check_tensor("out", out, rank=4, dtypes=(q.dtype,))
+    if out.shape != q.shape:
+        raise ValueError(f"out must have shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if out.device != q.device:
+        raise ValueError(f"out must be on {q.device}, got {out.device}")
+    return out
+
+
 def check_qkv_rows(q, k, v, *, dtypes=_FLOAT_DTYPES) -> tuple[int, int, int, int, int, int]:
     """Validate ``q [B,Hq,Nq,D]``, ``k, v [B,Hkv,N,D]`` with ``Nq <= N`` (queries that are a part
     of the key rows: a chunk after a cache, or chosen rows); return ``(B, Hq, Hkv, Nq, N, D)``."""

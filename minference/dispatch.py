@@ -36,10 +36,10 @@ from minference._checks import (
     check_finite_rows,
     check_key_split,
     check_merge,
+    check_out,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
-    check_tensor,
     default_scale,
     query_rows_bound,
     uniform_query_rows,
@@ -293,9 +293,7 @@ def dense_tail_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows
     B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"dense_tail rows must be a non-negative int, got {rows!r}")
-    check_tensor("out", out, rank=4, dtypes=(q.dtype,))  # the backends write it without checking (checked=True)
-    if out.shape != q.shape or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
+    check_out(out, q)  # the backends write it without checking (checked=True)
     check_key_split(key_split)  # here too: the torch backend ignores it, bad values fail on every backend
     if value_guard is not None:  # likewise
         from minference.kernels._common import check_value_guard

@@ -67,6 +67,7 @@ from minference._checks import (
     check_finite_kv,
     check_finite_rows,
     check_index,
+    check_out,
     check_qkv_rows,
     check_query_rows,
     check_ragged,
@@ -647,9 +648,7 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
     if out is None:
         out = torch.zeros_like(q)
     elif not checked:
-        check_tensor("out", out, rank=4, dtypes=(q.dtype,))
-        if out.shape != q.shape or out.device != q.device:
-            raise ValueError(f"out must be {tuple(q.shape)} on {q.device}, got {tuple(out.shape)} on {out.device}")
+        check_out(out, q)
     lse = torch.full((B, Hq, Nq), _INF, dtype=torch.float32, device=q.device) if return_lse else None
     if not ids:
         return (out, lse) if return_lse else out

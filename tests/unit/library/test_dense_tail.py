@@ -133,8 +133,8 @@ def test_dense_tail_refuses_an_out_of_another_form(backend) -> None:
     (the backends write it with their entry checks off)."""
     q, k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 1, 100, 16), torch.randn(1, 1, 100, 16)
     for out, error, match in ((torch.zeros(1, 2, 100, 16, dtype=torch.float64), TypeError, "out"),
-                              (torch.zeros(1, 2, 120, 16), ValueError, "out must be"),
-                              (torch.zeros(1, 4, 100, 16), ValueError, "out must be"),
+                              (torch.zeros(1, 2, 120, 16), ValueError, "out must have shape"),
+                              (torch.zeros(1, 4, 100, 16), ValueError, "out must have shape"),
                               (torch.zeros(2, 100, 16), ValueError, "out")):
         with pytest.raises(error, match=match):
             dense_tail_attention(q, k, v, 8, out=out, backend=backend)
