@@ -634,6 +634,10 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
         (B, Hq, Nq, D), (Hkv, N) = q.shape, k.shape[1:3]
     else:
         B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, v)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        # the CPU flash kernel gives no gradient of its log-sum-exp, which the merges of pieces use
+        raise RuntimeError("the torch backend is for inference: its gradients are not implemented; call it under "
+                           "torch.no_grad() or torch.inference_mode(), or detach q, k and v")
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
     rows = check_query_rows(q_seqlens, q_seqstarts, lens, starts, Nq, N,
@@ -654,10 +658,6 @@ def _attend_rows(q, k, v, ids, tiles_of, fused_of=None, *, scale, seqlens, seqst
         return (out, lse) if return_lse else out
     hq = torch.tensor(ids, device=q.device)
     kv_ids = [h // (Hq // Hkv) for h in ids]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        # the CPU flash kernel gives no gradient of its log-sum-exp, which the merges of pieces use
-        raise RuntimeError("the torch backend is for inference: its gradients are not implemented; call it under "
-                           "torch.no_grad() or torch.inference_mode(), or detach q, k and v")
     Hg = len(ids)
     heads = torch.arange(Hg, device=q.device)[:, None, None]
     dt = torch.promote_types(q.dtype, torch.float32)  # half inputs run in float32
