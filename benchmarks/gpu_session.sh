@@ -14,10 +14,14 @@
 #              installed before its run, $AB_ROUNDS (2) interleaved rounds, to $OUT/ab_<i>_<round>.*;
 #              then this tree is installed again (s14 measured its value guard this way)
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
-#   qwen       check the staged Qwen GGUF (/tmp/m/q.gguf, ../shared/tools/stage_qwen.sh; carry
-#              .stage/whl for the gguf wheel) and point $MINFERENCE_QWEN_GGUF at it
-#   search     minference search on Qwen: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json and /tmp/m/
-#   eval       minference eval on Qwen: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}; CUDA_GRAPHS=1 adds
+#   qwen       check the staged GGUF of $MODEL (qwen0.5b, the default: /tmp/m/q.gguf; qwen1.5b:
+#              /tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf; ../shared/tools/stage_models.sh; carry
+#              .stage/whl for the gguf wheel, .stage/tok<model> for its converted tokenizer) and point
+#              the model's file variable at it
+#   costs      benchmarks/calibrate_costs.py $COSTS_ARGS --out $OUT/costs.json (the frontier's cost table)
+#   search     minference search on $MODEL: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json
+#              (SEARCH_OUT overrides the name) and /tmp/m/
+#   eval       minference eval on $MODEL: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}; CUDA_GRAPHS=1 adds
 #              --cuda-graphs (sparse layers replay CUDA graphs captured by the warm-up prefill). To
 #              measure the host time it saves at 16K-32K (dense there unless EVAL_ARGS has
 #              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs
@@ -80,14 +84,22 @@ ab() {
     done
     editable
 }
+MODEL=${MODEL:-qwen0.5b}
 qwen() {
-    log "staged Qwen GGUF"
-    echo "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32  /tmp/m/q.gguf" | sha256sum -c - \
-        | tee -a "$OUT/summary.txt" || return 1
+    local file sha var tok
+    case $MODEL in
+        qwen0.5b|qwen) file=/tmp/m/q.gguf; var=MINFERENCE_QWEN_GGUF; tok=.stage/tok
+                       sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32 ;;
+        qwen1.5b) file=/tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf; var=MINFERENCE_QWEN15_GGUF; tok=.stage/tok1.5b
+                  sha=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ;;
+        *) echo "unknown MODEL $MODEL"; return 1 ;;
+    esac
+    log "staged $MODEL GGUF"
+    echo "$sha  $file" | sha256sum -c - | tee -a "$OUT/summary.txt" || return 1
     python -m pip install -q --no-index --no-deps --target /tmp/site .stage/whl/*.whl 2>&1 | tail -2
-    # the tokenizer converted once from the GGUF (carry .stage/tok): saves ~a minute of conversion
-    if [ -d .stage/tok ]; then mkdir -p /tmp/m/q.gguf.tokenizer && cp .stage/tok/* /tmp/m/q.gguf.tokenizer/; fi
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} MINFERENCE_QWEN_GGUF=/tmp/m/q.gguf HF_HUB_OFFLINE=1
+    # the tokenizer converted once from the GGUF (carried): saves ~a minute of conversion
+    if [ -d "$tok" ]; then mkdir -p "$file.tokenizer" && cp "$tok"/* "$file.tokenizer/"; fi
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} "$var=$file" HF_HUB_OFFLINE=1
 }
 app() {  # name, time bound, command...
     local name=$1 bound=$2
@@ -110,10 +122,14 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         e2e) run_bench e2e benchmarks/bench_end_to_end.py "${T_E2E:-90}" "${E2E_ARGS:-}" ;;
         qwen) qwen || break ;;
         # shellcheck disable=SC2086
-        search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model qwen --device cuda $SEARCH_ARGS \
-                    --out "$OUT/qwen_search_{min_mass}.json" && cp "$OUT"/qwen_search_*.json /tmp/m/ ;;
         # shellcheck disable=SC2086
-        eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model qwen --device cuda $EVAL_ARGS \
+        costs) app costs "${T_COSTS:-200}" python benchmarks/calibrate_costs.py $COSTS_ARGS --out "$OUT/costs.json" \
+                   && cp "$OUT/costs.json" /tmp/m/ ;;
+        # shellcheck disable=SC2086
+        search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model "$MODEL" --device cuda $SEARCH_ARGS \
+                    --out "$OUT/${SEARCH_OUT:-qwen_search_{min_mass}.json}" && cp "$OUT"/*.json /tmp/m/ ;;
+        # shellcheck disable=SC2086
+        eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
                   --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
         *) echo "unknown stage $stage" ;;
