@@ -85,6 +85,8 @@ ab() {
     editable
 }
 MODEL=${MODEL:-qwen0.5b}
+# not ${SEARCH_OUT:-...{min_mass}...}: the default's own '}' would end the expansion there
+[ -n "${SEARCH_OUT:-}" ] || SEARCH_OUT='qwen_search_{min_mass}.json'
 qwen() {
     local file sha var tok
     case $MODEL in
@@ -127,7 +129,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
                    && cp "$OUT/costs.json" /tmp/m/ ;;
         # shellcheck disable=SC2086
         search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model "$MODEL" --device cuda $SEARCH_ARGS \
-                    --out "$OUT/${SEARCH_OUT:-qwen_search_{min_mass}.json}" && cp "$OUT"/*.json /tmp/m/ ;;
+                    --out "$OUT/$SEARCH_OUT" && cp "$OUT"/*.json /tmp/m/ ;;
         # shellcheck disable=SC2086
         eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
