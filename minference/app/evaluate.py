@@ -1400,7 +1400,8 @@ def format_report(report: EvalReport) -> str:
                     row.append("-")
                 elif is_ruler:  # RULER's score: the mean per-sample metric, x100
                     scores.append(100 * a["found"])
-                    row.append(f"{scores[-1]:.1f}")
+                    short = a["total"] != report.settings["samples"]  # e.g. a call cut by its time bound
+                    row.append(f"{scores[-1]:.1f}" + (f" (n={a['total']})" if short else ""))
                 else:  # all answers found / samples, and for multi-answer tasks the mean share found
                     part = a.get("found")
                     multi = part is not None and a["correct"] < a["total"] and part > a["correct"] / a["total"]
@@ -1426,7 +1427,8 @@ def format_report(report: EvalReport) -> str:
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
     cells = ("Task cells: RULER's score, the mean of its per-sample metric x 100 (string_match_all: share of the "
-             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown."
+             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown; "
+             "(n=k): a cell of k samples where the header says otherwise."
              if is_ruler else
              "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "
              "share of answers found (RULER's partial credit for multi-answer tasks).")

@@ -545,6 +545,17 @@ def test_plot_draws_the_worst_case_whisker(tmp_path):
     assert sorted(tuple(x) for x in whiskers) == [(1500.0, 2000.0), (2250.0, 4000.0)]
 
 
+def test_a_ruler_cell_with_fewer_samples_than_the_header_says_shows_its_count():
+    """A RULER call cut by its time bound leaves a task with fewer samples than the run's setting;
+    the table's header says "samples 3", so that cell names its own count and the full ones do not."""
+    report = _timed_report({"dense": {("a", 0): 1.0, ("a", 1): 1.0, ("a", 2): 1.0, ("b", 0): 1.0, ("b", 1): 1.0}})
+    report.settings.update(suite="ruler", ruler={"seed": 42})
+    for r in report.records:
+        r.found = 1.0 if r.index == 0 else 0.0
+    row = next(line for line in E.format_report(report).splitlines() if line.startswith(f"| {N} | dense |"))
+    assert row.split(" | ")[2:4] == ["33.3", "50.0 (n=2)"]
+
+
 def test_merge_joins_one_length_split_over_calls_by_task():
     """A RULER length too long for one device call runs as two calls with disjoint --tasks: the
     merged (config, length) holds every TTFT (median taken again) and the worst-case summary sees
