@@ -472,13 +472,14 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     session, each within its time limit): configs and lengths in first-seen order, records and
     runs concatenated. Speed-ups stay per (config, length) against the dense run of that length,
     so every length must have been measured with dense in the same run as its other configs.
-    One (config, length) may come from several reports when they ran disjoint tasks (a RULER
-    length split over calls with ``--tasks``): its TTFTs are joined and their median taken again;
-    the warm-up, the split, density and coverage are the first report's.
+    One (config, length) may come from several reports when they ran disjoint samples (a RULER
+    length split over calls with ``--tasks``, or a cut call continued with ``--continue``): its
+    TTFTs are joined and their median taken again; the warm-up, the split, density and coverage
+    are the first report's.
 
     Raises:
         EvalError: a different model, dtype, GPU or settings, a config name with two specs, or
-            one (config, task, length) in two reports.
+            one (config, task, length, sample) in two reports.
     """
     if not reports:
         raise EvalError("nothing to merge")
@@ -489,7 +490,7 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     lengths: list[int] = []
     tasks: list[str] = []
     records: list[SampleRecord] = []
-    seen: dict[tuple, set[str]] = {}  # (config, length) -> tasks merged so far
+    seen: dict[tuple, set[tuple]] = {}  # (config, length) -> (task, seed, index) of the samples merged so far
     for rep in reports:
         if any(rep.model.get(k) != first.model.get(k) for k in keys):
             raise EvalError(f"different models: {rep.model} vs {first.model}")
@@ -501,12 +502,12 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
             configs.setdefault(c.name, c)
         for r in rep.runs:
             key = (r.config, r.n_tokens)
-            mine = {x.task for x in rep.records if (x.config, x.n_tokens) == key}
+            mine = {(x.task, x.seed, x.index) for x in rep.records if (x.config, x.n_tokens) == key}
             if key in runs:
                 both = seen[key] & mine
                 if both or not mine:
                     raise EvalError(f"{r.config} at {r.n_tokens} tokens is in two reports"
-                                    + (f" (tasks {', '.join(sorted(both))} in both)" if both else ""))
+                                    + (f" ({_samples_text(both)} in both)" if both else ""))
                 merged = runs[key]
                 merged.ttft_s = merged.ttft_s + r.ttft_s
                 merged.ttft_median_s = float(statistics.median(merged.ttft_s)) if merged.ttft_s else None
@@ -520,6 +521,15 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     return EvalReport(model=first.model, machine=first.machine, settings=first.settings, configs=list(configs.values()),
                       lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
                       wall_s=sum(r.wall_s for r in reports))
+
+
+def _samples_text(samples: set[tuple]) -> str:
+    """``{(task, seed, index), ...}`` as ``task a samples 0, 1; task b sample 3``."""
+    by_task: dict[str, list[int]] = {}
+    for task, _, index in samples:
+        by_task.setdefault(task, []).append(index)
+    return "; ".join(f"task {t} sample{'s' if len(i) > 1 else ''} {', '.join(map(str, sorted(i)))}"
+                     for t, i in sorted(by_task.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -951,6 +961,7 @@ def run_eval(
     suite: str = "procedural",
     prompts: str | os.PathLike | None = None,
     guard=None,
+    done: EvalReport | None = None,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
@@ -990,6 +1001,10 @@ def run_eval(
         guard: :class:`minference.app.guard_options.GuardOptions` over each config's
             ``runtime.guard``: one quality guard per sparse (config, length), its summary in
             ``RunStats.guard`` (docs/guard.md). ``None``: the configs' own settings.
+        done: RULER: a report of an earlier run with the same settings on the same prompt set (a
+            call cut by its time bound): only the (config, task, length, sample) prompts it lacks
+            run, and the result (and every checkpoint) is that report merged with the new
+            measurements (:func:`merge_reports`).
 
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range.
@@ -1017,7 +1032,11 @@ def run_eval(
     ruler_set = None
     if suite == "ruler":
         ruler_set, lengths, tasks, samples = _ruler_plan(prompts, lengths, tasks, samples, seed)
+        if done is not None:
+            _check_continued(done, ruler_set)
     else:
+        if done is not None:
+            raise EvalError("--continue is for --suite ruler")
         if prompts is not None:
             raise EvalError("--prompts is for --suite ruler (the procedural suite makes its prompts from --seed)")
         lengths = DEFAULT_LENGTHS if lengths is None else lengths
@@ -1100,15 +1119,23 @@ def run_eval(
 
         graphs = {c.name: PrefillGraphs() for c in resolved if pattern_configs[c.name] is not None}
     guard_opts, guards = guard or guard_options.GuardOptions(), {}  # one quality guard per sparse (config, length)
+    skip: set[tuple] = set()  # (config, task, length, index) measured by the continued report
+    if done is not None:
+        merge_reports([done, report])  # the same model, machine and settings, or one line now
+        skip = {(x.config, x.task, x.n_tokens, x.index) for x in done.records}
+        if checkpoint is not None:
+            save = checkpoint
+            checkpoint = lambda partial: save(merge_reports([done, partial]))  # noqa: E731
     rounds = sum(map(len, ruler_prompts.values())) if ruler_set is not None else len(lengths) * samples
-    bar = tqdm(total=rounds * len(resolved), desc="eval", unit="run", disable=not progress)
+    left = rounds * len(resolved) - sum(1 for x in skip if x[0] in names and x[2] in lengths)
+    bar = tqdm(total=left, desc="eval", unit="run", disable=not progress)
     try:
         if ruler_set is not None:
             _ruler_rounds(model, tokenizer, report, resolved, pattern_configs, ruler_prompts, eos, dev, bar,
                           apply=lambda name: _apply(model, pattern_configs[name], dense_threshold, backend,
                                                     allow_mismatch, dense_tail, graphs.get(name)),
                           graphs=graphs, coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk,
-                          checkpoint=checkpoint, t_start=t_start)
+                          checkpoint=checkpoint, t_start=t_start, skip=skip)
         else:
             assert seed is not None  # the procedural suite's seed, 0 by default (set above)
             for n in lengths:
@@ -1187,12 +1214,12 @@ def run_eval(
             report.settings["cuda_graph_stats"] = {name: cache.stats for name, cache in graphs.items()}
             graphs.clear()
         for (name, n), run_guard in guards.items():  # the quality guards' summaries
-            done = report.run(name, n)
-            if run_guard is not None and done is not None:
-                done.guard = run_guard.summary()
+            stats = report.run(name, n)
+            if run_guard is not None and stats is not None:
+                stats.guard = run_guard.summary()
                 run_guard.close()
     report.wall_s = time.perf_counter() - t_start
-    return report
+    return report if done is None else merge_reports([done, report])
 
 
 def _ruler_plan(prompts, lengths, tasks, samples, seed) -> tuple[PromptSet, list[int], list[str], int]:
@@ -1250,6 +1277,18 @@ def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_
     return out
 
 
+def _check_continued(done: EvalReport, prompt_set) -> None:
+    """``--continue``'s report: RULER's, made on this prompt set (the rest of its settings are
+    checked against the new run's once the model is loaded, by :func:`merge_reports`)."""
+    if done.settings.get("suite") != "ruler":
+        raise EvalError("--continue takes a report of --suite ruler")
+    theirs = done.settings.get("ruler", {}).get("manifest_sha256")
+    ours = _ruler_settings(prompt_set)["manifest_sha256"]
+    if theirs != ours:
+        raise EvalError(f"--continue: that report ran another prompt set (manifest sha256 {str(theirs)[:12]}…, "
+                        f"this set {ours[:12]}…)")
+
+
 def _ruler_settings(prompt_set) -> dict:
     m = prompt_set.manifest
     digest = hashlib.sha256((prompt_set.folder / "manifest.json").read_bytes()).hexdigest()
@@ -1260,10 +1299,12 @@ def _ruler_settings(prompt_set) -> dict:
 
 def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_configs,
                   prompts: dict[int, list[RulerSample]], eos: set[int], dev: torch.device, bar, *, apply, graphs,
-                  coverage: bool, profile: bool, physical: bool, chunk: int, checkpoint, t_start: float) -> None:
+                  coverage: bool, profile: bool, physical: bool, chunk: int, checkpoint, t_start: float,
+                  skip: frozenset[tuple] | set[tuple] = frozenset()) -> None:
     """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
     prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
-    ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`)."""
+    ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`).
+    A ``(config, task, length, index)`` in ``skip`` is not run (measured by a continued report)."""
     from minference.app import ruler
     from minference.app.models import set_context_length
 
@@ -1275,6 +1316,8 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
         for sample in samples:
             ids = sample.ids.to(dev)
             for cfg in resolved:
+                if (cfg.name, sample.task, n, sample.index) in skip:
+                    continue
                 bar.set_postfix_str(f"{cfg.name} @ {n}, {sample.task} #{sample.index}")
                 apply(cfg.name)
                 stats = report.run(cfg.name, n)
@@ -1610,6 +1653,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-mismatch", action="store_true", help="use a config made for another model")
     p.add_argument("--force-length", action="store_true", help="lengths beyond SmolLM2's 8K context (YaRN)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--continue", dest="continue_from", default=None, metavar="REPORT",
+                   help="RULER: run only the (config, task, length, sample) prompts this report of a cut run "
+                        "lacks, same settings; --out and its checkpoints hold the merged report")
     p.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                    help="run nothing: merge these report JSONs (runs of one model and machine) into --out / --plot")
     guard_options.add_arguments(p)
@@ -1640,6 +1686,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
         dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
         suite=args.suite, prompts=args.prompt_set,
+        done=EvalReport.load(args.continue_from) if args.continue_from else None,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
         guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)
     )

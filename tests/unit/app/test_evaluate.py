@@ -567,5 +567,10 @@ def test_merge_joins_one_length_split_over_calls_by_task():
     assert run.ttft_s == [0.5, 4.0, 1.0] and run.ttft_median_s == 1.0 and one.run("fast", N).ttft_s == [0.5, 4.0]
     pooled = next(r for r in merged.ttft_summary() if (r["config"], r["task"]) == ("fast", "all"))
     assert pooled["prompts"] == 3 and pooled["dense_max_ms"] == 3000.0 and pooled["worst_ratio"] == 2.0
-    with pytest.raises(E.EvalError, match="tasks a in both"):
+    with pytest.raises(E.EvalError, match="task a samples 0, 1 in both"):
         E.merge_reports([one, one])
+    # one task split by sample (a cut call continued): disjoint samples merge, a shared one does not
+    rest = _timed_report({"dense": {("a", 2): 5.0}, "fast": {("a", 2): 6.0}})
+    assert [r.index for r in E.merge_reports([one, rest]).records if r.config == "fast"] == [0, 1, 2]
+    with pytest.raises(E.EvalError, match=r"task a sample 2 in both"):
+        E.merge_reports([rest, one, rest])

@@ -323,6 +323,36 @@ def test_ruler_eval_runs_every_prompt_once_per_config(ruler_run, small):
     assert keys[0::2] == keys[1::2]
 
 
+def test_a_cut_ruler_run_continues_with_only_the_prompts_it_lacks(ruler_run, small, monkeypatch):
+    """``--continue``: a report cut before qa_1's second sample runs that sample once per config
+    and nothing else; the result, and every checkpoint, is the whole merged report."""
+    folder, full = ruler_run
+    cut = E.EvalReport.from_dict(json.loads(full.to_json()))
+    cut.records = [r for r in cut.records if (r.task, r.index) != ("qa_1", 1)]
+    for run in cut.runs:
+        run.ttft_s = [r.ttft_s for r in cut.records if r.config == run.config]
+    answered = []
+    real = E._answer
+    monkeypatch.setattr(E, "_answer", lambda *a, **kw: answered.append(1) or real(*a, **kw))
+    saved: list = []
+    report = E.run_eval("smollm2", suite="ruler", prompts=folder, configs=["dense", UNIFORM], dense_threshold=0,
+                        progress=False, loaded=small, coverage=False, done=cut, checkpoint=saved.append)
+    assert len(answered) == 2  # the missing sample, once per config
+    keys = sorted((r.config, r.task, r.index) for r in report.records)
+    assert keys == sorted((r.config, r.task, r.index) for r in full.records)
+    assert all(len(run.ttft_s) == 4 for run in report.runs) and len(saved[-1].records) == 8
+
+
+def test_continue_refuses_another_suite_or_prompt_set(ruler_run, small, tmp_path):
+    folder, full = ruler_run
+    with pytest.raises(E.EvalError, match="--continue is for --suite ruler"):
+        E.run_eval("smollm2", configs=["dense"], loaded=small, progress=False, done=full)
+    other = _write_set(tmp_path / "other", small[1], _texts(1))
+    with pytest.raises(E.EvalError, match="ran another prompt set"):
+        E.run_eval("smollm2", suite="ruler", prompts=other, configs=["dense"], loaded=small, progress=False,
+                   done=full)
+
+
 def test_ruler_decoding_continues_the_timed_prefill(small):
     """The answer decoded from the timed prefill's cache is the one a separate prefill gives, and a
     settled score stops it early."""
