@@ -646,11 +646,13 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def check_family_args(args, signature=None) -> str | None:
+def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | None = None,
+                      n_tokens: int | None = None) -> str | None:
     """What is wrong with ``minference search --frontier`` arguments (``None``: nothing), checked
     before the slow work: budgets, ``{budget}`` in ``--out``, the ratio, ``--fixed-ms`` without a
     cost table, and the cost table itself (readable, covering the candidates at ``--tokens``;
-    with the model's ``signature`` also its head dim and head count)."""
+    with the model's ``signature`` also its head dim and head count). ``candidates`` and
+    ``n_tokens``: those of saved measurements (``--from-measurements``) instead of the arguments'."""
     from minference.app import search as S
 
     if "{budget}" not in args.out:
@@ -667,17 +669,20 @@ def check_family_args(args, signature=None) -> str | None:
         return None
     try:
         model = CostModel.load(args.cost_table)
-        if args.candidates == "frontier":
-            cands = S.frontier_candidates(args.tokens)
+        n = args.tokens if n_tokens is None else n_tokens
+        if candidates is not None:
+            cands = list(candidates)
+        elif args.candidates == "frontier":
+            cands = S.frontier_candidates(n)
         elif args.candidates == "adaptive":
             cands = S.adaptive_candidates()
         else:
-            cands = S.candidate_patterns(args.tokens, args.target_density or S.DEFAULT_TARGET_DENSITY)
+            cands = S.candidate_patterns(n, args.target_density or S.DEFAULT_TARGET_DENSITY)
         cands = [*cands, Dense()]
         if signature is None:
-            model.check(cands, head_dim=model.head_dim, num_heads=model.num_heads, n_tokens=args.tokens)
+            model.check(cands, head_dim=model.head_dim, num_heads=model.num_heads, n_tokens=n)
         else:
-            model.check(cands, head_dim=signature.head_dim, num_heads=signature.num_heads, n_tokens=args.tokens)
+            model.check(cands, head_dim=signature.head_dim, num_heads=signature.num_heads, n_tokens=n)
     except FrontierError as err:
         return str(err)
     return None

@@ -523,6 +523,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="frontier: flat-score worst case at most this times the modelled prefill")
     search.add_argument("--fixed-ms", type=float, default=0.0,
                         help="frontier: the prefill's time outside attention (ms; needs --cost-table)")
+    search.add_argument("--save-measurements", default=None, metavar="FILE",
+                        help="also write every head's measured masses and tiles per candidate (JSON), for "
+                             "--from-measurements")
+    search.add_argument("--from-measurements", default=None, metavar="FILE",
+                        help="run no model: make the configs (--min-mass, or a --frontier family) from a file of "
+                             "--save-measurements; the model, prompt and candidate options are that search's")
     search.set_defaults(func=_search_cmd, check=_check_search)
 
     sweep = subparsers.add_parser(
@@ -565,10 +571,19 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError("several --min-mass values need '{min_mass}' in --out")
     if args.model_path is not None and not is_qwen(args.model):
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
+    measured = None
+    if args.from_measurements is not None:
+        from minference.app.search import SearchResult
+
+        if args.save_measurements is not None:
+            raise ValueError("--from-measurements runs no search: drop --save-measurements")
+        measured = SearchResult.load(args.from_measurements)  # ValueError names what is wrong
     if args.frontier is not None:
         from minference.app.frontier import check_family_args
 
-        problem = check_family_args(args)  # the model's own shape is checked against the table after its load
+        # a search's model shape is checked against the cost table after the load; measurements carry theirs
+        problem = check_family_args(args) if measured is None else check_family_args(
+            args, measured.config.model, candidates=measured.candidates, n_tokens=measured.n_tokens)
         if problem:
             raise ValueError(problem)
 
@@ -613,6 +628,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from minference.app.prompts import calibration_prompts
 
     masses = args.min_mass or [None]  # checked by _check_search
+    if args.from_measurements is not None:  # no model: the configs from a saved search
+        return _search_outputs(S.SearchResult.load(args.from_measurements), args, masses, out, fresh=False)
     # the calibration prompts first, from the tokenizer alone: a --tokens they cannot fill fails
     # before the weights load
     prompts = calibration_prompts(load_tokenizer(args.model, path=args.model_path), args.tokens, args.prompts,
@@ -636,6 +653,17 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
                       model_id=QWEN_MODELS[canonical_model(args.model)].model_id if is_qwen(args.model)
                       else SMOLLM2_MODEL_ID, **kwargs)
+    if args.save_measurements is not None:
+        result.save(args.save_measurements)
+        print(f"wrote {args.save_measurements}: the search's measurements", file=out or sys.stdout)
+    return _search_outputs(result, args, masses, out, fresh=True)
+
+
+def _search_outputs(result, args: argparse.Namespace, masses: list, out: TextIO | None, *, fresh: bool) -> int:
+    """The configs of a search (``fresh``: it ran with ``masses[0]`` and ``--select``) or of its
+    saved measurements: a ``--frontier`` family, else one config per ``--min-mass``."""
+    import sys
+
     if args.frontier is not None:
         from minference.app.frontier import write_family
 
@@ -643,7 +671,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
                      fixed=args.fixed_ms, stream=out or sys.stdout)
         return 0
     for i, mass in enumerate(masses):
-        config = result.config if i == 0 else result.rechoose(mass)
+        # a fresh search chose with masses[0]; saved measurements keep their search's own choice and selection
+        config = result.config if (i == 0 and fresh) or mass is None else result.rechoose(mass)
         path = args.out.replace("{min_mass}", f"{result.min_mass if mass is None else mass:g}")
         config.save(path)
         print(f"wrote {path}: {config.counts()}", file=out or sys.stdout)

@@ -26,11 +26,14 @@ cost-aware frontier (:mod:`minference.app.frontier`, docs/search.md), whose cand
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +48,16 @@ from minference.config import (
 )
 from minference.dispatch import FILL_GAPS
 from minference.index_sets import scatter_set, slash_set
-from minference.patterns import DEFAULT_BLOCK_SIZE, AShape, BlockSparse, Dense, Pattern, VerticalSlash
+from minference.patterns import (
+    DEFAULT_BLOCK_SIZE,
+    AShape,
+    BlockSparse,
+    Dense,
+    Pattern,
+    VerticalSlash,
+    pattern_from_dict,
+    pattern_to_dict,
+)
 from minference.torch_backend import block_sparse_index, vertical_slash_index
 
 if TYPE_CHECKING:
@@ -511,6 +523,60 @@ class SearchResult:
     n_tokens: int | None = None
     head_dim: int | None = None
 
+    def to_dict(self) -> dict:
+        """Plain-JSON form (:data:`MEASUREMENTS_FORMAT`): every measurement the frontier and
+        :meth:`rechoose` read, so a family or a min-mass config can be made again without the
+        model (``minference search --from-measurements``)."""
+        def values(t: torch.Tensor | None) -> list | None:
+            return None if t is None else t.to(torch.float64).tolist()
+
+        return {"format": MEASUREMENTS_FORMAT, "version": MEASUREMENTS_VERSION, "config": self.config.to_dict(),
+                "candidates": [pattern_to_dict(c) for c in self.candidates], "select": self.select,
+                "min_mass": self.min_mass, "n_tokens": self.n_tokens, "head_dim": self.head_dim,
+                **{name: values(getattr(self, name)) for name in _MEASURED}}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SearchResult:
+        """The result :meth:`to_dict` wrote. Raises ``ValueError`` naming what is wrong: another
+        format or version, a measurement missing or not ``[layers, heads, candidates]`` of the
+        config and candidates it holds."""
+        if not isinstance(data, dict) or data.get("format") != MEASUREMENTS_FORMAT:
+            raise ValueError(f"not a search measurements file (format {MEASUREMENTS_FORMAT!r})")
+        if data.get("version") != MEASUREMENTS_VERSION:
+            raise ValueError(f"search measurements version {data.get('version')!r}, expected {MEASUREMENTS_VERSION}")
+        config = PatternConfig.from_dict(data["config"])
+        candidates = [pattern_from_dict(c) for c in data["candidates"]]
+        shape = (len(config.layers), config.model.num_heads, len(candidates))
+        measured: dict[str, torch.Tensor | None] = {}
+        for name in _MEASURED:
+            if data.get(name) is None:
+                if name in ("mass", "density"):
+                    raise ValueError(f"search measurements lack {name!r}")
+                measured[name] = None
+                continue
+            t = torch.tensor(data[name], dtype=torch.float32)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"search measurement {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                                 "(layers, heads, candidates)")
+            measured[name] = t
+        mass, density = measured.pop("mass"), measured.pop("density")
+        assert mass is not None and density is not None  # required above
+        return cls(config, candidates, mass, density, select=data["select"], min_mass=float(data["min_mass"]),
+                   n_tokens=data.get("n_tokens"), head_dim=data.get("head_dim"), **measured)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :meth:`to_dict` as JSON (one float list per head)."""
+        Path(path).write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SearchResult:
+        """:meth:`from_dict` of a JSON file; ``ValueError`` for a file that is not one."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
+        return cls.from_dict(data)
+
     def rechoose(self, min_mass: float, select: str | None = None) -> PatternConfig:
         """The config this search gives under another ``min_mass`` (and ``select``), from the
         scores already measured: no model run. Provenance as :func:`search` writes it."""
@@ -526,6 +592,12 @@ class SearchResult:
         provenance = dataclasses.replace(prov, scores=scores, densities=dens, notes=notes)
         return PatternConfig(self.config.model, layers, provenance)
 
+
+#: The JSON of :meth:`SearchResult.to_dict` (``minference search --save-measurements``).
+MEASUREMENTS_FORMAT = "minference.search_measurements"
+MEASUREMENTS_VERSION = 1
+#: The ``[L, H, C]`` measurements it holds.
+_MEASURED = ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles")
 
 #: How :func:`search` picks a head's pattern: the highest mean mass at the candidates' common
 #: budget, or the cheapest candidate whose worst calibration prompt still reaches ``min_mass``.

@@ -10,7 +10,7 @@ from minference.reference.attention import dense_attention_probs
 from minference.reference.masks import ashape_mask, block_sparse_mask, slash_set, vertical_slash_mask
 
 from minference.app import search as S
-from minference.config import PatternConfig, validate_schema
+from minference.config import PatternConfig, load_config, validate_schema
 from minference.dispatch import FILL_GAPS
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
@@ -352,3 +352,48 @@ def test_search_cli_checks_the_cost_table_against_the_model_before_searching(tmp
             "--candidates", "frontier", "--cost-table", str(path)]
     assert main(argv) == 2  # the table's shape against the model's, after the load, before the search
     assert "head dim 64" in capsys.readouterr().err
+
+
+def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, capsys, monkeypatch, tiny_llama):
+    """``--save-measurements`` then ``--from-measurements``: the same family and min-mass configs as
+    from the search itself, with no model loaded; a file that is not one is refused on one line."""
+    import json
+
+    from minference.app import frontier as F
+    from minference.app import models
+    from minference.app.cli import main
+
+    model, prompts = tiny_llama(512)
+    res = S.search(model, prompts, candidates=S.frontier_candidates(512, block=64), select="cheapest",
+                   min_mass=0.9, progress=False, row_stride=8)
+    path = tmp_path / "m.json"
+    res.save(path)
+    back = S.SearchResult.load(path)
+    for name in ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles"):
+        assert torch.equal(getattr(back, name), getattr(res, name).float()), name
+    assert back.candidates == res.candidates and back.config.to_dict() == res.config.to_dict()
+    assert (back.n_tokens, back.head_dim, back.select, back.min_mass) == (512, res.head_dim, "cheapest", 0.9)
+    assert back.rechoose(0.8).layers == res.rechoose(0.8).layers
+
+    direct, _ = F.write_family(res, [0.05], str(tmp_path / "a_{budget}.json"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "b_{budget}.json"),
+                 "--frontier", "0.05"]) == 0
+    assert load_config(tmp_path / "b_0.05.json").layers == direct[0].config.layers
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "r_{min_mass}.json"),
+                 "--min-mass", "0.8", "0.95"]) == 0
+    assert load_config(tmp_path / "r_0.8.json").layers == res.rechoose(0.8).layers
+    capsys.readouterr()
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    assert main(["search", "--from-measurements", str(bad), "--out", str(tmp_path / "x.json")]) == 2
+    assert "not a search measurements file" in capsys.readouterr().err
+    assert main(["search", "--from-measurements", str(path), "--save-measurements", str(bad),
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "drop --save-measurements" in capsys.readouterr().err
+    data = res.to_dict()
+    data["tiles"] = data["tiles"][:-1]  # a layer short
+    with pytest.raises(ValueError, match="'tiles' has shape"):
+        S.SearchResult.from_dict(data)
