@@ -544,14 +544,18 @@ class SearchResult:
             raise ValueError(f"not a search measurements file (format {MEASUREMENTS_FORMAT!r})")
         if data.get("version") != MEASUREMENTS_VERSION:
             raise ValueError(f"search measurements version {data.get('version')!r}, expected {MEASUREMENTS_VERSION}")
-        config = PatternConfig.from_dict(data["config"])
-        candidates = [pattern_from_dict(c) for c in data["candidates"]]
+        missing = [k for k in ("config", "candidates", "select", "min_mass", "mass", "density") if data.get(k) is None]
+        if missing:
+            raise ValueError(f"search measurements lack {', '.join(map(repr, missing))}")
+        config = PatternConfig.from_dict(data["config"])  # ConfigError (a ValueError) names the entry
+        try:
+            candidates = [pattern_from_dict(c) for c in data["candidates"]]
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"search measurements: a candidate: {err}") from None
         shape = (len(config.layers), config.model.num_heads, len(candidates))
         measured: dict[str, torch.Tensor | None] = {}
         for name in _MEASURED:
-            if data.get(name) is None:
-                if name in ("mass", "density"):
-                    raise ValueError(f"search measurements lack {name!r}")
+            if data.get(name) is None:  # only the optional ones (mass and density are checked above)
                 measured[name] = None
                 continue
             t = torch.tensor(data[name], dtype=torch.float32)

@@ -397,3 +397,7 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
     data["tiles"] = data["tiles"][:-1]  # a layer short
     with pytest.raises(ValueError, match="'tiles' has shape"):
         S.SearchResult.from_dict(data)
+    with pytest.raises(ValueError, match="lack 'config', 'mass'"):
+        S.SearchResult.from_dict({k: v for k, v in res.to_dict().items() if k not in ("config", "mass")})
+    with pytest.raises(ValueError, match="a candidate: unknown pattern kind"):
+        S.SearchResult.from_dict({**res.to_dict(), "candidates": [{"kind": "nosuch"}]})
