@@ -1126,8 +1126,10 @@ def run_eval(
         if checkpoint is not None:
             save = checkpoint
             checkpoint = lambda partial: save(merge_reports([done, partial]))  # noqa: E731
-    rounds = sum(map(len, ruler_prompts.values())) if ruler_set is not None else len(lengths) * samples
-    left = rounds * len(resolved) - sum(1 for x in skip if x[0] in names and x[2] in lengths)
+    if ruler_set is not None:  # the prompts still to run: a continued report's are skipped
+        left = sum((c, s.task, n, s.index) not in skip for n, ss in ruler_prompts.items() for s in ss for c in names)
+    else:
+        left = len(lengths) * samples * len(resolved)
     bar = tqdm(total=left, desc="eval", unit="run", disable=not progress)
     try:
         if ruler_set is not None:

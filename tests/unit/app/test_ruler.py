@@ -325,7 +325,10 @@ def test_ruler_eval_runs_every_prompt_once_per_config(ruler_run, small):
 
 def test_a_cut_ruler_run_continues_with_only_the_prompts_it_lacks(ruler_run, small, monkeypatch):
     """``--continue``: a report cut before qa_1's second sample runs that sample once per config
-    and nothing else; the result, and every checkpoint, is the whole merged report."""
+    and nothing else (here with ``--tasks qa_1``: the report's niah records lie outside the run,
+    and the progress bar counts the 2 prompts left); the result, and every checkpoint, is the
+    whole merged report."""
+    import tqdm.auto
     folder, full = ruler_run
     cut = E.EvalReport.from_dict(json.loads(full.to_json()))
     cut.records = [r for r in cut.records if (r.task, r.index) != ("qa_1", 1)]
@@ -334,10 +337,14 @@ def test_a_cut_ruler_run_continues_with_only_the_prompts_it_lacks(ruler_run, sma
     answered = []
     real = E._answer
     monkeypatch.setattr(E, "_answer", lambda *a, **kw: answered.append(1) or real(*a, **kw))
+    totals: list = []
+    bar = tqdm.auto.tqdm
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda *a, **kw: totals.append(kw.get("total")) or bar(*a, **kw))
     saved: list = []
     report = E.run_eval("smollm2", suite="ruler", prompts=folder, configs=["dense", UNIFORM], dense_threshold=0,
-                        progress=False, loaded=small, coverage=False, done=cut, checkpoint=saved.append)
-    assert len(answered) == 2  # the missing sample, once per config
+                        tasks=["qa_1"], progress=False, loaded=small, coverage=False, done=cut,
+                        checkpoint=saved.append)
+    assert len(answered) == 2 and totals == [2]  # the missing sample, once per config
     keys = sorted((r.config, r.task, r.index) for r in report.records)
     assert keys == sorted((r.config, r.task, r.index) for r in full.records)
     assert all(len(run.ttft_s) == 4 for run in report.runs) and len(saved[-1].records) == 8
