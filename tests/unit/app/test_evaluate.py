@@ -82,6 +82,16 @@ def test_report_structure_and_counts(tiny_run):
         assert stats.warmup_s > 0
 
 
+def test_warmup_covers_both_divisibility_classes_on_a_gpu():
+    # Triton specialises an integer argument on n % 16 == 0: the warm-up compiles both variants
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for n in (130000, 130416, 130417, 4096, 4097, 17):
+        lengths = E.warmup_lengths(n, cuda)
+        assert lengths[0] == n and len(lengths) == 2 and 0 < lengths[1] < n
+        assert {m % 16 == 0 for m in lengths} == {True, False}
+    assert E.warmup_lengths(130000, cpu) == [130000] and E.warmup_lengths(16, cuda) == [16]
+
+
 def test_generation_records_are_scored_with_evals_score(tiny_run, small):
     report, calls = tiny_run
     generated = [r for r in report.records if r.correct is not None]
