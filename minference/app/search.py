@@ -26,6 +26,7 @@ cost-aware frontier (:mod:`minference.app.frontier`, docs/search.md), whose cand
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -569,16 +570,29 @@ class SearchResult:
                    n_tokens=data.get("n_tokens"), head_dim=data.get("head_dim"), **measured)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_dict` as JSON (one float list per head)."""
-        Path(path).write_text(json.dumps(self.to_dict()) + "\n", encoding="utf-8")
+        """Write :meth:`to_dict` as JSON (one float list per head); gzip-compressed when ``path``
+        ends in ``.gz`` (the 1.5B's 336 heads: 783 KB of JSON, 214 KB compressed)."""
+        text = json.dumps(self.to_dict()) + "\n"
+        if str(path).endswith(".gz"):
+            with gzip.open(path, "wt", encoding="utf-8") as f:
+                f.write(text)
+        else:
+            Path(path).write_text(text, encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SearchResult:
-        """:meth:`from_dict` of a JSON file; ``ValueError`` for a file that is not one."""
+        """:meth:`from_dict` of a JSON file (``.gz``: compressed); ``ValueError`` for a file that is
+        not one."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            if str(path).endswith(".gz"):
+                with gzip.open(path, "rt", encoding="utf-8") as f:
+                    data = json.loads(f.read())
+            else:
+                data = json.loads(Path(path).read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
+        except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as err:
+            raise ValueError(f"{path}: not gzip-compressed JSON ({err})") from None
         return cls.from_dict(data)
 
     def rechoose(self, min_mass: float, select: str | None = None) -> PatternConfig:

@@ -374,6 +374,12 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
     assert back.candidates == res.candidates and back.config.to_dict() == res.config.to_dict()
     assert (back.n_tokens, back.head_dim, back.select, back.min_mass) == (512, res.head_dim, "cheapest", 0.9)
     assert back.rechoose(0.8).layers == res.rechoose(0.8).layers
+    packed = tmp_path / "m.json.gz"  # a name ending in .gz: gzip-compressed both ways
+    res.save(packed)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b" and S.SearchResult.load(packed).to_dict() == back.to_dict()
+    (tmp_path / "plain.gz").write_text("{}")
+    with pytest.raises(ValueError, match="not gzip-compressed JSON"):
+        S.SearchResult.load(tmp_path / "plain.gz")
 
     direct, _ = F.write_family(res, [0.05], str(tmp_path / "a_{budget}.json"))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
