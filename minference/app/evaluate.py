@@ -364,6 +364,22 @@ class EvalReport:
     def run(self, config: str, n_tokens: int) -> RunStats | None:
         return next((r for r in self.runs if r.config == config and r.n_tokens == n_tokens), None)
 
+    def common_scores(self, n_tokens: int) -> tuple[dict[str, float], int]:
+        """Per config, its mean score at ``n_tokens`` over the generation prompts that every config
+        ran there (RULER: the per-sample metric; else 1 for a correct answer), and how many prompts
+        that is. A config cut short on some tasks is compared with the others on the prompts they
+        share, not drawn below dense for having run only the hard tasks. ``({}, 0)``: none shared."""
+        ruler = self.settings.get("suite") == "ruler"
+        runs: dict[str, dict[tuple, float]] = {}
+        for r in self.records:
+            if r.n_tokens == n_tokens and r.correct is not None:
+                value = r.found if ruler and r.found is not None else float(bool(r.correct))
+                runs.setdefault(r.config, {})[(r.task, r.seed, r.index)] = value
+        common = set.intersection(*(set(v) for v in runs.values())) if runs else set()
+        if not common:
+            return {}, 0
+        return {k: statistics.fmean(v[key] for key in common) for k, v in runs.items()}, len(common)
+
     def accuracy(self) -> list[dict]:
         """``{config, task, n_tokens, correct, total, found}`` per (config, task, length) of the
         generation tasks, in run order; ``found``: the mean fraction of answers found (``None``
@@ -1542,7 +1558,8 @@ def format_report(report: EvalReport) -> str:
 
 
 def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
-    """Accuracy (all generation tasks pooled; RULER: the mean score) against median TTFT, one colour
+    """Accuracy (on the prompts every config ran, :meth:`EvalReport.common_scores`; RULER: the mean
+    score) against median TTFT, one colour
     per config and one marker per length; dense drawn as black stars; a whisker from each point
     reaches the maximum TTFT of that (config, length) (the worst case). With the perplexity task, a second panel draws
     the mean next-token NLL against the same TTFT (at a few samples per task the accuracy cannot
@@ -1555,20 +1572,10 @@ def plot_eval(report: EvalReport, path: str | os.PathLike, *, dpi: int = 110):
         from matplotlib.lines import Line2D
     except ImportError as err:
         raise ImportError(f"{MATPLOTLIB_HINT} ({err})") from None
-    counts: dict[tuple, list[int]] = {}
-    for a in report.accuracy():
-        tally = counts.setdefault((a["config"], a["n_tokens"]), [0, 0])
-        tally[0] += a["correct"]
-        tally[1] += a["total"]
-    pooled = {key: right / total for key, (right, total) in counts.items() if total}
-    if report.settings.get("suite") == "ruler":  # RULER's score, averaged over tasks
-        scores: dict[tuple, list[float]] = {}
-        for a in report.accuracy():
-            scores.setdefault((a["config"], a["n_tokens"]), []).append(a["found"])
-        pooled = {key: statistics.fmean(v) for key, v in scores.items()}
+    pooled = {(c, n): v for n in report.lengths for c, v in report.common_scores(n)[0].items()}
     nll = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
-    panels = [(pooled, "RULER score / 100 (mean over tasks)" if report.settings.get("suite") == "ruler"
-               else "accuracy (generation tasks pooled)", "accuracy")]
+    panels = [(pooled, ("RULER score / 100" if report.settings.get("suite") == "ruler" else "accuracy")
+               + " on the prompts every config ran", "accuracy")]
     if nll:
         panels.append((nll, "mean next-token NLL (nats, lower is better)", "NLL"))
     markers = "osD^vP<>Xh"

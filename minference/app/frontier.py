@@ -81,6 +81,8 @@ __all__ = [
     "ttft_stats",
     "ShipDecision",
     "ship_choice",
+    "NLLPair",
+    "nll_pairs",
 ]
 
 COST_TABLE_FORMAT = "minference.cost_table"
@@ -795,12 +797,66 @@ SHIP_MIN_SAMPLES = 10
 SHIP_SAMPLE_SLACK = 1
 SHIP_NLL_TOLERANCE = 0.02
 SHIP_WORST_RATIO = 1.2
+#: A companion report's NLL length stands for a report length within this share of it (RULER's
+#: nominal 131072 holds prompts of 129,097-130,695 tokens; the NLL prompts ran at 130,000).
+NLL_LENGTH_TOLERANCE = 0.03
+
+
+@dataclass
+class NLLPair:
+    """A config's NLL at one length and its dense baseline's from the same run; ``source`` names a
+    companion report it came from (``None``: the ranked report's own perplexity task)."""
+
+    nll: float
+    dense: float
+    source: str | None = None
+
+
+def _identity(c) -> str:
+    """What makes two reports' configs the same config: its pattern data, not its name."""
+    if c.dense:
+        return "dense"
+    if c.config is not None:
+        return json.dumps({"model": c.config.get("model"), "layers": c.config.get("layers")}, sort_keys=True)
+    return json.dumps(c.pattern, sort_keys=True) if c.pattern is not None else f"spec:{c.spec}"
+
+
+def nll_pairs(report, companions: Sequence = (), *, tolerance: float = NLL_LENGTH_TOLERANCE
+              ) -> dict[tuple[str, int], NLLPair]:
+    """``(config, length) -> NLLPair`` for ``report``: its own perplexity task where it ran (with
+    its dense's), else a companion report's (an NLL run beside a RULER report, whose suite has no
+    perplexity task). A companion's config stands for one of ``report``'s when their pattern data
+    are equal (names may differ), at a companion length within ``tolerance`` of the report's; the
+    dense NLL is the companion's own, so the difference holds across machines. The first companion
+    that has a pair wins."""
+    own = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
+    dense = next((c.name for c in report.configs if c.dense), None)
+    out: dict[tuple[str, int], NLLPair] = {}
+    for c in report.configs:
+        for n in report.lengths:
+            if (c.name, n) in own and (dense, n) in own:
+                out[(c.name, n)] = NLLPair(own[(c.name, n)], own[(dense, n)])
+    for comp in companions:
+        theirs = {(p["config"], p["n_tokens"]): p["nll"] for p in comp.perplexity()}
+        base = next((c.name for c in comp.configs if c.dense), None)
+        names = {_identity(c): c.name for c in comp.configs}
+        gpu = comp.machine.get("gpu") or comp.machine.get("hardware") or "?"
+        for c in report.configs:
+            other = names.get(_identity(c))
+            if other is None:
+                continue
+            for n in report.lengths:
+                m = next((m for m in comp.lengths if abs(m - n) <= tolerance * n
+                          and (other, m) in theirs and (base, m) in theirs), None)
+                if m is not None and (c.name, n) not in out:
+                    out[(c.name, n)] = NLLPair(theirs[(other, m)], theirs[(base, m)],
+                                               f"{other!r} of the NLL report at {m} tokens on {gpu}")
+    return out
 
 
 def _failures(report, name: str, dense: str, *, min_samples: int, slack: int, nll_tolerance: float,
-              worst_ratio: float) -> list[str]:
+              worst_ratio: float, nll: dict[tuple[str, int], NLLPair]) -> list[str]:
     acc = {(a["config"], a["task"], a["n_tokens"]): a for a in report.accuracy()}
-    ppl = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
     out = []
     for n in report.lengths:
         if report.run(dense, n) is None:
@@ -821,11 +877,12 @@ def _failures(report, name: str, dense: str, *, min_samples: int, slack: int, nl
             elif a["correct"] < d["correct"] - slack:
                 out.append(f"{task} at {n}: {a['correct']}/{a['total']} vs dense {d['correct']}/{d['total']} "
                            f"({d['correct'] - a['correct']} samples short)")
-        nll, base = ppl.get((name, n)), ppl.get((dense, n))
-        if nll is None or base is None:
+        pair = nll.get((name, n))
+        if pair is None:
             out.append(f"NLL at {n}: not measured")
-        elif nll - base > nll_tolerance + 1e-12:
-            out.append(f"NLL at {n}: {nll:.3f} vs dense {base:.3f} (+{nll - base:.3f} > +{nll_tolerance:g})")
+        elif pair.nll - pair.dense > nll_tolerance + 1e-12:
+            out.append(f"NLL at {n}: {pair.nll:.3f} vs dense {pair.dense:.3f} (+{pair.nll - pair.dense:.3f} > "
+                       f"+{nll_tolerance:g})" + (f", from {pair.source}" if pair.source else ""))
         t, td = ttft_stats(report, name, n), ttft_stats(report, dense, n)
         if t is None:
             out.append(f"TTFT at {n}: not timed")
@@ -839,13 +896,14 @@ def _failures(report, name: str, dense: str, *, min_samples: int, slack: int, nl
 
 def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_MIN_SAMPLES,
                 sample_slack: int = SHIP_SAMPLE_SLACK, nll_tolerance: float = SHIP_NLL_TOLERANCE,
-                worst_ratio: float = SHIP_WORST_RATIO) -> ShipDecision:
+                worst_ratio: float = SHIP_WORST_RATIO, nll_reports: Sequence = ()) -> ShipDecision:
     """The config to ship from eval reports (several are merged by
     :func:`minference.app.evaluate.merge_reports`): the fastest sparse config (median TTFT at
     ``length``, default the longest; equal medians: lower NLL there, then name) that passes, at
     every length with a dense run: every generation task within ``sample_slack`` samples of
     dense on the same number of samples, at least ``min_samples``; NLL at most ``nll_tolerance``
-    above dense's; worst TTFT at most ``worst_ratio`` times its median; median below dense's."""
+    above dense's; worst TTFT at most ``worst_ratio`` times its median; median below dense's. NLL where the
+    reports lack it comes from ``nll_reports`` (:func:`nll_pairs`: the same configs' NLL run)."""
     from minference.app.evaluate import EvalReport, merge_reports
 
     report = reports if isinstance(reports, EvalReport) else merge_reports(list(reports))
@@ -857,15 +915,17 @@ def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_M
     at = max(report.lengths) if length is None else length
     if at not in report.lengths:
         raise FrontierError(f"length {at} is not in the report ({report.lengths})")
-    nll = {(p["config"], p["n_tokens"]): p["nll"] for p in report.perplexity()}
+    nll = nll_pairs(report, nll_reports)
     ranking = []
     for c in report.configs:
         if c.dense:
             continue
         t = ttft_stats(report, c.name, at)
         ranking.append((c.name, None if t is None else t.median_ms))
-    ranking.sort(key=lambda r: (math.inf if r[1] is None else r[1], nll.get((r[0], at), math.inf), r[0]))
+    tie = {k: p.nll for k, p in nll.items()}
+    ranking.sort(key=lambda r: (math.inf if r[1] is None else r[1], tie.get((r[0], at), math.inf), r[0]))
     rejected = {name: _failures(report, name, dense, min_samples=min_samples, slack=sample_slack,
-                                nll_tolerance=nll_tolerance, worst_ratio=worst_ratio) for name, _ in ranking}
+                                nll_tolerance=nll_tolerance, worst_ratio=worst_ratio, nll=nll)
+                for name, _ in ranking}
     chosen = next((name for name, _ in ranking if not rejected[name]), None)
     return ShipDecision(chosen, at, dense, ranking, rejected)

@@ -540,12 +540,13 @@ def plot_search_frontier(summary: dict, path: str | os.PathLike, *, dpi: int = D
 
 
 def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = None, ship: str | None = None,
-                       dpi: int = DEFAULT_DPI) -> Path:
+                       dpi: int = DEFAULT_DPI, nll: dict[str, float] | None = None) -> Path:
     """Draw an eval report at one ``length`` (default the longest): per config its median TTFT
-    (marker) with a whisker to its worst TTFT, against accuracy (generation tasks pooled) and, when
+    (marker) with a whisker to its worst TTFT, against accuracy (``EvalReport.common_scores``) and, when
     the perplexity task ran, NLL. Dense is a black star, the frontier family blue circles joined
     in TTFT order, uniform rules orange squares, other configs green diamonds; ``ship`` (a config
-    name) is ringed. TTFT from :func:`minference.app.frontier.ttft_stats`. Returns ``path``."""
+    name) is ringed. TTFT from :func:`minference.app.frontier.ttft_stats`. ``nll`` (config name ->
+    NLL at that length) stands in for a report without the perplexity task. Returns ``path``."""
     from minference.app.frontier import ttft_stats
 
     out = _check_path(path)
@@ -556,15 +557,12 @@ def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = 
     if n not in report.lengths:
         raise ValueError(f"length {n} is not in the report ({report.lengths})")
     Figure, _, _ = _matplotlib()
-    counts: dict[str, list[int]] = {}
-    for a in report.accuracy():
-        if a["n_tokens"] == n:
-            c = counts.setdefault(a["config"], [0, 0])
-            c[0] += a["correct"]
-            c[1] += a["total"]
-    accuracy = {k: c[0] / c[1] for k, c in counts.items() if c[1]}
-    nll = {p["config"]: p["nll"] for p in report.perplexity() if p["n_tokens"] == n}
-    panels = [(accuracy, "accuracy (generation tasks pooled)")] + ([(nll, "mean next-token NLL (nats)")] if nll else [])
+    accuracy, shared = report.common_scores(n)
+    what = "RULER score / 100" if report.settings.get("suite") == "ruler" else "accuracy"
+    acc_label = f"{what} on the {shared} prompts every config ran" if shared else f"{what} (no prompt every config ran)"
+    if nll is None:
+        nll = {p["config"]: p["nll"] for p in report.perplexity() if p["n_tokens"] == n}
+    panels = [(accuracy, acc_label)] + ([(nll, "mean next-token NLL (nats)")] if nll else [])
     fig = Figure(figsize=(6.5 * len(panels), 4.8), dpi=dpi, layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (values, ylabel) in zip(axes, panels):
@@ -676,7 +674,7 @@ def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> i
     import json
 
     from minference.app.evaluate import EvalReport, merge_reports
-    from minference.app.frontier import FrontierError, ship_choice
+    from minference.app.frontier import FrontierError, nll_pairs, ship_choice
 
     out = out or sys.stdout
     _check_path(args.out)
@@ -693,11 +691,14 @@ def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> i
     try:
         reports = [EvalReport.from_dict(d) for d in data]
         report = reports[0] if len(reports) == 1 else merge_reports(reports)
-        decision = ship_choice(report, length=args.length)
-    except (ValueError, FrontierError) as err:
+        companions = [EvalReport.load(p) for p in args.nll]
+        decision = ship_choice(report, length=args.length, nll_reports=companions)
+    except (OSError, ValueError, FrontierError) as err:
         raise SystemExit(f"minference show frontier: {err}") from None
     print(decision.text(), file=out)
-    path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen)
+    pairs = nll_pairs(report, companions)
+    nll = {name: p.nll for (name, n), p in pairs.items() if n == decision.length}
+    path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen, nll=nll or None)
     print(f"wrote {path}", file=out)
     return 0
 
@@ -741,4 +742,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     front.add_argument("paths", nargs="+", help="frontier summary JSON, or eval report JSON(s)")
     front.add_argument("--out", required=True, help="image file to write")
     front.add_argument("--length", type=int, default=None, help="eval: the length to draw and rank (default longest)")
+    front.add_argument("--nll", nargs="+", default=[], metavar="REPORT",
+                       help="eval: NLL reports of the same configs (matched by pattern data, at a length within "
+                       "3%%) for reports without the perplexity task, e.g. RULER's; may come from another GPU")
     front.set_defaults(func=_show_frontier_cmd)

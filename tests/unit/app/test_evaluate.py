@@ -584,3 +584,23 @@ def test_merge_joins_one_length_split_over_calls_by_task():
     assert [r.index for r in E.merge_reports([one, rest]).records if r.config == "fast"] == [0, 1, 2]
     with pytest.raises(E.EvalError, match=r"task a sample 2 in both"):
         E.merge_reports([rest, one, rest])
+
+
+def test_common_scores_compare_configs_on_the_prompts_they_share():
+    """A config cut short (only the hard task run) is scored on the prompts every config ran."""
+    def rec(config, task, index, correct, found=None):
+        return E.SampleRecord(config, task, N, index, 0, None, ["1"], correct, "", 0.1, found=found)
+
+    records = [rec("dense", "easy", i, True, 1.0) for i in range(2)]
+    records += [rec("dense", "hard", 0, True, 1.0), rec("dense", "hard", 1, False, 0.5)]
+    records += [rec("cut", "hard", 0, False, 0.25), rec("cut", "hard", 1, False, 0.5)]
+    records += [E.SampleRecord("dense", "perplexity", N, 0, 0, None, [], None, None, None, nll=2.0)]
+    configs = [E.EvalConfig("dense", "dense", "dense"), E.EvalConfig("cut", UNIFORM, "uniform")]
+    rep = E.EvalReport(model={"name": "m", "dtype": "bfloat16"}, machine={}, settings={"suite": "procedural"},
+                       configs=configs, lengths=[N], tasks=["easy", "hard", "perplexity"], records=records)
+    assert rep.common_scores(N) == ({"dense": 0.5, "cut": 0.0}, 2)  # not dense's 3/4 over its own four
+    rep.settings["suite"] = "ruler"  # RULER: the per-sample metric
+    assert rep.common_scores(N) == ({"dense": 0.75, "cut": 0.375}, 2)
+    assert rep.common_scores(N + 1) == ({}, 0)
+    rep.records = [r for r in records if not (r.config == "cut")] + [rec("cut", "other", 0, True, 1.0)]
+    assert rep.common_scores(N) == ({}, 0)

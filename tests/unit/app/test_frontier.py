@@ -468,3 +468,57 @@ def test_calibrate_costs_runs_at_a_tiny_length_in_the_interpreter(tmp_path, caps
     # the table covers every candidate of the frontier search and the adaptive one at its length
     model.check([*S.frontier_candidates(n), *S.adaptive_candidates()], head_dim=16, num_heads=2, n_tokens=n)
     assert "wrote" in capsys.readouterr().out
+
+
+def test_ship_rule_takes_nll_from_a_companion_report_of_the_same_configs():
+    """A RULER report has no perplexity task: the NLL comes from an NLL run of the same configs
+    (matched by pattern data, not name), at a length within 3%, against that run's own dense."""
+    ruler = report({"a": dict(ttft=ttft(0.4), correct=(8, 5), nll=None),
+                    "b": dict(ttft=ttft(0.5), correct=(8, 5), nll=None)})
+    layers = {"a": [[{"kind": "a_shape", "sink": 64, "window": 1024}]],
+              "b": [[{"kind": "dense"}]]}
+    for c in ruler.configs:
+        c.config = None if c.dense else {"model": {"name": "m"}, "layers": layers[c.name]}
+    assert F.ship_choice(ruler).chosen is None  # no NLL: nothing passes
+
+    def companion(n, nll_a, nll_b, names=("x", "y")):
+        comp = report({names[0]: dict(ttft=ttft(0.4), correct=(8, 5), nll=nll_a),
+                       names[1]: dict(ttft=ttft(0.5), correct=(8, 5), nll=nll_b)}, lengths=(n,))
+        for c, key in zip(comp.configs[1:], ("a", "b")):
+            c.config = {"model": {"name": "m"}, "layers": layers[key]}
+        comp.machine = {"gpu": "other GPU"}
+        return comp
+
+    near = companion(1020, 2.03, 2.01)  # 'x' is a's pattern (+0.03), 'y' is b's (+0.01)
+    d = F.ship_choice(ruler, nll_reports=[near])
+    assert d.chosen == "b" and d.rejected["b"] == []
+    assert d.rejected["a"] == ["NLL at 1000: 2.030 vs dense 2.000 (+0.030 > +0.02), from 'x' of the NLL report "
+                               "at 1020 tokens on other GPU"]
+    pairs = F.nll_pairs(ruler, [near])
+    assert pairs[("b", 1000)] == F.NLLPair(2.01, 2.0, "'y' of the NLL report at 1020 tokens on other GPU")
+    # too far in length, or the same names with other patterns: not used
+    assert F.ship_choice(ruler, nll_reports=[companion(1040, 2.0, 2.0)]).chosen is None
+    swapped = companion(1000, 2.0, 2.0, names=("b", "a"))  # 'b' there holds a's pattern
+    assert F.nll_pairs(ruler, [swapped])[("a", 1000)].source.startswith("'b' of the NLL report")
+    # the report's own perplexity task wins over a companion
+    own = report({"a": dict(ttft=ttft(0.4), correct=(8, 5), nll=2.001)})
+    own.configs[1].config = {"model": {"name": "m"}, "layers": layers["a"]}
+    assert F.nll_pairs(own, [near])[("a", 1000)] == F.NLLPair(2.001, 2.0, None)
+
+
+def test_show_frontier_reads_nll_reports(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from minference.app.cli import main
+
+    ruler = report({"a": dict(ttft=ttft(0.4), correct=(8, 5), nll=None)})
+    comp = report({"a": dict(ttft=ttft(0.4), correct=(8, 5), nll=2.01)}, lengths=(990,))
+    ruler.save(tmp_path / "r.json")
+    comp.save(tmp_path / "n.json")
+    assert main(["show", "frontier", str(tmp_path / "r.json"), "--out", str(tmp_path / "f.png")]) == 0
+    assert "NLL at 1000: not measured" in capsys.readouterr().out
+    assert main(["show", "frontier", str(tmp_path / "r.json"), "--nll", str(tmp_path / "n.json"),
+                 "--out", str(tmp_path / "g.png")]) == 0
+    assert "ship: a" in capsys.readouterr().out and (tmp_path / "g.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="minference show frontier: .*none.json"):
+        main(["show", "frontier", str(tmp_path / "r.json"), "--nll", str(tmp_path / "none.json"),
+              "--out", str(tmp_path / "h.png")])
