@@ -1470,20 +1470,23 @@ def format_report(report: EvalReport) -> str:
                 continue
             row = [str(n), c.name]
             scores = []
+            complete = True  # every task shown, at the header's sample count: only then an average
             for t in gen_tasks:
                 a = acc.get((c.name, t, n))
                 if a is None:
                     row.append("-")
+                    complete = False
                 elif is_ruler:  # RULER's score: the mean per-sample metric, x100
                     scores.append(100 * a["found"])
                     short = a["total"] != report.settings["samples"]  # e.g. a call cut by its time bound
+                    complete = complete and not short
                     row.append(f"{scores[-1]:.1f}" + (f" (n={a['total']})" if short else ""))
                 else:  # all answers found / samples, and for multi-answer tasks the mean share found
                     part = a.get("found")
                     multi = part is not None and a["correct"] < a["total"] and part > a["correct"] / a["total"]
                     row.append(f"{a['correct']}/{a['total']}" + (f" ({part:.2f})" if multi else ""))
             if is_ruler:
-                row.append(f"{statistics.fmean(scores):.1f}" if scores else "-")
+                row.append(f"{statistics.fmean(scores):.1f}" if scores and complete else "-")
             if ppl:
                 p = ppl.get((c.name, n))
                 row.append("-" if p is None else f"{p['nll']:.3f}")
@@ -1503,7 +1506,7 @@ def format_report(report: EvalReport) -> str:
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
     cells = ("Task cells: RULER's score, the mean of its per-sample metric x 100 (string_match_all: share of the "
-             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown; "
+             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown, only for a config that ran them all in full; "
              "(n=k): a cell of k samples where the header says otherwise."
              if is_ruler else
              "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "

@@ -563,7 +563,10 @@ def test_a_ruler_cell_with_fewer_samples_than_the_header_says_shows_its_count():
     for r in report.records:
         r.found = 1.0 if r.index == 0 else 0.0
     row = next(line for line in E.format_report(report).splitlines() if line.startswith(f"| {N} | dense |"))
-    assert row.split(" | ")[2:4] == ["33.3", "50.0 (n=2)"]
+    assert row.split(" | ")[2:5] == ["33.3", "50.0 (n=2)", "-"]  # no average over an incomplete row
+    report.records.append(E.SampleRecord("dense", "b", N, 2, 0, None, ["1"], False, "", 1.0, found=0.0))
+    row = next(line for line in E.format_report(report).splitlines() if line.startswith(f"| {N} | dense |"))
+    assert row.split(" | ")[2:5] == ["33.3", "33.3", "33.3"]
 
 
 def test_merge_joins_one_length_split_over_calls_by_task():
