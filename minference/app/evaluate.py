@@ -12,7 +12,8 @@ For one model (:func:`minference.app.models.load_model`), several configs, lengt
   decoder (the LM head runs in chunks of :data:`NLL_CHUNK` rows, never ``[n, vocab]`` at once);
 * **TTFT**: prefill of the whole model for ONE prompt (``model(ids[None], use_cache=True,
   logits_to_keep=1)`` and the greedy first token; the first generation task's prompt of each
-  sample), synchronised on CUDA, after one untimed warm-up prefill per (config, length); median
+  sample), synchronised on CUDA, after the untimed warm-up prefills per (config, length)
+  (:func:`warmup_lengths`; on CUDA one more after the profiled and coverage prefills); median
   and every value per (config, length);
 * **the eq. 13 split** of a prefill into attention, index building (+ conversion) and everything
   else. It is the DEVICE time (sum of CUDA kernel durations) of one extra prefill per (config,
@@ -316,6 +317,9 @@ class RunStats:
     Attributes:
         ttft_s: every timed prefill; ``ttft_median_s`` their median.
         warmup_s: the untimed warm-up prefill.
+        settle_s: the untimed prefill after the profiled and coverage prefills (CUDA), so the timed
+            ones do not pay for the state those leave (their multi-GB float32 scoring resizes the
+            caching allocator's pool; the suspect of a slow first timed prompt, s20 and s21).
         split: :class:`TimeSplit` (``None``: CPU, or profiling off).
         density, physical_density, coverage: means over layers (``None``: not measured / n/a).
         layer_*: per layer.
@@ -329,6 +333,7 @@ class RunStats:
     ttft_s: list[float] = field(default_factory=list)
     ttft_median_s: float | None = None
     warmup_s: float | None = None
+    settle_s: float | None = None
     split: TimeSplit | None = None
     density: float | None = None
     physical_density: float | None = None
@@ -1400,7 +1405,8 @@ def warmup_lengths(n: int, device: torch.device) -> list[int]:
 def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats: RunStats, dev: torch.device, *,
                      coverage: bool, profile: bool, physical: bool, chunk: int = 0) -> None:
     """Warm-up prefill (untimed; a sparse config's at every :func:`warmup_lengths`), the profiled
-    prefill (CUDA) and the coverage prefill, on the first prompt ``prompt [n]`` of this (config, length)."""
+    prefill (CUDA), the coverage prefill and, after either on CUDA, one more untimed prefill
+    (``settle_s``), on the first prompt ``prompt [n]`` of this (config, length)."""
     import minference.integration as integ
 
     ids = prompt.to(dev)
@@ -1419,6 +1425,8 @@ def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats
         stats.density = stats.coverage = stats.physical_density = 1.0
     elif coverage:
         _measure_coverage(model, config, ids, stats, physical=physical)
+    if dev.type == "cuda" and (profile or (coverage and config is not None)):
+        stats.settle_s = _prefill(model, ids, chunk)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1506,13 +1514,15 @@ def format_report(report: EvalReport) -> str:
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
     cells = ("Task cells: RULER's score, the mean of its per-sample metric x 100 (string_match_all: share of the "
-             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown, only for a config that ran them all in full; "
+             "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown, "
+             "only for a config that ran them all in full; "
              "(n=k): a cell of k samples where the header says otherwise."
              if is_ruler else
              "Task cells: samples with every answer found / samples; in brackets, where higher, the mean "
              "share of answers found (RULER's partial credit for multi-answer tasks).")
     lines += ["", cells,
-              "", "TTFT: median of the timed prefills (whole model, synchronised, after one untimed warm-up); "
+              "", "TTFT: median of the timed prefills (whole model, synchronised, after the untimed warm-up, "
+              "profiled and coverage prefills and, on CUDA, one settling prefill); "
               "TTFT max: the slowest of them; vs dense: dense median / median; max vs dense: dense max / max; "
               "worst / dense: the largest TTFT / dense TTFT of one prompt (> 1: slower than dense there). "
               "attn / index / other: device (CUDA kernel) time of one separate profiled prefill, not a split of the "
