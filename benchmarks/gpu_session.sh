@@ -12,7 +12,7 @@
 #   ab         benchmarks/bench_kernels.py $AB_ARGS in each tree of $AB_TREES (paths to unpacked
 #              snapshots, e.g. "../.snap0 ." for main before and after a kernel change), each
 #              installed before its run, $AB_ROUNDS (2) interleaved rounds, to $OUT/ab_<i>_<round>.*;
-#              then this tree is installed again (s14 measured its value guard this way)
+#              then this tree is installed again
 #   e2e        benchmarks/bench_end_to_end.py $E2E_ARGS  (index / convert / kernel / end to end)
 #   qwen       check the staged GGUF of $MODEL (qwen0.5b, the default: /tmp/m/q.gguf; qwen1.5b:
 #              /tmp/m/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf; ../shared/tools/stage_models.sh; carry
@@ -138,7 +138,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
     esac
 done
 cat "$OUT/summary.txt"
-# a device call returns at most 8 files from $OUT (s12: the rest are left out, "(count)"): past 8,
+# a device call returns at most 8 files from $OUT (the rest are left out, "(count)"): past 8,
 # pack everything into one archive (tar -xzf results.tgz here). PACK=0 for all but the last of
 # several runs of this script in one call
 if [ "${PACK:-1}" = 1 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then

@@ -319,7 +319,7 @@ class RunStats:
         warmup_s: the untimed warm-up prefill.
         settle_s: the untimed prefill after the profiled and coverage prefills (CUDA), so the timed
             ones do not pay for the state those leave (their multi-GB float32 scoring resizes the
-            caching allocator's pool; the suspect of a slow first timed prompt, s20 and s21).
+            caching allocator's pool; the suspect of a slow first timed prompt, docs/testbed.md).
         split: :class:`TimeSplit` (``None``: CPU, or profiling off).
         density, physical_density, coverage: means over layers (``None``: not measured / n/a).
         layer_*: per layer.
