@@ -21,7 +21,9 @@
 #   costs      benchmarks/calibrate_costs.py $COSTS_ARGS --out $OUT/costs.json (the frontier's cost table)
 #   search     minference search on $MODEL: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json
 #              (SEARCH_OUT overrides the name) and /tmp/m/
-#   eval       minference eval on $MODEL: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}; CUDA_GRAPHS=1 adds
+#   eval       minference eval on $MODEL: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}, bounded by T_EVAL
+#              seconds (default 540), or with CALL_END=585 by what is left of 585 s since this script
+#              started (the stages before it vary; a cut eval leaves its checkpointed report); CUDA_GRAPHS=1 adds
 #              --cuda-graphs (sparse layers replay CUDA graphs captured by the warm-up prefill). To
 #              measure the host time it saves at 16K-32K (dense there unless EVAL_ARGS has
 #              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs
@@ -131,7 +133,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model "$MODEL" --device cuda $SEARCH_ARGS \
                     --out "$OUT/$SEARCH_OUT" && cp "$OUT"/*.json /tmp/m/ ;;
         # shellcheck disable=SC2086
-        eval) app "eval_${TAG:-run}" "${T_EVAL:-540}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
+        eval) app "eval_${TAG:-run}" "${T_EVAL:-$([ -n "${CALL_END:-}" ] && echo $((CALL_END - SECONDS)) || echo 540)}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
                   --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
         *) echo "unknown stage $stage" ;;
