@@ -119,8 +119,9 @@ class LayerState:
         backend: dispatcher backend (``"auto"``, ``"triton"``, ``"torch"``).
         calls: how many calls took each path (see the module docstring).
         dense_tail: prompt tokens at the end of a sparse prefill that attend densely.
-        observer: optional ``fn(layer, query, key, seqlens, seqstarts)`` called on the sparse path
-            with the inputs the dispatcher sees (measurements such as coverage; not timed work).
+        observer: optional ``fn(layer, query, key, value, seqlens, seqstarts)`` called on the sparse
+            path with the inputs the dispatcher sees (``query [B, Hq, N, D]``, ``key, value [B, Hkv,
+            N, D]``, the padding rows or ``None``; measurements such as coverage, not timed work).
         heads: the query heads ``patch`` read this module to hold (its local heads under tensor
             parallelism); a sparse call that brings another count raises instead of reading the
             wrong global heads of the plan.
@@ -319,7 +320,7 @@ def minference_attention(
     elif isinstance(rows, tuple):  # a chunk after a cache
         seqlens, seqstarts, q_seqlens, q_seqstarts = rows
     if state.observer is not None and L == S:
-        state.observer(state.layer, query, key, seqlens, seqstarts)
+        state.observer(state.layer, query, key, value, seqlens, seqstarts)
     # the quality guard: None unless this call is a checked one (an attribute read otherwise)
     shadow = None if state.guard is None else state.guard.layer_check(state.layer, state.head_offset)
     # patch(cuda_graphs=...): square prefills through the layer's graph (a chunk's key length grows: direct)
@@ -778,22 +779,25 @@ OBSERVER_ATTR = "minference_observer"
 
 
 def _observing_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Dense SDPA attention that first hands ``(layer, query, key, rows)`` to the module's observer."""
+    """Dense SDPA attention that first hands ``(layer, query, key, value, rows)`` to the module's observer."""
     observer = getattr(module, OBSERVER_ATTR, None)
     L, S = query.shape[2], key.shape[2]
     if observer is not None and L == S and L > 1:
         rows = padding_rows(attention_mask, L)
         if rows is not False:
             seqlens, seqstarts = rows if rows is not None else (None, None)
-            observer(module.layer_idx, query, key, seqlens, seqstarts)
+            observer(module.layer_idx, query, key, value, seqlens, seqstarts)
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 @contextmanager
 def observe_attention(model: PreTrainedModel, observer: Callable) -> Iterator[PreTrainedModel]:
     """Run ``model`` with dense SDPA attention while ``observer(layer, query [B, Hq, N, D],
-    key [B, Hkv, N, D], seqlens, seqstarts)`` sees every prefill call (the offline search and the
-    coverage measurements read the model's real queries and keys this way)."""
+    key [B, Hkv, N, D], value [B, Hkv, N, D], seqlens, seqstarts)`` sees every prefill call (the
+    offline search and the coverage measurements read the model's real queries, keys and values
+    this way; ``seqlens, seqstarts`` ``[B]`` are a padded batch's rows, ``None`` without padding).
+    The arguments are positional, in the attention function's order, as for
+    :attr:`LayerState.observer`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -811,7 +811,7 @@ def _measure_coverage(model, config, ids: torch.Tensor, stats: RunStats, *, phys
     cover: list[float] = [1.0] * L
     phys: list[float | None] = [1.0] * L
 
-    def observer(layer, query, key, seqlens, seqstarts):
+    def observer(layer, query, key, _value, seqlens, seqstarts):
         state = states[layer]
         heads = query.shape[1]
         plan = state.plan[state.head_offset: state.head_offset + heads]

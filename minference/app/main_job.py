@@ -281,7 +281,7 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
         cover = [float("nan")] * len(modules)
         spent = [0.0]
 
-        def observer(layer, query, key_, seqlens, seqstarts):
+        def observer(layer, query, key_, _value, seqlens, seqstarts):
             t = time.perf_counter()
             heads = query.shape[1]
             plan = config.plan(layer)[:heads]

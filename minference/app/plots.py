@@ -615,7 +615,7 @@ def capture_layer_qk(model, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor
         raise ValueError(f"layer must be in [0, {len(modules)}), got {layer!r}")
     seen: dict[str, torch.Tensor] = {}
 
-    def observer(index, query, key, _seqlens, _seqstarts) -> None:
+    def observer(index, query, key, _value, _seqlens, _seqstarts) -> None:
         if index == layer:
             seen["q"], seen["k"] = query.detach().clone(), key.detach().clone()
             raise _Captured

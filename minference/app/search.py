@@ -675,7 +675,7 @@ def search(
     device = next(model.parameters()).device
     bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
 
-    def observer(layer, query, key, seqlens, seqstarts):
+    def observer(layer, query, key, _value, seqlens, seqstarts):
         scale = getattr(_modules[layer], "scaling", None)
         m, d, t = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride, return_tiles=True)
         mass[layer] += m

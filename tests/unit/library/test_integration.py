@@ -205,6 +205,71 @@ def test_dense_equivalent_plan_reproduces_dense_prefill_and_cache():
         torch.testing.assert_close(a.values, b.values, atol=LOGIT_ATOL, rtol=0)
 
 
+def _observed_and_attended(model, ids, observing):
+    """Per layer, the ``(query, key, value, seqlens, seqstarts)`` an observer saw (installed by the
+    context ``observing(observer)``) and the attention output ``o_proj`` then read ``[1, N, Hq * D]``."""
+    seen, attended = {}, {}
+
+    def observer(layer, query, key, value, seqlens, seqstarts):
+        seen[layer] = (query.clone(), key.clone(), value.clone(), seqlens, seqstarts)
+
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(
+        lambda _m, args, i=i: attended.__setitem__(i, args[0].clone())) for i, layer in enumerate(model.model.layers)]
+    try:
+        with observing(observer):
+            logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, attended
+
+
+def _check_observed_values(model, seen, attended):
+    """The observed ``q, k, v`` give the layer's (dense-equivalent) attention output: ``value`` is the
+    layer's own ``[1, Hkv, N, D]``, next to ``key``."""
+    assert sorted(seen) == list(range(LAYERS))
+    for layer, (q, k, v, seqlens, seqstarts) in seen.items():
+        assert q.shape == (1, HEADS, N, HEAD_DIM) and k.shape == v.shape == (1, KV, N, HEAD_DIM)
+        assert seqlens is None and seqstarts is None
+        scale = model.model.layers[layer].self_attn.scaling
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        torch.testing.assert_close(out.transpose(1, 2).reshape(1, N, -1), attended[layer], atol=1e-5, rtol=0)
+
+
+def test_observe_attention_hands_the_observer_queries_keys_and_values():
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(12))
+    seen, attended = _observed_and_attended(model, ids, lambda observer: I.observe_attention(model, observer))
+    _check_observed_values(model, seen, attended)
+
+
+def test_the_sparse_path_observer_sees_queries_keys_and_values():
+    from contextlib import contextmanager
+
+    model = tiny_model("llama")
+    ids = torch.randint(2, VOCAB, (1, N), generator=torch.Generator().manual_seed(13))
+    wide = ashape_config(model, windows=[[N] * HEADS] * LAYERS, sinks=[[0] * HEADS] * LAYERS)  # dense-equivalent
+    I.patch(model, wide, dense_threshold=0)
+
+    @contextmanager
+    def on_the_sparse_path(observer):
+        states = I.layer_states(model).values()
+        for state in states:
+            state.observer = observer
+        try:
+            yield
+        finally:
+            for state in states:
+                state.observer = None
+
+    try:
+        seen, attended = _observed_and_attended(model, ids, on_the_sparse_path)
+        assert I.call_counts(model)["sparse"] == LAYERS
+    finally:
+        I.unpatch(model)
+    _check_observed_values(model, seen, attended)
+
+
 def test_chunked_prefill_continues_sparse():
     """A prompt fed in two chunks through the cache: the second chunk runs sparse on query rows,
     equals the reference's rows of the whole prompt, and (A-shape has no online index) the
