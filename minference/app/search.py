@@ -1,14 +1,16 @@
 """Offline per-head pattern search: which geometry (and budget) each head uses.
 
 For every calibration prompt the model runs dense attention once while an observer
-(:func:`minference.integration.observe_attention`) reads each layer's real queries and keys. Per
-query head it computes the full causal softmax ``P [n, n]`` and, for every candidate pattern,
-the set of keys each query would read — for the dynamic patterns the set the ONLINE index
+(:func:`minference.integration.observe_attention`) reads each layer's real queries, keys and
+values. Per query head it computes the full causal softmax ``P [n, n]`` and, for every candidate
+pattern, the set of keys each query would read — for the dynamic patterns the set the ONLINE index
 builder picks from these very ``q, k`` (:mod:`minference.torch_backend`'s builders, which share
 their selection with the Triton ones through :mod:`minference.index`) — then
 
-* ``mass``: captured attention mass, ``sum_{(i,j) in set} P[i, j] / n`` (1 = lossless), and
-* ``density``: the fraction of the ``n (n + 1) / 2`` causal pairs the set holds.
+* ``mass``: captured attention mass, ``sum_{(i,j) in set} P[i, j] / n`` (1 = lossless),
+* ``density``: the fraction of the ``n (n + 1) / 2`` causal pairs the set holds, and
+* ``out_error``: the relative output error of the sparse softmax over the set against the dense
+  output, ``||O_set - O|| / ||O||`` per row, averaged (0 = lossless; :func:`head_scores`).
 
 Candidates (:func:`candidate_patterns`) are A-shape, vertical-slash (two vertical/slash
 splits) and block-sparse, each with its budget solved so that its worst-case density at the
@@ -18,9 +20,10 @@ highest mean mass wins; a head whose best mass stays below ``min_mass`` gets
 a :class:`~minference.config.PatternConfig` with provenance (calibration fingerprint, length,
 seed, metric, per-head scores and densities, versions, hardware).
 
-The per-prompt tile densities it also keeps (:attr:`SearchResult.tiles`, ``max_tiles``) feed the
-cost-aware frontier (:mod:`minference.app.frontier`, docs/search.md), whose candidates are
-:func:`frontier_candidates` and whose worst case is :func:`flat_tiles`.
+The per-prompt tile densities and output errors it also keeps (:attr:`SearchResult.tiles`,
+``max_tiles``, ``out_error``) feed the cost-aware frontier (:mod:`minference.app.frontier`,
+docs/search.md), whose candidates are :func:`frontier_candidates` and whose worst case is
+:func:`flat_tiles`.
 """
 
 from __future__ import annotations
@@ -405,6 +408,38 @@ def flat_tiles(pattern: Pattern, n: int) -> float:
     raise TypeError(f"unknown pattern {type(pattern).__name__}")
 
 
+def _attend(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``weights [Hq, R, n] @ v [Hkv, n, D] -> [Hq, R, D]``, query head ``h`` reading kv head
+    ``h // (Hq // Hkv)`` (no expanded copy of ``v``)."""
+    Hq, R, n = weights.shape
+    Hkv = v.shape[0]
+    return torch.einsum("kgrn,knd->kgrd", weights.reshape(Hkv, Hq // Hkv, R, n), v).reshape(Hq, R, -1)
+
+
+def _output_error(probs: torch.Tensor, m: torch.Tensor, kept: torch.Tensor, row_mass: torch.Tensor,
+                  dense: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[Hq, R]`` float32 ``||O_c - O|| / ||O||`` per row of a chunk: ``O = dense [Hq, R, D]``, the
+    rows' dense output (``probs @ v`` over ``row_mass [Hq, R]``), and ``O_c`` the softmax
+    renormalised over the candidate's keys ``m [Hq, R, n]`` (``kept [Hq, R]``: their probability
+    sum), as the sparse kernels compute it.
+
+    One product with ``v``, of the smaller side: where the candidate keeps at least half the mass,
+    the missed probabilities (``O_c - O = (missed * O - missed_probs @ v) / kept``: a small error
+    keeps its float32 precision instead of being the difference of two full outputs, and a
+    covering candidate gives exactly 0); elsewhere the kept ones (``O_c = kept_probs @ v / kept``).
+    A row whose kept probabilities sum to 0 (an empty set, or kept keys that all underflow, ~100
+    nats below the row's largest logit) counts as ``O_c = 0``, the kernels' output of an empty
+    row: error 1. A row with ``O = 0`` counts as error 0."""
+    use_missed = kept >= 0.5 * row_mass  # [Hq, R]
+    part = probs * (m != use_missed[..., None])  # missed probabilities where use_missed, else the kept ones
+    weighted = _attend(part, v)  # [Hq, R, D]
+    safe = torch.where(kept > 0, kept, torch.ones_like(kept))[..., None]
+    diff = torch.where(use_missed[..., None], (part.sum(dim=-1)[..., None] * dense - weighted) / safe,
+                       weighted / safe - dense)
+    norm = dense.norm(dim=-1)
+    return torch.where(norm > 0, diff.norm(dim=-1) / torch.where(norm > 0, norm, 1.0), 0.0)
+
+
 def head_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -414,12 +449,19 @@ def head_scores(
     rows: int | None = None,
     row_stride: int = 1,
     return_tiles: bool = False,
+    v: torch.Tensor | None = None,
 ):
-    """Captured mass and density of each candidate for each query head of one prompt.
+    """Captured mass and density of each candidate for each query head of one prompt, and with
+    ``v`` its relative output error.
 
     Captured mass is the share of each scored row's attention probability that the candidate's
     pairs hold (at most 1, exactly 1 for a candidate that covers the row). Density is the
-    candidate's pairs over the causal pairs of the scored queries.
+    candidate's pairs over the causal pairs of the scored queries. Output error is
+    ``||O_c - O||_2 / ||O||_2`` per scored row, ``O`` the dense row output ``softmax(causal
+    logits) @ v`` and ``O_c`` the sparse one, the softmax renormalised over the candidate's keys
+    (what the kernels compute): 0 for a candidate that covers the row, and 0 however much mass is
+    missed when the missed keys' values average to the kept ones' (:func:`_output_error` gives
+    the edge cases).
 
     Args:
         q: ``[Hq, n, D]``; k: ``[Hkv, n, D]`` (GQA: head ``h`` reads kv head ``h // (Hq // Hkv)``).
@@ -429,13 +471,20 @@ def head_scores(
             chosen from the whole prompt.
         row_stride: score every ``row_stride``-th of those queries, counted back from the last
             (an unbiased sample of the rows: the cost falls by the stride).
+        return_tiles: also return :func:`tile_density`.
+        v: ``[Hkv, n, D]`` values: also return the output error (one ``[R, n] @ [n, D]`` product
+            per head and candidate, and one for the dense output, per chunk of scored rows).
 
     Returns:
-        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries, and with
-        ``return_tiles`` also ``tiles [Hq, C]``: :func:`tile_density` of the whole prompt.
+        ``(mass [Hq, C], density [Hq, C])`` float64, averaged over the scored queries; with
+        ``return_tiles`` then ``tiles [Hq, C]``: :func:`tile_density` of the whole prompt; with
+        ``v`` last ``out_error [Hq, C]`` float64, the mean relative output error over the scored
+        queries.
     """
     Hq, n, D = q.shape
     group = Hq // k.shape[0]
+    if v is not None and tuple(v.shape[:2]) != tuple(k.shape[:2]):
+        raise ValueError(f"v must be [Hkv, n, D] like k {tuple(k.shape)}, got {tuple(v.shape)}")
     scale = D**-0.5 if scale is None else scale
     kx = k.repeat_interleave(group, dim=0) if group > 1 else k
     sets = [pattern_sets(p, q, kx, scale) for p in candidates]
@@ -445,25 +494,33 @@ def head_scores(
     scored = torch.arange(n - 1, first - 1, -row_stride, device=q.device).flip(0)
     mass = torch.zeros(Hq, len(candidates), dtype=torch.float64)
     pairs = torch.zeros(Hq, len(candidates), dtype=torch.float64)
+    error = torch.zeros(Hq, len(candidates), dtype=torch.float64)
     qf, kf = q.float(), kx.float()
+    vf = None if v is None else v.float()
     for start in range(0, scored.numel(), ROW_CHUNK):
         r = scored[start : start + ROW_CHUNK]
         logits = torch.einsum("hid,hjd->hij", qf[:, r], kf) * scale  # [Hq, R, n]
         causal = torch.arange(n, device=q.device)[None, :] <= r[:, None]
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+        del logits  # one [Hq, R, n] float32 tensor less at the peak
         row_mass = probs.sum(dim=-1)  # [Hq, R]: 1 up to float32 rounding
+        dense = None if vf is None else _attend(probs, vf) / row_mass[..., None]  # [Hq, R, D]
         for c, (p, s) in enumerate(zip(candidates, sets)):
             m = pattern_mask(p, s, Hq, n, r, q.device)
             # each row's captured share of its computed mass: the masked sum is the same float32
             # reduction over values that are equal or zero, so it never exceeds row_mass and a
             # mask that covers the row gives exactly 1 (summing raw probabilities gave 1 + 6.6e-9)
-            mass[:, c] += ((probs * m).sum(dim=-1) / row_mass).double().sum(dim=1).cpu()
+            kept = (probs * m).sum(dim=-1)
+            mass[:, c] += (kept / row_mass).double().sum(dim=1).cpu()
             pairs[:, c] += m.sum(dim=(1, 2)).double().cpu()
-    total = float((scored + 1).sum())
+            if dense is not None and vf is not None:
+                error[:, c] += _output_error(probs, m, kept, row_mass, dense, vf).double().sum(dim=1).cpu()
+    out = [mass / scored.numel(), pairs / float((scored + 1).sum())]
     if return_tiles:
-        tiles = torch.stack([tile_density(p, st, Hq, n, q.device) for p, st in zip(candidates, sets)], dim=1)
-        return mass / scored.numel(), pairs / total, tiles
-    return mass / scored.numel(), pairs / total
+        out.append(torch.stack([tile_density(p, st, Hq, n, q.device) for p, st in zip(candidates, sets)], dim=1))
+    if v is not None:
+        out.append(error / scored.numel())
+    return tuple(out)
 
 
 def plan_coverage(
@@ -509,6 +566,10 @@ class SearchResult:
         tiles: ``[L, H, C]`` mean :func:`tile_density` (fraction of the causal 64 x 64 tiles).
         max_tiles: ``[L, H, C]`` the largest :func:`tile_density` over the calibration prompts.
         n_tokens: the calibration length; head_dim: the model's.
+        out_error: ``[L, H, C]`` mean relative output error (:func:`head_scores` with values) over
+            the calibration prompts; ``None`` for results made without it (measurements saved
+            before it existed).
+        worst_out_error: ``[L, H, C]`` the largest relative output error over the prompts.
     """
 
     config: PatternConfig
@@ -523,11 +584,13 @@ class SearchResult:
     max_tiles: torch.Tensor | None = None
     n_tokens: int | None = None
     head_dim: int | None = None
+    out_error: torch.Tensor | None = None
+    worst_out_error: torch.Tensor | None = None
 
     def to_dict(self) -> dict:
         """Plain-JSON form (:data:`MEASUREMENTS_FORMAT`): every measurement the frontier and
         :meth:`rechoose` read, so a family or a min-mass config can be made again without the
-        model (``minference search --from-measurements``)."""
+        model (``minference search --from-measurements``). A measurement not made is ``null``."""
         def values(t: torch.Tensor | None) -> list | None:
             return None if t is None else t.to(torch.float64).tolist()
 
@@ -540,7 +603,8 @@ class SearchResult:
     def from_dict(cls, data: Any) -> SearchResult:
         """The result :meth:`to_dict` wrote. Raises ``ValueError`` naming what is wrong: another
         format or version, a measurement missing or not ``[layers, heads, candidates]`` of the
-        config and candidates it holds."""
+        config and candidates it holds. The optional measurements (all but ``mass`` and
+        ``density``) may be absent, as in files written before the output error was measured."""
         if not isinstance(data, dict) or data.get("format") != MEASUREMENTS_FORMAT:
             raise ValueError(f"not a search measurements file (format {MEASUREMENTS_FORMAT!r})")
         if data.get("version") != MEASUREMENTS_VERSION:
@@ -614,8 +678,10 @@ class SearchResult:
 #: The JSON of :meth:`SearchResult.to_dict` (``minference search --save-measurements``).
 MEASUREMENTS_FORMAT = "minference.search_measurements"
 MEASUREMENTS_VERSION = 1
-#: The ``[L, H, C]`` measurements it holds.
-_MEASURED = ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles")
+#: The ``[L, H, C]`` measurements it holds. The version stays 1 with the output error added: both
+#: fields are optional (files without them load, with ``None``), and a reader that predates them
+#: ignores them.
+_MEASURED = ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles", "out_error", "worst_out_error")
 
 #: How :func:`search` picks a head's pattern: the highest mean mass at the candidates' common
 #: budget, or the cheapest candidate whose worst calibration prompt still reaches ``min_mass``.
@@ -672,18 +738,23 @@ def search(
     cost = torch.zeros(L, H, len(cands), dtype=torch.float64)
     tiles = torch.zeros(L, H, len(cands), dtype=torch.float64)
     max_tiles = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    out_error = torch.zeros(L, H, len(cands), dtype=torch.float64)
+    worst_out_error = torch.zeros(L, H, len(cands), dtype=torch.float64)
     device = next(model.parameters()).device
     bar = tqdm(total=len(prompts) * L, desc="search", unit="layer", disable=not progress)
 
-    def observer(layer, query, key, _value, seqlens, seqstarts):
+    def observer(layer, query, key, value, seqlens, seqstarts):
         scale = getattr(_modules[layer], "scaling", None)
-        m, d, t = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride, return_tiles=True)
+        m, d, t, e = head_scores(query[0], key[0], cands, scale=scale, row_stride=row_stride, return_tiles=True,
+                                 v=value[0])
         mass[layer] += m
         density[layer] += d
         worst[layer] = torch.minimum(worst[layer], m)
         cost[layer] += t * torch.tensor([tile_cost(c.kind, query.shape[-1]) for c in cands], dtype=torch.float64)
         tiles[layer] += t
         max_tiles[layer] = torch.maximum(max_tiles[layer], t)
+        out_error[layer] += e
+        worst_out_error[layer] = torch.maximum(worst_out_error[layer], e)
         bar.update(1)
 
     from minference.integration import attention_modules
@@ -697,6 +768,7 @@ def search(
     density /= len(prompts)
     cost /= len(prompts)
     tiles /= len(prompts)
+    out_error /= len(prompts)
     layers, scores, dens = _choose(cands, mass, density, worst, cost, min_mass, select)
     provenance = Provenance(
         source="search", package_version=_version(), created=_now(), hardware=hardware_string(),
@@ -707,7 +779,7 @@ def search(
     )
     config = PatternConfig(signature, layers, provenance)
     return SearchResult(config, cands, mass, density, worst, cost, select, min_mass, tiles, max_tiles, n,
-                        signature.head_dim)
+                        signature.head_dim, out_error, worst_out_error)
 
 
 def _check_choice(min_mass: float, select: str) -> None:

@@ -64,6 +64,105 @@ def test_masses_equal_reference_masks():
     assert torch.equal(mass[:, 3], torch.ones(4, dtype=torch.float64)) and bool((mass <= 1).all())
 
 
+def qkv(n=97, hq=4, hkv=2, d=16, seed=0):
+    q, k = qk(n, hq, hkv, d, seed)
+    return q, k, torch.randn(hkv, n, d, generator=torch.Generator().manual_seed(seed + 100))
+
+
+def output_error_reference(q, k, v, masks, rows):
+    """``[Hq, C]`` float64: mean over ``rows`` of ``||O_c - O|| / ||O||``, every product in float64,
+    ``O_c`` the softmax renormalised over ``masks[c] [Hq, n, n]`` (kv expanded by hand)."""
+    group = q.shape[0] // k.shape[0]
+    kx, vx = (x.double().repeat_interleave(group, dim=0) for x in (k, v))
+    probs = dense_attention_probs(q.double()[None], kx[None])[0][:, rows]  # [Hq, R, n]
+    dense = probs @ vx
+    out = []
+    for m in masks:
+        kept = probs * m[:, rows]
+        sparse = (kept @ vx) / kept.sum(dim=-1, keepdim=True)
+        out.append(((sparse - dense).norm(dim=-1) / dense.norm(dim=-1)).mean(dim=-1))
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("rows, stride", [(None, 1), (40, 3)])
+def test_output_error_equals_the_fp64_reference(rows, stride):
+    """GQA (4 query heads on 2 kv heads): the search's float32 output error against products in
+    float64, for the dynamic candidates the sets the reference builders choose; Dense exactly 0."""
+    n = 97
+    q, k, v = qkv(n)
+    cands = [AShape(sink=4, window=20), VerticalSlash(vertical=8, slash=10, last_q=16), BlockSparse(top_k=3, block=16),
+             Dense()]
+    mass, dens, err = S.head_scores(q, k, cands, v=v, rows=rows, row_stride=stride)
+    assert torch.equal(S.head_scores(q, k, cands, rows=rows, row_stride=stride)[0], mass)  # the mass is unchanged
+    v_idx, s_idx = E.vertical_slash_index(q[None], k[None], 8, 10, last_q=16, sink_columns=30, local_diagonals=100)
+    blocks = E.block_sparse_index(q[None], k[None], 3, block=16, sink_blocks=1)
+    masks = [ashape_mask(n, 4, 20).expand(4, n, n), vertical_slash_mask(n, v_idx, s_idx, FILL_GAPS)[0],
+             block_sparse_mask(n, blocks, 16)[0], torch.ones(n, n, dtype=torch.bool).tril().expand(4, n, n)]
+    scored = torch.arange(n - 1, n - 1 - (n if rows is None else rows), -stride).flip(0)
+    want = output_error_reference(q, k, v, masks, scored)
+    assert err.dtype == torch.float64 and err.shape == (4, 4)
+    torch.testing.assert_close(err[:, :3], want[:, :3], rtol=1e-6, atol=0)
+    assert bool((want[:, :3] > 0.05).all())  # errors of a size the comparison means something at
+    assert torch.equal(err[:, 3], torch.zeros(4, dtype=torch.float64))  # covering: exactly 0
+
+
+def test_a_small_output_error_keeps_its_precision():
+    """A candidate that misses one or three keys of a long row: its small error (2-5%) is measured to
+    1e-6 of itself (3e-7 here), not to float32's precision of the two full outputs it would be the
+    difference of (computed as ``O_c - O`` it is a few 1e-6 off)."""
+    n = 2000
+    q, k, v = qkv(n, d=64)
+    cands = [AShape(sink=0, window=n - 1), AShape(sink=0, window=n - 3)]
+    _, _, err = S.head_scores(q * 0.125, k, cands, v=v, rows=1)
+    j = torch.arange(n)
+    masks = [(j > 0).expand(4, n, n), (j > 2).expand(4, n, n)]
+    want = output_error_reference(q * 0.125, k, v, masks, torch.tensor([n - 1]))
+    assert bool((want < 0.05).all())  # 1.7-4.7%
+    torch.testing.assert_close(err, want, rtol=1e-6, atol=0)
+
+
+def test_output_error_sees_the_values():
+    """Missed mass is not output error: keys whose values equal the kept ones' cost nothing, and a
+    head whose dense output is 0 counts 0 (no NaN)."""
+    n = 97
+    q, k, _ = qkv(n)
+    cands = [AShape(sink=2, window=8), BlockSparse(top_k=2, block=16), Dense()]
+    same = torch.randn(2, 1, 16).expand(2, n, 16)  # every key of a kv head holds the same value
+    mass, _, err = S.head_scores(q, k, cands, v=same)
+    assert bool((mass[:, :2] < 0.9).all()) and float(err.max()) < 1e-6
+    _, _, err = S.head_scores(q, k, cands, v=torch.zeros(2, n, 16))
+    assert torch.equal(err, torch.zeros(4, 3, dtype=torch.float64))
+
+
+def test_a_set_whose_kept_mass_underflows_counts_as_error_one():
+    """Only the diagonal kept while key 0 takes all the float32 probability (300 nats above): the
+    kept mass is exactly 0, the row counts as the kernels' empty-row output (O_c = 0), error 1."""
+    n = 20
+    q = torch.ones(2, n, 1)
+    k = torch.zeros(1, n, 1)
+    k[0, 0] = 300.0
+    v = torch.randn(1, n, 4, generator=torch.Generator().manual_seed(3))
+    _, _, err = S.head_scores(q, k, [AShape(sink=0, window=1)], v=v, scale=1.0, rows=n - 1)
+    assert torch.equal(err, torch.ones(2, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [300, 1000])
+def test_every_frontier_candidate_reads_the_diagonal(n):
+    """So its kept mass is positive on every row (error 1 for a zero kept mass only by underflow)."""
+    q, k = qk(n, d=32)
+    kx = k.repeat_interleave(2, dim=0)
+    rows = torch.arange(n)
+    for p in S.frontier_candidates(n):
+        m = S.pattern_mask(p, S.pattern_sets(p, q, kx, 32**-0.5), 4, n, rows, "cpu")
+        assert bool(m[:, rows, rows].all()), p
+
+
+def test_head_scores_checks_the_values_shape():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="v must be"):
+        S.head_scores(q, k, [Dense()], v=v[:1])
+
+
 def test_last_rows_only():
     n = 97
     q, k = qk(n)
@@ -307,6 +406,11 @@ def test_search_records_tiles_per_prompt(tiny_llama):
     cost_ratio = torch.tensor([S.tile_cost(c.kind, 16) for c in cands], dtype=torch.float64)
     assert torch.allclose(res.cost, res.tiles * cost_ratio)
     assert torch.equal(res.tiles[..., 2], torch.ones(2, 4, dtype=torch.float64))
+    # the output error: mean and largest over the prompts, 0 for Dense, the largest at least the mean
+    assert res.out_error.shape == res.worst_out_error.shape == (2, 4, 3)
+    assert torch.equal(res.out_error[..., 2], torch.zeros(2, 4, dtype=torch.float64))
+    assert torch.equal(res.worst_out_error[..., 2], torch.zeros(2, 4, dtype=torch.float64))
+    assert bool((res.worst_out_error >= res.out_error - 1e-12).all()) and bool((res.out_error[..., :2] > 0).all())
 
 
 def _search_args(*extra):
@@ -369,7 +473,7 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
     path = tmp_path / "m.json"
     res.save(path)
     back = S.SearchResult.load(path)
-    for name in ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles"):
+    for name in ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles", "out_error", "worst_out_error"):
         assert torch.equal(getattr(back, name), getattr(res, name).float()), name
     assert back.candidates == res.candidates and back.config.to_dict() == res.config.to_dict()
     assert (back.n_tokens, back.head_dim, back.select, back.min_mass) == (512, res.head_dim, "cheapest", 0.9)
@@ -407,3 +511,4 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
         S.SearchResult.from_dict({k: v for k, v in res.to_dict().items() if k not in ("config", "mass")})
     with pytest.raises(ValueError, match="a candidate: unknown pattern kind"):
         S.SearchResult.from_dict({**res.to_dict(), "candidates": [{"kind": "nosuch"}]})
+
