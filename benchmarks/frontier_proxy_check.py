@@ -2,13 +2,14 @@
 length (docs/search.md, "Checking the proxy").
 
 The frontier search ranks configs by their predicted error, the mean missed attention mass per
-head on the calibration prompts. This script searches SmolLM2-135M at ``--tokens`` with the
-frontier candidates, writes the family at ``--budgets`` and, for comparison, the per-head
-min-mass rule's configs (another allocation, so a proxy that only orders one family's points is
-not enough), then measures each config's mean next-token NLL on held-out haystack prompts of the
-eval suite (:func:`minference.app.evals.perplexity_ids`) with the portable backend, sparse from
-the first token (``dense_threshold=0``), against dense in the same run. It prints a markdown table
-and the Spearman rank correlation of predicted error with the NLL increase.
+head on the calibration prompts (``--proxy output``: the mean relative output error). This
+script searches SmolLM2-135M at ``--tokens`` with the frontier candidates, writes the family at
+``--budgets`` and, for comparison, the per-head min-mass rule's configs (another allocation, so a
+proxy that only orders one family's points is not enough), then measures each config's mean
+next-token NLL on held-out haystack prompts of the eval suite
+(:func:`minference.app.evals.perplexity_ids`) with the portable backend, sparse from the first
+token (``dense_threshold=0``), against dense in the same run. It prints a markdown table and the
+Spearman rank correlation of predicted error with the NLL increase.
 
     python benchmarks/frontier_proxy_check.py --tokens 2048 --out benchmarks/results/cpu_frontier_proxy_smollm2_2k.md
 """
@@ -30,7 +31,7 @@ from minference.app.models import load_smollm2
 from minference.app.prompts import calibration_prompts
 from minference.integration import patch, unpatch
 
-#: Error budgets of the family (mean missed mass per head).
+#: Error budgets of the family (mean error per head of the proxy).
 BUDGETS = (0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15)
 #: The per-head rule's thresholds measured alongside.
 RULE_MASSES = (0.8, 0.9, 0.95)
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=2, help="held-out perplexity prompts")
     parser.add_argument("--row-stride", type=int, default=8)
     parser.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS), help="the family's error budgets")
+    parser.add_argument("--proxy", choices=sorted(F.PROXIES), default="mass", help="the allocation's error proxy")
     parser.add_argument("--out", default=None, help="markdown file to write (rewritten after every config)")
     args = parser.parse_args(argv)
     start = time.time()
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     result = S.search(model, prompts, candidates=cands, select="cheapest", min_mass=0.9, row_stride=args.row_stride,
                       progress=False)
     sig = result.config.model
-    options = F.head_options(result, F.CostModel.proxy(sig.head_dim, args.tokens, sig.num_heads))
+    options = F.head_options(result, F.CostModel.proxy(sig.head_dim, args.tokens, sig.num_heads), proxy=args.proxy)
     points = F.frontier_family(result, options, args.budgets, worst_ratio=None, cost_source="tile proxy")
     configs = [(f"frontier {p.budget:g}", p.config, p.allocation.error / options.heads, p.allocation.cost)
                for p in points]
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     def table() -> str:
         lines = [f"## Frontier proxy vs NLL: SmolLM2-135M, {args.tokens} tokens (CPU, fp32, torch backend)", "",
                  f"search: {args.prompts} calibration prompts, every {args.row_stride}th row, frontier candidates "
-                 f"(block {BLOCK}), tile-proxy cost; NLL on {args.eval_prompts} held-out perplexity prompts "
+                 f"(block {BLOCK}), tile-proxy cost, error proxy {args.proxy} ({F.PROXIES[args.proxy]}); "
+                 f"NLL on {args.eval_prompts} held-out perplexity prompts "
                  f"(dense {dense_all:.4f} nats, second half {dense_late:.4f})", "",
                  "| config | predicted error | predicted cost (dense tiles) | ΔNLL | ΔNLL 2nd half "
                  "| A / VS / BS / dense |",

@@ -11,12 +11,14 @@ turns those measurements into configs along the frontier:
   launch intercepts and index builds are per call, shared by the heads). Without a table the
   physical tile count is the proxy (:meth:`CostModel.proxy`): tiles times
   :data:`~minference.app.search.TILE_COST`, plus :data:`INDEX_PROXY` for the online index.
-* **Error** (:func:`head_options`): the proxy of end-task damage is the missed attention mass,
-  ``1 - captured mass``, averaged over the calibration prompts; a head's output error is at most
-  its missed mass times twice the largest value norm (the sparse output is the dense one with the
-  missed keys' share moved onto the kept keys), and the heads' errors enter the residual stream
-  additively to first order, so the per-head errors add up. docs/search.md says how it was checked
-  against the NLL.
+* **Error** (:func:`head_options`, ``proxy``): the proxy of end-task damage is, by default
+  (``"mass"``), the missed attention mass, ``1 - captured mass``, averaged over the calibration
+  prompts; a head's output error is at most its missed mass times twice the largest value norm
+  (the sparse output is the dense one with the missed keys' share moved onto the kept keys), and
+  the heads' errors enter the residual stream additively to first order, so the per-head errors
+  add up. docs/search.md says how it was checked against the NLL. ``"output"``: the head's
+  measured relative output error (:attr:`~minference.app.search.SearchResult.out_error`), which
+  sees the values the mass ignores; whether it predicts the NLL better is not measured yet.
 * **Worst case**: adaptive heads (mass and relative rules) decide their budget per input, up to
   their cap. A flat-score input drives every count to its cap
   (:func:`~minference.app.search.flat_tiles`); that is the config's worst case. The allocation
@@ -66,6 +68,8 @@ __all__ = [
     "causal_tiles",
     "attention_key",
     "index_key",
+    "PROXIES",
+    "check_proxy",
     "HeadOptions",
     "head_options",
     "Allocation",
@@ -74,6 +78,7 @@ __all__ = [
     "FrontierPoint",
     "frontier_family",
     "frontier_summary",
+    "summary_proxy",
     "format_summary",
     "write_family",
     "check_family_args",
@@ -98,6 +103,8 @@ COST_LENGTH_TOLERANCE = 0.1
 #: dense attention per layer at 120K (see docs/tuning.md#index-proxy). The pooled estimate
 #: was not measured alone and is charged as the query-aware one.
 INDEX_PROXY = {"vertical_slash": 0.0085, "block_sparse": 0.023}
+#: The allocation's per-head error (``proxy``), each with what its budget means.
+PROXIES = {"mass": "mean missed attention mass per head", "output": "mean relative output error per head"}
 #: Error budgets of a family when none are given: mean missed attention mass per head.
 DEFAULT_BUDGETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.08)
 #: The allocation's default bound on the flat-score worst case over the modelled prefill (the
@@ -273,13 +280,15 @@ class HeadOptions:
     Attributes:
         candidates: the patterns, in column order (the last may be :class:`Dense`, appended).
         cost: ``[L, H, C]`` modelled cost (``unit``) of each head under each candidate.
-        error: ``[L, H, C]`` missed attention mass, mean over the calibration prompts.
-        worst_error: ``[L, H, C]`` missed mass on the worst calibration prompt.
+        error: ``[L, H, C]`` the ``proxy``'s error, mean over the calibration prompts: missed
+            attention mass (``"mass"``) or relative output error (``"output"``).
+        worst_error: ``[L, H, C]`` that error on the worst calibration prompt.
         worst_cost: ``[L, H, C]`` cost on a flat-score input (adaptive rules at their cap) or
             on the costliest calibration prompt, whichever is more.
         mass, density: ``[L, H, C]`` mean captured mass and logical density (for provenance).
         allowed: ``[L, H, C]`` bool: the candidates the allocation may pick.
         unit: the cost unit; n_tokens: the length.
+        proxy: the error's kind, a key of :data:`PROXIES`.
     """
 
     candidates: list[Pattern]
@@ -292,6 +301,7 @@ class HeadOptions:
     allowed: torch.Tensor
     unit: str
     n_tokens: int
+    proxy: str = "mass"
 
     @property
     def heads(self) -> int:
@@ -318,15 +328,38 @@ def _search_shape(result: SearchResult) -> tuple[int, int]:
     return result.n_tokens, head_dim
 
 
-def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float = 0.0) -> HeadOptions:
+def check_proxy(proxy: str, result: SearchResult | None = None) -> None:
+    """Raise :class:`FrontierError` unless ``proxy`` is one of :data:`PROXIES` that ``result`` (when
+    given) measured: ``"output"`` needs its output errors."""
+    if proxy not in PROXIES:
+        raise FrontierError(f"the error proxy must be one of {sorted(PROXIES)}, got {proxy!r}")
+    if proxy == "output" and result is not None and (result.out_error is None or result.worst_out_error is None):
+        raise FrontierError("the output-error proxy needs measurements with the output error (this search has "
+                            "none: measured before the search recorded it); use the mass proxy or search again")
+
+
+def _proxy_errors(result: SearchResult, proxy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(error, worst_error)`` ``[L, H, C]`` of the search's candidates under ``proxy``."""
+    check_proxy(proxy, result)
+    if proxy == "output":
+        assert result.out_error is not None and result.worst_out_error is not None  # checked
+        return result.out_error.to(torch.float64), result.worst_out_error.to(torch.float64)
+    assert result.worst_mass is not None  # head_options checks it
+    return (1 - result.mass).clamp(min=0), (1 - result.worst_mass).clamp(min=0)
+
+
+def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float = 0.0,
+                 proxy: str = "mass") -> HeadOptions:
     """The per-head options of a search (its candidates, plus :class:`Dense` when missing), costed
-    by ``cost_model``. ``min_mass``: a candidate whose captured mass on the worst calibration prompt
-    is below this is not allowed (dense always is)."""
+    by ``cost_model``, their error the ``proxy``'s (:data:`PROXIES`: missed mass, or the measured
+    relative output error). ``min_mass``: a candidate whose captured mass on the worst calibration
+    prompt is below this is not allowed (dense always is)."""
     if result.tiles is None or result.max_tiles is None or result.worst_mass is None or result.n_tokens is None:
         raise FrontierError("the frontier needs a search() result with per-prompt tiles and masses")
     if not 0 <= min_mass <= 1:
         raise FrontierError(f"min_mass must lie in [0, 1], got {min_mass!r}")
     n, head_dim = _search_shape(result)
+    error, worst_error = _proxy_errors(result, proxy)
     cands = list(result.candidates)
     mass, worst_mass, density = result.mass, result.worst_mass, result.density
     tiles, max_tiles = result.tiles, result.max_tiles
@@ -335,17 +368,16 @@ def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float
         ones = torch.ones(*mass.shape[:2], 1, dtype=torch.float64)
         mass, worst_mass, density, tiles, max_tiles = (torch.cat([x, ones], -1) for x in
                                                        (mass, worst_mass, density, tiles, max_tiles))
+        error, worst_error = (torch.cat([x, torch.zeros_like(ones)], -1) for x in (error, worst_error))
     sig = result.config.model
     cost_model.check(cands, head_dim=head_dim, num_heads=sig.num_heads, n_tokens=n)
     cost = torch.stack([cost_model.head_cost(c, tiles[..., i], n) for i, c in enumerate(cands)], -1)
     worst_tiles = torch.stack([torch.clamp(max_tiles[..., i], min=flat_tiles(c, n)) if is_adaptive(c)
                                else max_tiles[..., i] for i, c in enumerate(cands)], -1)
     worst_cost = torch.stack([cost_model.head_cost(c, worst_tiles[..., i], n) for i, c in enumerate(cands)], -1)
-    error = (1 - mass).clamp(min=0)
-    worst_error = (1 - worst_mass).clamp(min=0)
     allowed = worst_mass >= min_mass
     allowed[..., cands.index(Dense())] = True
-    return HeadOptions(cands, cost, error, worst_error, worst_cost, mass, density, allowed, cost_model.unit, n)
+    return HeadOptions(cands, cost, error, worst_error, worst_cost, mass, density, allowed, cost_model.unit, n, proxy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +390,7 @@ class Allocation:
 
     Attributes:
         choice: ``[L, H]`` candidate index per (layer, head).
-        cost, error, worst: totals over heads (modelled cost, missed mass, flat-score cost).
+        cost, error, worst: totals over heads (modelled cost, the proxy's error, flat-score cost).
         lam: the Lagrange multiplier of the error (cost saved per unit of error at the last step).
         mu: the worst-case multiplier (0: the constraint was not binding).
     """
@@ -483,10 +515,10 @@ def _paths(options: HeadOptions, worst_ratio: float | None) -> list[tuple[float,
 
 def allocate(options: HeadOptions, budget: float, *, worst_ratio: float | None = None, fixed: float = 0.0,
              _paths_cache: list | None = None) -> Allocation:
-    """The cheapest assignment on the Lagrangian paths whose mean missed mass per head is at
-    most ``budget`` and, with ``worst_ratio`` ``R``, whose flat-score worst case keeps
-    ``fixed + worst <= R * (fixed + cost)`` (``fixed``: the model's time outside attention, in
-    the cost unit).
+    """The cheapest assignment on the Lagrangian paths whose mean error per head (missed mass or
+    output error: ``options.proxy``) is at most ``budget`` and, with ``worst_ratio`` ``R``, whose
+    flat-score worst case keeps ``fixed + worst <= R * (fixed + cost)`` (``fixed``: the model's
+    time outside attention, in the cost unit).
 
     Without ``worst_ratio`` the result minimises the cost over every assignment of at most its
     own error (exact), and is at most one head's step costlier than the knapsack optimum at
@@ -516,8 +548,8 @@ def allocate(options: HeadOptions, budget: float, *, worst_ratio: float | None =
         if best is None or key < best[0]:
             best = (key, mu, path, k)
     if best is None:
-        raise FrontierError(f"no assignment has mean missed mass <= {budget:g} and a flat-score worst case within "
-                            f"{worst_ratio}x the modelled prefill")
+        raise FrontierError(f"no assignment has {PROXIES[options.proxy]} <= {budget:g} and a flat-score worst case "
+                            f"within {worst_ratio}x the modelled prefill")
     _, mu, path, k = best
     L, H = options.cost.shape[:2]
     lam = float(path.rate[k - 1]) if k else math.inf
@@ -543,9 +575,10 @@ def _notes(options: HeadOptions, point: Allocation, budget: float, cost_source: 
            base_notes: str | None) -> str:
     M = options.heads
     ratio = "none" if worst_ratio is None else f"{worst_ratio:g}"
-    return (f"frontier point: error budget {budget:g} (mean missed attention mass per head); predicted cost "
+    meaning = PROXIES[options.proxy]
+    return (f"frontier point: error budget {budget:g} ({meaning}; error proxy {options.proxy}); predicted cost "
             f"{point.cost:.6g} {options.unit} (attention + index, summed over layers and heads; {cost_source}); "
-            f"predicted error {point.error / M:.6g} (mean missed mass per head); flat-score worst case "
+            f"predicted error {point.error / M:.6g} ({meaning}); flat-score worst case "
             f"{point.worst:.6g} {options.unit}; worst ratio {ratio} with fixed {fixed:g} {options.unit}; "
             f"lambda {point.lam:.6g}, mu {point.mu:.6g}; length {options.n_tokens}. Search: {base_notes or ''}")
 
@@ -553,9 +586,9 @@ def _notes(options: HeadOptions, point: Allocation, budget: float, cost_source: 
 def frontier_family(result: SearchResult, options: HeadOptions, budgets: Sequence[float], *,
                     worst_ratio: float | None = DEFAULT_WORST_RATIO, fixed: float = 0.0,
                     cost_source: str = "") -> list[FrontierPoint]:
-    """One config per error budget (mean missed mass per head), each allocated by
+    """One config per error budget (mean error per head of ``options.proxy``), each allocated by
     :func:`allocate` from ``options``; provenance as the search's, with the chosen heads' masses
-    and densities and the budget, predicted cost, error and worst case in the notes."""
+    and densities and the budget, error proxy, predicted cost, error and worst case in the notes."""
     if not budgets:
         raise FrontierError("budgets must hold at least one error budget")
     for b in budgets:
@@ -584,8 +617,8 @@ def _rule_choice(options: HeadOptions, config: PatternConfig) -> torch.Tensor:
 def frontier_summary(result: SearchResult, options: HeadOptions, points: Sequence[FrontierPoint], *,
                      worst_ratio: float | None, fixed: float, cost_source: str,
                      rule_masses: Sequence[float] = (0.85, 0.9, 0.95), curve_points: int = 200) -> dict:
-    """Plain-JSON summary of a family: every point's budget, predicted cost (and modelled
-    prefill ``fixed + cost``, speed-up over all-dense), error, worst case and pattern counts; the
+    """Plain-JSON summary of a family: its error proxy; every point's budget, predicted cost (and
+    modelled prefill ``fixed + cost``, speed-up over all-dense), error, worst case and pattern counts; the
     unconstrained Lagrangian curve; and for comparison the per-head rule of earlier searches
     (cheapest candidate whose worst prompt keeps ``min_mass``) at ``rule_masses``."""
     M = options.heads
@@ -616,18 +649,27 @@ def frontier_summary(result: SearchResult, options: HeadOptions, points: Sequenc
     sig = result.config.model
     return {"format": FRONTIER_FORMAT, "version": FRONTIER_VERSION, "model": dataclasses.asdict(sig),
             "n_tokens": options.n_tokens, "unit": options.unit, "cost_source": cost_source, "fixed": fixed,
+            "proxy": options.proxy,
             "worst_ratio": worst_ratio, "heads": M, "dense_cost": dense_cost,
             "candidates": [repr(c) for c in options.candidates], "points": out_points, "rules": rules,
             "curve": {"error": (path.error[keep] / M).tolist(), "cost": path.cost[keep].tolist(),
                       "worst": path.worst[keep].tolist()}}
 
 
+def summary_proxy(summary: dict) -> str:
+    """The error proxy a :func:`frontier_summary` was allocated on (summaries written before the
+    output proxy existed hold none: they are of the missed mass)."""
+    return summary.get("proxy", "mass")
+
+
 def format_summary(summary: dict) -> str:
     """Markdown table of a :func:`frontier_summary`."""
     u = summary["unit"]
+    proxy = summary_proxy(summary)
     lines = [f"## Frontier: {summary['model']['model_id']} at {summary['n_tokens']} tokens", "",
-             f"cost unit {u} ({summary['cost_source']}); fixed (outside attention) {summary['fixed']:g}; worst ratio "
-             f"{summary['worst_ratio']}; all-dense cost {summary['dense_cost']:.4g}; {summary['heads']} heads", "",
+             f"error proxy {proxy}; cost unit {u} ({summary['cost_source']}); fixed (outside attention) "
+             f"{summary['fixed']:g}; worst ratio {summary['worst_ratio']}; all-dense cost {summary['dense_cost']:.4g}; "
+             f"{summary['heads']} heads", "",
              "| config | budget | predicted error | cost | prefill | × all-dense | flat-score worst prefill | "
              "A / VS / BS / dense |", "|---|---|---|---|---|---|---|---|"]
 
@@ -642,7 +684,7 @@ def format_summary(summary: dict) -> str:
         lines.append(row(Path(p["config"]).name if p["config"] else "-", f"{p['budget']:g}", p))
     for r in summary["rules"]:
         lines.append(row(f"rule min_mass {r['min_mass']:g}", "-", r))
-    lines += ["", "predicted error: mean missed attention mass per head on the calibration prompts; cost: modelled "
+    lines += ["", f"predicted error: {PROXIES[proxy]} on the calibration prompts; cost: modelled "
               "attention + index summed over layers and heads; prefill: fixed + cost; flat-score worst: every "
               "adaptive head at its cap. Rule rows: the per-head min-mass rule of earlier searches, for comparison."]
     return "\n".join(lines)
@@ -659,8 +701,11 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
 
     if "{budget}" not in args.out:
         return "--frontier writes one config per budget: --out must hold '{budget}'"
+    proxy = getattr(args, "proxy", "mass")
+    if proxy not in PROXIES:
+        return f"--proxy must be one of {sorted(PROXIES)}, got {proxy!r}"
     if not args.frontier or any(not (math.isfinite(b) and 0 <= b <= 1) for b in args.frontier):
-        return f"--frontier budgets are mean missed masses per head in [0, 1], got {args.frontier}"
+        return f"--frontier budgets ({PROXIES[proxy]}) must lie in [0, 1], got {args.frontier}"
     if args.worst_ratio is not None and not (math.isfinite(args.worst_ratio) and args.worst_ratio >= 1):
         return f"--worst-ratio must be >= 1, got {args.worst_ratio}"
     if not (math.isfinite(args.fixed_ms) and args.fixed_ms >= 0):
@@ -692,24 +737,25 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
 
 def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, cost_table: str | None = None,
                  worst_ratio: float | None = DEFAULT_WORST_RATIO, fixed: float = 0.0, min_mass: float = 0.0,
-                 stream: TextIO | None = None) -> tuple[list[FrontierPoint], dict]:
+                 proxy: str = "mass", stream: TextIO | None = None) -> tuple[list[FrontierPoint], dict]:
     """Write one config per budget (``out`` with ``{budget}`` replaced by the budget) and the
     summary (``{budget}`` replaced by ``frontier``: ``.json``, ``.md``, ``.png`` when matplotlib
-    is installed)."""
+    is installed), allocated on the error ``proxy`` (:data:`PROXIES`)."""
     if "{budget}" not in out:
         raise FrontierError("a frontier family needs '{budget}' in the output path")
-    n, head_dim = _search_shape(result)  # before the proxy, which needs both
+    check_proxy(proxy, result)
+    n, head_dim = _search_shape(result)  # before the tile proxy, which needs both
     model = CostModel.load(cost_table) if cost_table else CostModel.proxy(head_dim, n, result.config.model.num_heads)
     if fixed and not model.calibrated:
         raise FrontierError("a fixed time outside attention is in ms: it needs a calibrated --cost-table")
-    options = head_options(result, model, min_mass=min_mass)
+    options = head_options(result, model, min_mass=min_mass, proxy=proxy)
     points = frontier_family(result, options, budgets, worst_ratio=worst_ratio, fixed=fixed, cost_source=model.source)
     for p in points:
         p.path = out.replace("{budget}", f"{p.budget:g}")
         p.config.save(p.path)
         if stream is not None:
             print(f"wrote {p.path}: {p.config.counts()}, predicted cost {p.allocation.cost:.4g} {model.unit}, "
-                  f"error {p.allocation.error / options.heads:.4g}", file=stream)
+                  f"error {p.allocation.error / options.heads:.4g} ({proxy})", file=stream)
     summary = frontier_summary(result, options, points, worst_ratio=worst_ratio, fixed=fixed, cost_source=model.source)
     stem = out.replace("{budget}", "frontier")
     stem = stem[: -len(".json")] if stem.endswith(".json") else stem

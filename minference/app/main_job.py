@@ -515,14 +515,17 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     search.add_argument("--no-progress", action="store_true", help="no progress bar")
     search.add_argument("--frontier", type=float, nargs="+", default=None, metavar="E",
-                        help="write a family along the cost/quality frontier, one config per budget E (mean missed "
-                             "attention mass per head; --out holds '{budget}'), plus a summary (docs/search.md)")
+                        help="write a family along the cost/quality frontier, one config per budget E (mean error "
+                             "per head, --proxy; --out holds '{budget}'), plus a summary (docs/search.md)")
     search.add_argument("--cost-table", default=None, help="frontier: cost table of benchmarks/calibrate_costs.py "
                                                             "(default: the tile-count proxy)")
     search.add_argument("--worst-ratio", type=float, default=1.2,
                         help="frontier: flat-score worst case at most this times the modelled prefill")
     search.add_argument("--fixed-ms", type=float, default=0.0,
                         help="frontier: the prefill's time outside attention (ms; needs --cost-table)")
+    search.add_argument("--proxy", choices=("mass", "output"), default="mass",
+                        help="frontier: the per-head error the budget bounds: mass (missed attention mass, the "
+                             "default) or output (measured relative output error; docs/search.md)")
     search.add_argument("--save-measurements", default=None, metavar="FILE",
                         help="also write every head's measured masses and tiles per candidate (JSON), for "
                              "--from-measurements")
@@ -571,6 +574,8 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError("several --min-mass values need '{min_mass}' in --out")
     if args.model_path is not None and not is_qwen(args.model):
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
+    if args.proxy != "mass" and args.frontier is None:
+        raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
     measured = None
     if args.from_measurements is not None:
         from minference.app.search import SearchResult
@@ -579,7 +584,13 @@ def _check_search(args: argparse.Namespace) -> None:
             raise ValueError("--from-measurements runs no search: drop --save-measurements")
         measured = SearchResult.load(args.from_measurements)  # ValueError names what is wrong
     if args.frontier is not None:
-        from minference.app.frontier import check_family_args
+        from minference.app.frontier import FrontierError, check_family_args, check_proxy
+
+        if measured is not None:
+            try:
+                check_proxy(args.proxy, measured)
+            except FrontierError as err:
+                raise ValueError(f"{args.from_measurements}: {err}") from None
 
         # a search's model shape is checked against the cost table after the load; measurements carry theirs
         problem = check_family_args(args) if measured is None else check_family_args(
@@ -668,7 +679,7 @@ def _search_outputs(result, args: argparse.Namespace, masses: list, out: TextIO 
         from minference.app.frontier import write_family
 
         write_family(result, args.frontier, args.out, cost_table=args.cost_table, worst_ratio=args.worst_ratio,
-                     fixed=args.fixed_ms, stream=out or sys.stdout)
+                     fixed=args.fixed_ms, proxy=args.proxy, stream=out or sys.stdout)
         return 0
     for i, mass in enumerate(masses):
         # a fresh search chose with masses[0]; saved measurements keep their search's own choice and selection

@@ -501,13 +501,15 @@ def config_group(cfg) -> str:
 
 def plot_search_frontier(summary: dict, path: str | os.PathLike, *, dpi: int = DEFAULT_DPI) -> Path:
     """Draw a frontier summary: modelled prefill (``fixed + cost``) against predicted error (mean
-    missed attention mass per head), the Lagrangian curve as a line, each family config as a
+    error per head of the summary's proxy), the Lagrangian curve as a line, each family config as a
     point labelled with its budget and a hollow marker at its flat-score worst case, and the
     per-head min-mass rule's configs as crosses. Returns ``path``."""
     out = _check_path(path)
     check_int("dpi", dpi, 1)
     if not isinstance(summary, dict) or summary.get("format") != "minference.frontier":
         raise ValueError("summary must be a frontier summary (minference.app.frontier.frontier_summary)")
+    from minference.app.frontier import PROXIES, summary_proxy
+
     Figure, _, _ = _matplotlib()
     fig = Figure(figsize=(7.5, 5.0), dpi=dpi, layout="constrained")
     ax = fig.subplots()
@@ -529,7 +531,7 @@ def plot_search_frontier(summary: dict, path: str | os.PathLike, *, dpi: int = D
     ax.scatter([], [], color="#0072B2", label="family config (budget)")
     ax.scatter([], [], facecolors="none", edgecolors="#0072B2", label="its flat-score worst case")
     ax.scatter([], [], marker="x", color="#D55E00", label="per-head min-mass rule")
-    ax.set_xlabel("predicted error: mean missed attention mass per head")
+    ax.set_xlabel(f"predicted error: {PROXIES[summary_proxy(summary)]}")
     ax.set_ylabel(f"modelled prefill ({summary['unit']}: fixed {fixed:g} + attention + index)")
     ax.set_title(f"{summary['model']['model_id']}\nfrontier at {summary['n_tokens']} tokens ({summary['cost_source']})",
                  fontsize=9)

@@ -277,6 +277,54 @@ def test_head_options_costs_errors_and_worst_cases():
         F.head_options(res, F.CostModel.from_dict(table(head_dim=64)))
 
 
+def test_head_options_on_the_output_error_proxy():
+    """``proxy="output"``: the errors are the measured output errors (Dense appended at 0), the rest
+    as with the mass proxy; the mass proxy's errors are ``1 - mass`` exactly; a search without
+    output errors or an unknown proxy is refused."""
+    res = fake_result()
+    t = lambda rows: torch.tensor([rows], dtype=torch.float64)  # noqa: E731
+    out = dataclasses.replace(res, out_error=t([[0.2, 0.01, 0.05], [0.3, 0.02, 0.1]]),
+                              worst_out_error=t([[0.3, 0.02, 0.06], [0.5, 0.03, 0.2]]))
+    m = F.CostModel.from_dict(table())
+    mass = F.head_options(out, m, min_mass=0.6)
+    opts = F.head_options(out, m, min_mass=0.6, proxy="output")
+    assert (mass.proxy, opts.proxy) == ("mass", "output")
+    assert torch.equal(mass.error[..., :3], (1 - res.mass).clamp(min=0))
+    assert torch.equal(opts.error[..., :3], out.out_error) and bool((opts.error[..., 3] == 0).all())
+    assert torch.equal(opts.worst_error[..., :3], out.worst_out_error) and bool((opts.worst_error[..., 3] == 0).all())
+    for name in ("cost", "worst_cost", "mass", "density", "allowed"):  # the proxy changes the error only
+        assert torch.equal(getattr(opts, name), getattr(mass, name)), name
+    with pytest.raises(F.FrontierError, match="needs measurements with the output error"):
+        F.head_options(res, m, proxy="output")
+    with pytest.raises(F.FrontierError, match="error proxy must be one of"):
+        F.head_options(out, m, proxy="nll")
+
+
+def test_the_mass_proxy_is_the_default_and_an_output_error_equal_to_the_missed_mass_allocates_alike(tmp_path):
+    """The allocation reads the proxy's error table only: ``proxy="mass"`` is the default, and an
+    output error equal to the missed mass gives the same family (costs, errors, configs)."""
+    res = fake_result()
+    same = dataclasses.replace(res, out_error=(1 - res.mass).clamp(min=0),
+                               worst_out_error=(1 - res.worst_mass).clamp(min=0))
+    budgets = [0.0, 0.03, 0.1, 0.3]
+    default, s0 = F.write_family(res, budgets, str(tmp_path / "a_{budget}.json"), worst_ratio=None)
+    mass, s1 = F.write_family(same, budgets, str(tmp_path / "b_{budget}.json"), worst_ratio=None, proxy="mass")
+    output, s2 = F.write_family(same, budgets, str(tmp_path / "c_{budget}.json"), worst_ratio=None, proxy="output")
+    for a, b, c in zip(default, mass, output):
+        assert a.config.layers == b.config.layers == c.config.layers
+        assert torch.equal(a.allocation.choice, b.allocation.choice) and torch.equal(a.allocation.choice,
+                                                                                     c.allocation.choice)
+        assert (a.allocation.cost, a.allocation.error) == (b.allocation.cost, b.allocation.error)
+        assert (a.allocation.cost, a.allocation.error) == (c.allocation.cost, c.allocation.error)
+        assert "error proxy mass" in a.config.provenance.notes and "error proxy output" in c.config.provenance.notes
+    assert (s0["proxy"], s1["proxy"], s2["proxy"]) == ("mass", "mass", "output")
+    assert [p["cost"] for p in s0["points"]] == [p["cost"] for p in s2["points"]]
+    assert "mean relative output error per head" in F.format_summary(s2)
+    assert "mean missed attention mass per head" in F.format_summary(s0)
+    legacy = {k: v for k, v in s0.items() if k != "proxy"}  # a summary written before the proxy existed
+    assert F.summary_proxy(legacy) == "mass" and F.format_summary(legacy) == F.format_summary(s0)
+
+
 def test_a_search_without_its_length_or_head_dim_is_refused_before_the_proxy(tmp_path):
     """The tile proxy is made at the search's length and head dim: without them, write_family refuses
     with a FrontierError (it raised a TypeError inside the proxy before)."""
@@ -307,6 +355,7 @@ def test_family_files_load_and_record_their_prediction(tmp_path, tiny_llama):
         loaded = load_config(p.path, model)  # the model check passes: the search's signature
         assert loaded.layers == p.config.layers
         assert loaded.provenance.notes.startswith("frontier point: error budget")
+        assert "(mean missed attention mass per head; error proxy mass)" in loaded.provenance.notes
         assert f"predicted cost {p.allocation.cost:.6g}" in loaded.provenance.notes
         assert s["cost"] == p.allocation.cost and s["error"] == pytest.approx(p.allocation.error / 8)
         assert s["error"] <= p.budget + 1e-9 and s["config"] == p.path

@@ -216,6 +216,7 @@ def test_config_groups() -> None:
 
 def test_plot_search_frontier(tmp_path) -> None:
     assert _is_png(P.plot_search_frontier(_frontier_summary(), tmp_path / "f.png", dpi=50))
+    assert _is_png(P.plot_search_frontier({**_frontier_summary(), "proxy": "output"}, tmp_path / "o.png", dpi=50))
     with pytest.raises(ValueError, match="frontier summary"):
         P.plot_search_frontier({"format": "x"}, tmp_path / "g.png")
     assert not (tmp_path / "g.png").exists()

@@ -512,3 +512,51 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
     with pytest.raises(ValueError, match="a candidate: unknown pattern kind"):
         S.SearchResult.from_dict({**res.to_dict(), "candidates": [{"kind": "nosuch"}]})
 
+
+def test_measurements_without_the_output_error_load_and_the_output_proxy_needs_it(tmp_path, capsys, monkeypatch,
+                                                                                  tiny_llama):
+    """Files written before the output error (version 1, no such fields) still load, with ``None``;
+    ``--proxy output`` makes a family from measurements that have it and refuses, on one line,
+    those that do not; ``--proxy`` without ``--frontier`` is refused."""
+    import json
+
+    from minference.app import frontier as F
+    from minference.app import models
+    from minference.app.cli import main
+
+    model, prompts = tiny_llama(256)
+    res = S.search(model, prompts, candidates=S.frontier_candidates(256, block=64), select="cheapest",
+                   min_mass=0.9, progress=False, row_stride=8)
+    old = {k: v for k, v in res.to_dict().items() if k not in ("out_error", "worst_out_error")}
+    assert old["version"] == 1
+    before = S.SearchResult.from_dict(old)
+    assert before.out_error is None and before.worst_out_error is None
+    assert before.to_dict()["out_error"] is None  # written back as null, read back as None
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert S.SearchResult.load(tmp_path / "old.json").to_dict() == before.to_dict()
+    path = tmp_path / "m.json"
+    res.save(path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "o_{budget}.json"),
+                 "--frontier", "0.05", "--proxy", "output"]) == 0
+    direct, summary = F.write_family(S.SearchResult.load(path), [0.05], str(tmp_path / "d_{budget}.json"),
+                                     proxy="output")
+    config = load_config(tmp_path / "o_0.05.json")
+    assert config.layers == direct[0].config.layers
+    assert "error proxy output" in config.provenance.notes and "mean relative output error" in config.provenance.notes
+    assert json.loads((tmp_path / "o_frontier.json").read_text())["proxy"] == "output" == summary["proxy"]
+    assert "error proxy output" in (tmp_path / "o_frontier.md").read_text()
+    capsys.readouterr()
+
+    argv = ["search", "--from-measurements", str(tmp_path / "old.json"), "--out", str(tmp_path / "x_{budget}.json"),
+            "--frontier", "0.05"]
+    assert main([*argv, "--proxy", "output"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "old.json" in err and "output error" in err
+    assert not list(tmp_path.glob("x_*"))
+    assert main(argv) == 0  # the mass proxy reads it as before
+    capsys.readouterr()
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "y.json"), "--min-mass", "0.8",
+                 "--proxy", "output"]) == 2
+    assert "needs --frontier" in capsys.readouterr().err
