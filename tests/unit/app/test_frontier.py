@@ -571,3 +571,25 @@ def test_show_frontier_reads_nll_reports(tmp_path, capsys):
     with pytest.raises(SystemExit, match="minference show frontier: .*none.json"):
         main(["show", "frontier", str(tmp_path / "r.json"), "--nll", str(tmp_path / "none.json"),
               "--out", str(tmp_path / "h.png")])
+
+
+def test_layer_ablation_restricts_a_config_to_each_layer_group(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("layer_ablation", ROOT / "benchmarks" / "layer_ablation.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    assert ab.layer_groups(28, 4) == [(0, 6), (7, 13), (14, 20), (21, 27)]
+    assert ab.layer_groups(30, 4) == [(0, 7), (8, 15), (16, 22), (23, 29)]
+    with pytest.raises(ValueError, match="groups must lie in"):
+        ab.layer_groups(3, 4)
+    config = load_config(ROOT / "fixtures" / "configs" / "qwen2.5-coder-1.5b.json")
+    assert ab.main([str(ROOT / "fixtures" / "configs" / "qwen2.5-coder-1.5b.json"), "--groups", "4",
+                    "--out", str(tmp_path)]) == 0
+    specs = capsys.readouterr().out.split()
+    assert [s.split("=")[0] for s in specs] == ["L0-6", "L7-13", "L14-20", "L21-27"]
+    for s, (first, last) in zip(specs, ab.layer_groups(28, 4)):
+        part = load_config(s.split("=", 1)[1])
+        for l, row in enumerate(part.layers):
+            assert row == (config.layers[l] if first <= l <= last else [Dense()] * len(row))
+        assert part.model == config.model and f"layers {first}-{last} as searched" in part.provenance.notes
+    assert ab.main([str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+    assert "layer_ablation:" in capsys.readouterr().err
