@@ -607,3 +607,37 @@ def test_common_scores_compare_configs_on_the_prompts_they_share():
     assert rep.common_scores(N + 1) == ({}, 0)
     rep.records = [r for r in records if not (r.config == "cut")] + [rec("cut", "other", 0, True, 1.0)]
     assert rep.common_scores(N) == ({}, 0)
+
+
+def test_decode_step_benchmark_times_steps_as_loaded_and_patched():
+    """benchmarks/decode_step.py: wall time per decode step over a cache, on a tiny Llama (CPU:
+    no device time), unpatched and patched with a uniform config (the dense-decode path)."""
+    import importlib.util
+    from pathlib import Path
+
+    import transformers as T
+
+    import minference.integration as integ
+    from minference.patterns import AShape
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("decode_step", root / "benchmarks" / "decode_step.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 64, (40,))
+    r = ds.measure(model, ids, 3, chunk=16)
+    assert r["tokens"] == 40 and len(r["wall_ms"]) == 3 and r["wall_ms_median"] > 0
+    assert r["device_ms_per_step"] is None and r["top_kernels_ms"] == {}
+    integ.patch(model, E.uniform_config(model, AShape(sink=4, window=8)), dense_threshold=0)
+    try:
+        r = ds.measure(model, ids, 2)
+        assert len(r["wall_ms"]) == 2
+        assert integ.call_counts(model)["dense_decode"] > 0
+    finally:
+        integ.unpatch(model)
+    with pytest.raises(ValueError, match="steps must be"):
+        ds.measure(model, ids, 0)
+    assert ds.main(["--model", "smollm2", "--device", "cpu", "--tokens", "1"]) == 2
