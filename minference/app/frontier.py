@@ -817,6 +817,8 @@ class ShipDecision:
         ranking: ``(name, median ms)`` of every sparse config, fastest first.
         rejected: per config the rule's failures (empty list: passes); the configs faster than
             ``chosen`` all have some.
+        nll: per config (dense included) the NLL at ``length`` the rule read (:func:`nll_pairs`:
+            the report's own or a companion report's); configs without one are absent.
     """
 
     chosen: str | None
@@ -824,6 +826,7 @@ class ShipDecision:
     dense: str
     ranking: list[tuple[str, float | None]]
     rejected: dict[str, list[str]]
+    nll: dict[str, float] = field(default_factory=dict)
 
     def text(self) -> str:
         lines = [f"ship: {self.chosen or f'{self.dense} (no sparse config passes)'} (ranked by median TTFT at "
@@ -968,10 +971,10 @@ def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_M
             continue
         t = ttft_stats(report, c.name, at)
         ranking.append((c.name, None if t is None else t.median_ms))
-    tie = {k: p.nll for k, p in nll.items()}
-    ranking.sort(key=lambda r: (math.inf if r[1] is None else r[1], tie.get((r[0], at), math.inf), r[0]))
+    nll_at = {name: p.nll for (name, n), p in nll.items() if n == at}
+    ranking.sort(key=lambda r: (math.inf if r[1] is None else r[1], nll_at.get(r[0], math.inf), r[0]))
     rejected = {name: _failures(report, name, dense, min_samples=min_samples, slack=sample_slack,
                                 nll_tolerance=nll_tolerance, worst_ratio=worst_ratio, nll=nll)
                 for name, _ in ranking}
     chosen = next((name for name, _ in ranking if not rejected[name]), None)
-    return ShipDecision(chosen, at, dense, ranking, rejected)
+    return ShipDecision(chosen, at, dense, ranking, rejected, nll_at)

@@ -676,7 +676,7 @@ def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> i
     import json
 
     from minference.app.evaluate import EvalReport, merge_reports
-    from minference.app.frontier import FrontierError, nll_pairs, ship_choice
+    from minference.app.frontier import FrontierError, ship_choice
 
     out = out or sys.stdout
     _check_path(args.out)
@@ -698,9 +698,7 @@ def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> i
     except (OSError, ValueError, FrontierError) as err:
         raise SystemExit(f"minference show frontier: {err}") from None
     print(decision.text(), file=out)
-    pairs = nll_pairs(report, companions)
-    nll = {name: p.nll for (name, n), p in pairs.items() if n == decision.length}
-    path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen, nll=nll or None)
+    path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen, nll=decision.nll or None)
     print(f"wrote {path}", file=out)
     return 0
 

@@ -541,6 +541,7 @@ def test_ship_rule_takes_nll_from_a_companion_report_of_the_same_configs():
     near = companion(1020, 2.03, 2.01)  # 'x' is a's pattern (+0.03), 'y' is b's (+0.01)
     d = F.ship_choice(ruler, nll_reports=[near])
     assert d.chosen == "b" and d.rejected["b"] == []
+    assert d.nll == {"dense": 2.0, "a": 2.03, "b": 2.01}  # what the plot draws
     assert d.rejected["a"] == ["NLL at 1000: 2.030 vs dense 2.000 (+0.030 > +0.02), from 'x' of the NLL report "
                                "at 1020 tokens on other GPU"]
     pairs = F.nll_pairs(ruler, [near])
