@@ -583,6 +583,7 @@ def _check_search(args: argparse.Namespace) -> None:
         if args.save_measurements is not None:
             raise ValueError("--from-measurements runs no search: drop --save-measurements")
         measured = SearchResult.load(args.from_measurements)  # ValueError names what is wrong
+    args.measurements = measured  # read once: _search_cmd makes the configs from it
     if args.frontier is not None:
         from minference.app.frontier import FrontierError, check_family_args, check_proxy
 
@@ -639,8 +640,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from minference.app.prompts import calibration_prompts
 
     masses = args.min_mass or [None]  # checked by _check_search
-    if args.from_measurements is not None:  # no model: the configs from a saved search
-        return _search_outputs(S.SearchResult.load(args.from_measurements), args, masses, out, fresh=False)
+    if args.from_measurements is not None:  # no model: the configs from a saved search (read by _check_search)
+        return _search_outputs(args.measurements, args, masses, out, fresh=False)
     # the calibration prompts first, from the tokenizer alone: a --tokens they cannot fill fails
     # before the weights load
     prompts = calibration_prompts(load_tokenizer(args.model, path=args.model_path), args.tokens, args.prompts,
