@@ -232,10 +232,27 @@ def _split_tail(n: int, device: str = "cpu", dtype: torch.dtype = torch.float16,
     dense_tail_attention(q, k, v, 16, out=torch.zeros_like(q), key_split=key_split, backend="triton")
 
 
+def _with_lse(n: int) -> None:
+    """The public kernels with ``return_lse`` (the dispatcher never asks for it; the LSE strides
+    follow the length): A-shape, vertical-slash, block-sparse, dense split over the keys."""
+    from minference import kernels
+
+    q, k, v = qkv(AttnShape(B=1, Hq=2, Hkv=1, N=n, D=D), torch.float16, "cpu", seed=n, layout="transposed")
+    kw = dict(return_lse=True, validate=False)
+    kernels.ashape_attention(q, k, v, 4, 32, **kw)
+    kernels.vertical_slash_attention(q, k, v, torch.tensor([[[0, 5, 40]] * 2], dtype=torch.int32),
+                                     torch.arange(0, 24, dtype=torch.int32).expand(1, 2, 24), **kw)
+    nqb = -(-n // 64)
+    blocks = torch.stack([torch.zeros(nqb, dtype=torch.int32), torch.arange(nqb, dtype=torch.int32)], -1)
+    kernels.block_sparse_attention(q, k, v, blocks.expand(1, 2, nqb, 2), block=64, **kw)
+    kernels.dense_attention(q, k, v, q_seqlens=16, key_split=3, **kw)
+
+
 CASES = {
     "whole_prompt": lambda i: _whole(LENGTHS[i]),
     "query_rows": lambda i: _chunk(LENGTHS[i], CHUNKS[i]),
     "dense_tail_split": lambda i: _split_tail(LENGTHS[i]),
+    "return_lse": lambda i: _with_lse(LENGTHS[i]),
 }
 
 
