@@ -268,6 +268,7 @@ def test_launch_keys_do_not_depend_on_the_length(case, launches, monkeypatch):
     assert not problems, "kernel arguments specialised on the prompt length:\n" + "\n".join(problems)
 
 
+@pytest.mark.interpret
 def test_the_key_check_sees_a_missing_do_not_specialize(launches, monkeypatch):
     """The check itself: a kernel whose length argument is specialised is reported by name."""
     from minference.kernels import _common
