@@ -338,7 +338,7 @@ ValueGuard = tuple[torch.Tensor, torch.Tensor]
 GUARD_TILE = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # the length: docs/kernels.md, "No argument derived from the length"
 def _value_guard_kernel(K, V, KM, VS, N, H, skb, skh, skn, skd, svb, svh, svn, svd,
                         D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """One pass of :func:`value_guard` over ``BLOCK_R`` token rows of one ``(batch row, kv

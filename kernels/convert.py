@@ -245,7 +245,7 @@ def _split(s, prev, nxt, valid, gap, n, lo_ptr, hi_ptr):
     return start, end, group, tl.sum(start.to(tl.int32), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "merge", "fill"])  # merge and fill are clipped to n
 def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
                      run_start_ptr, run_end_ptr, run_count_ptr, run_solid_ptr, cols_ptr, col_mask_ptr, work_ptr,
                      NSP: tl.constexpr, NVP: tl.constexpr):
@@ -298,7 +298,7 @@ def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
         tl.store(col_mask_ptr + bh * n + c, tl.full([NVP], 1, tl.int8), mask=c_first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "NW"])
 def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
                     NSP: tl.constexpr, NVP: tl.constexpr, WORDS: tl.constexpr, PAD: tl.constexpr):
     """``diag_bits`` words ``[w0, w0 + WORDS)`` of one (batch row, head) and the ``diag_mask``
@@ -317,7 +317,7 @@ def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
     tl.store(diag_mask_ptr + bh * n + x, member.to(tl.int8), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nqb"])
 def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_ptr, count_ptr, before_ptr,
                           lead_ptr, NV, R, nqb, block_m, NVP: tl.constexpr):
     """One program per (query block ``I``, batch row x head): keep the distinct columns that are

@@ -41,7 +41,7 @@ __all__ = ["block_sparse_index", "pool_blocks", "query_block_scores"]
 POOL_TOKEN_TILE = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS"])  # query blocks (or slots): no variant per length class
 def _pool_kernel(x_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, out_ptr, Hs, NS, block,
                  sxb, sxh, sxn, sxd, D,
                  TT: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -201,7 +201,7 @@ def _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale,
     return tl.where(ok[None, :], s * qk_scale, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQB", "NS"])  # query blocks and slots; lo_off = P*B*Hkv*NQB*D stays (a multiple of D)
 def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, out_ptr,
                 Hg, Hkv, group, NQB, NS, block, qk_scale, lo_off,
                 sqb, sqh, sqn, sqd, D,

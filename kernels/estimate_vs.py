@@ -103,7 +103,7 @@ def _vs_tile_empty(pid_t, pid_c, n, last_q, R_TOTAL, RC: tl.constexpr, KT: tl.co
     return pid_t * KT > last
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # key tiles: ceil(N / KT)
 def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, qlens_ptr, qstarts_ptr, stat_ptr,
                      Hg, group, last_q, scale, R_TOTAL, T,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,
@@ -134,7 +134,7 @@ def _vs_stats_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, qle
         tl.store(stat_ptr + off, tl.where(l > 0.0, m_safe + tl.log(l), float("-inf")))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _lse_kernel(stat_ptr, lse_ptr, T, CHUNK: tl.constexpr):
     """One program per sampled row: the log-sum-exp of its ``T`` tile statistics (``-inf`` when
     all are), a running max and rescaled sum over chunks of ``CHUNK``. One launch where
@@ -152,7 +152,8 @@ def _lse_kernel(stat_ptr, lse_ptr, T, CHUNK: tl.constexpr):
     tl.store(lse_ptr + row, tl.where(total > 0.0, m + tl.log(total), float("-inf")))
 
 
-@triton.jit
+# diag_ptr: the second half of one [2, B, Hg, N] fill, at B*Hg*N floats (alignment follows N)
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["diag_ptr"])
 def _vs_scores_kernel(q_ptr, k_ptr, pos_ptr, heads_ptr, lens_ptr, starts_ptr, qlens_ptr, qstarts_ptr, lse_ptr,
                       col_ptr, diag_ptr, Hg, group, last_q, scale, R_TOTAL, N,
                       sqb, sqh, sqn, sqd, skb, skh, skn, skd, D,

@@ -109,7 +109,7 @@ def _radix_take(ptr, end, lim, forced_arg, need, out, width, FORCE_DIAG: tl.cons
         tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["diag_ptr"])  # as _vs_scores_kernel
 def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_ptr, vout_ptr, sout_ptr,
                    N, Hg, BHg, width_v, width_s, CHUNK: tl.constexpr):
     """One program per (kind, batch row, head): the ``min(budget, width)`` highest scores of one
@@ -174,7 +174,7 @@ def _block_candidates(row, pos, I, sinks, FORCE_DIAG: tl.constexpr):
     return tl.where(finite, raw, float("-inf")), finite | forced, forced
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQB", "NS"])
 def _block_select_kernel(s_ptr, lens_ptr, qlens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_ptr, mins_ptr, out_ptr,
                          Hg, NQB, NS, block, width, FORCE_DIAG: tl.constexpr, CHUNK: tl.constexpr):
     """One program per (batch row, head, slot): query block ``I = q_lo // block + slot`` (``q_lo =
@@ -262,9 +262,19 @@ def select_query_blocks(scores: torch.Tensor, lens: torch.Tensor, sinks: torch.T
     _block_select_kernel[(B * Hg, n_slots)](scores, lens, lens if q_lens is None else q_lens, sinks, budget, code,
                                             alpha, mins, out, Hg, nqb, n_slots, block, width,
                                             FORCE_DIAG=force_diagonal,
-                                            CHUNK=min(BLOCK_SELECT_CHUNK, max(16, next_pow2(nqb))),
+                                            CHUNK=block_select_chunk(nqb),
                                             num_warps=BLOCK_SELECT_WARPS)
     return out
+
+
+def block_select_chunk(nqb: int) -> int:
+    """The chunk (a constexpr) of :func:`_block_select_kernel` for rows of ``nqb`` query blocks:
+    :data:`BLOCK_SELECT_CHUNK` from ``nqb > BLOCK_SELECT_CHUNK // 4`` on (every length that runs
+    sparse: 384 blocks of 128 at the dense threshold), the next power of two (at least 16) below.
+    It was ``min(BLOCK_SELECT_CHUNK, next_pow2(nqb))``: 512 for blocks of 128 up to 64K tokens, so
+    the first longer prompt compiled a second variant. The selection does not depend on the chunk
+    (integer histograms, masked loads past the diagonal)."""
+    return BLOCK_SELECT_CHUNK if nqb > BLOCK_SELECT_CHUNK // 4 else max(16, next_pow2(nqb))
 
 
 def _selects_in_one_launch(rule) -> bool:

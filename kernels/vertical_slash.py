@@ -114,7 +114,7 @@ def _vs_range_tiles(acc, m_i, l_i, q, k_base, v_base, km_base, vs_base, desc_k, 
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["safe"])
+@triton.jit(do_not_specialize=["n_cols", "safe"])  # n_cols: the vertical width, as _vs_fwd takes it
 def _gather_columns_kernel(K, V, KM, VS, CK, CV, CKM, CVS, columns, lens, starts, heads, group, n_cols, safe,
                            skb, skh, skn, skd, svb, svh, svn, svd, skmb, skmh, skmn, skmd, svsb, svsh, svsn, svsd,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_C: tl.constexpr):
