@@ -1,5 +1,6 @@
-"""What the three attention kernels share: the online-softmax tile update (one home), tile loads,
-the row epilogue, and the host-side preparation (validation, allocation, tile configuration).
+"""What the three attention kernels share: the program prologue, the online-softmax tile update
+(one home), tile loads, the row epilogue, and the host-side preparation (validation, allocation,
+tile configuration).
 
 Conventions inside every kernel:
 
@@ -19,6 +20,9 @@ Conventions inside every kernel:
   ``where(keep, s, -inf)`` leaves the NaN score only where a row keeps such a key, so a
   non-finite value reaches exactly the rows that keep its key, with no arithmetic added in the
   kernels (pointer swaps only).
+* every program opens with :func:`_program_ids`, its early return (a block past its row), then
+  :func:`_prologue` (offsets, base pointers, the ``q`` tile, the softmax state), and closes with
+  :func:`_epilogue` (the output and log-sum-exp addresses, then :func:`_store_rows`);
 * the epilogue writes only rows ``i < seqlens[b]`` and only the computed head; an empty row
   (no key at all) is written as zeros with log-sum-exp ``-inf``.
 """
@@ -207,6 +211,55 @@ def _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son
     if RETURN_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(lse_base + r * sln, lse, mask=row_ok)
+
+
+@triton.jit
+def _prologue(Q, K, V, KM, VS, b, h, kvh, m0, row_len, row_start, q_lo, q_row0,
+              sqb, sqh, sqn, sqd, skb, skh, skn, svb, svh, svn, skmb, skmh, skmn, svsb, svsh, svsn,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """The set-up every attention program shares once :func:`_program_ids` has placed it and the
+    kernel has returned early for a block past its row: the tile offsets, the block's query rows
+    (``rows`` logical, ``row_ok`` the query rows inside the row), the int64 base pointers of the
+    head's ``q`` rows and its kv head's ``k``, ``v``, ``k_masked`` and ``v_safe`` rows (offset to
+    the row's first token), the ``q`` tile ``[BLOCK_M, BLOCK_D]`` (rows outside ``row_ok`` read 0,
+    unscaled: :func:`_softmax_update` applies the scale) and the online-softmax state (``acc = 0``,
+    ``m_i = -inf``, ``l_i = 0``, fp32).
+
+    Returns ``(offs_n, offs_d, d_ok, rows, row_ok, b64, q64, k_base, v_base, km_base, vs_base, q,
+    acc, m_i, l_i)``; ``b64`` and ``q64`` (the batch row and ``q_row0`` as int64) are what
+    :func:`_epilogue` addresses the output with. Inlined by Triton: the compiled kernel is the one
+    the copies it replaces compiled to."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = m0 + offs_m  # [BM] logical
+    row_ok = (rows >= q_lo) & (rows < row_len)
+    b64 = b.to(tl.int64)
+    s64 = row_start.to(tl.int64)
+    q64 = q_row0.to(tl.int64)
+    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
+    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
+    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
+    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
+    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
+    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return offs_n, offs_d, d_ok, rows, row_ok, b64, q64, k_base, v_base, km_base, vs_base, q, acc, m_i, l_i
+
+
+@triton.jit
+def _epilogue(acc, m_i, l_i, O, LSE, b64, h, q64, rows, row_ok, offs_d, d_ok, sob, soh, son, sod, slb, slh, sln,
+              RETURN_LSE: tl.constexpr):
+    """Write the block's query rows of head ``h`` (``b64``, ``q64``: :func:`_prologue`'s) through
+    :func:`_store_rows`: output row ``i`` at ``O[b, h, q_row0 + i]``, its log-sum-exp at
+    ``LSE[b, h, q_row0 + i]`` with ``RETURN_LSE``."""
+    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
+    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
+    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
 
 
 # --------------------------------------------------------------------------------------------

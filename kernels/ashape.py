@@ -18,13 +18,13 @@ import triton.language as tl
 from minference.kernels._common import (
     Tiles,
     ValueGuard,
+    _epilogue,
     _load_kv,
     _load_kv_desc,
-    _load_rows,
     _program_ids,
+    _prologue,
     _scores,
     _softmax_update,
-    _store_rows,
     cdiv,
     default_tiles,
     descriptors_ok,
@@ -98,25 +98,10 @@ def _ashape_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_
         return
     sink = tl.load(sinks + head_offset + h)
     window = tl.load(windows + head_offset + h)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    rows = m0 + offs_m  # [BM] logical
-    row_ok = (rows >= q_lo) & (rows < row_len)
-    b64 = b.to(tl.int64)
-    s64 = row_start.to(tl.int64)
-    q64 = q_row0.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
-    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
-    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
-    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
-    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+    offs_n, offs_d, d_ok, rows, row_ok, b64, q64, k_base, v_base, km_base, vs_base, q, acc, m_i, l_i = _prologue(
+        Q, K, V, KM, VS, b, h, kvh, m0, row_len, row_start, q_lo, q_row0, sqb, sqh, sqn, sqd, skb, skh, skn, svb, svh,
+        svn, skmb, skmh, skmn, svsb, svsh, svsn, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     rows_full = (m0 >= q_lo) & (m0 + BLOCK_M <= row_len)  # every row of the block is a query
     last_row = tl.minimum(m0 + BLOCK_M, row_len) - 1
 
@@ -154,9 +139,8 @@ def _ashape_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_
                                   svsd, qk_scale, lo + k_b * BLOCK_N, hi, hi, sink, window,
                                   True, False, BLOCK_N, BLOCK_D, EVEN_D, PREC, DESC)
 
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
-    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+    _epilogue(acc, m_i, l_i, O, LSE, b64, h, q64, rows, row_ok, offs_d, d_ok, sob, soh, son, sod, slb, slh, sln,
+              RETURN_LSE)
 
 
 #: GPU tiles for 2-byte inputs by padded head dim (``BLOCK_D``). The window interior is long runs of
@@ -289,7 +273,7 @@ def ashape_attention(
 # (:func:`_ashape_tiles`), writing its unnormalised output and softmax statistics (running max in
 # the log2 domain, denominator) to float32 scratch; :func:`_dense_split_merge` then joins the
 # splits exactly by log-sum-exp and writes the rows through the shared epilogue
-# (:func:`minference.kernels._common._store_rows`). A split whose key range is empty writes
+# (:func:`minference.kernels._common._epilogue`). A split whose key range is empty writes
 # ``m = -inf, l = 0`` and weighs nothing in the merge.
 
 #: The automatic split fills the GPU with at most this many programs per SM: a whole number of
@@ -366,24 +350,11 @@ def _dense_split_fwd(Q, K, V, KM, VS, PO, PM, PL, desc_k, desc_v, lens, starts, 
     first = tl.maximum(m0, q_lo)  # the block's first query row
     if first >= row_len:  # past the row, or a row without queries
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    rows = m0 + offs_m  # [BM] logical
-    row_ok = (rows >= q_lo) & (rows < row_len)
-    b64 = b.to(tl.int64)
-    s64 = row_start.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q_row0.to(tl.int64) * sqn
-    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
-    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
-    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
-    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+    offs_n, offs_d, d_ok, rows, row_ok, b64, _, k_base, v_base, km_base, vs_base, q, acc, m_i, l_i = _prologue(
+        Q, K, V, KM, VS, b, h, kvh, m0, row_len, row_start, q_lo, q_row0, sqb, sqh, sqn, sqd, skb, skh, skn, svb, svh,
+        svn, skmb, skmh, skmn, svsb, svsh, svsn, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D)
+    offs_m = tl.arange(0, BLOCK_M)  # the block's scratch rows (the prologue's arange again: one op after CSE)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     hi = tl.minimum(m0 + BLOCK_M, row_len)  # keys 0 .. hi - 1 (causal: up to the block's last row)
     n_tiles = tl.cdiv(hi, BLOCK_N)
     # tiles of keys at or before the first query row: every query row reads all of them (no window
@@ -441,10 +412,8 @@ def _dense_split_merge(O, LSE, PO, PM, PL, lens, starts, q_los, q_row0s, heads, 
         l_i += w * tl.load(PL + at, mask=row_ok, other=0.0)
         part = tl.load(PO + at[:, None] * BLOCK_D + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         acc += w[:, None] * part
-    q64 = q_row0.to(tl.int64)
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
-    _store_rows(acc, m, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+    _epilogue(acc, m, l_i, O, LSE, b64, h, q_row0.to(tl.int64), rows, row_ok, offs_d, d_ok, sob, soh, son, sod, slb,
+              slh, sln, RETURN_LSE)
 
 
 def dense_attention(

@@ -17,13 +17,13 @@ from minference.kernels._common import (
     INTERPRET_TILES,
     Tiles,
     ValueGuard,
+    _epilogue,
     _load_kv,
     _load_kv_desc,
-    _load_rows,
     _program_ids,
+    _prologue,
     _scores,
     _softmax_update,
-    _store_rows,
     cdiv,
     finish,
     fitted_stages,
@@ -68,27 +68,12 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
         lens, starts, heads, q_los, q_row0s, group, BLOCK_M, QROWS)
     if tl.maximum(m0, q_lo) >= row_len:  # past the row, or a row without queries
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    rows = m0 + offs_m  # [BM] logical
-    row_ok = (rows >= q_lo) & (rows < row_len)
-    b64 = b.to(tl.int64)
-    s64 = row_start.to(tl.int64)
-    q64 = q_row0.to(tl.int64)
-    q_base = Q + b64 * sqb + h.to(tl.int64) * sqh + q64 * sqn
-    k_base = K + b64 * skb + kvh.to(tl.int64) * skh + s64 * skn
-    v_base = V + b64 * svb + kvh.to(tl.int64) * svh + s64 * svn
-    km_base = KM + b64 * skmb + kvh.to(tl.int64) * skmh + s64 * skmn
-    vs_base = VS + b64 * svsb + kvh.to(tl.int64) * svsh + s64 * svsn
-    q = _load_rows(q_base, rows, row_ok, offs_d, d_ok, sqn, sqd, EVEN_D)  # [BM, BD]
+    offs_n, offs_d, d_ok, rows, row_ok, b64, q64, k_base, v_base, km_base, vs_base, q, acc, m_i, l_i = _prologue(
+        Q, K, V, KM, VS, b, h, kvh, m0, row_len, row_start, q_lo, q_row0, sqb, sqh, sqn, sqd, skb, skh, skn, svb, svh,
+        svn, skmb, skmh, skmn, svsb, svsh, svsn, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_D)
 
     slot = (b64 * tl.num_programs(1) + g) * n_qblk + qblk  # the index has a row per query block of the key row
     ids = kv_blocks + slot * n_k
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     # off-diagonal blocks: every key precedes row m0 and lies inside the row, so no mask
     # (query rows past the row's end compute throw-away values and are never stored)
@@ -112,9 +97,8 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
         s = tl.where(keep, s, float("-inf"))
         acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
-    o_base = O + b64 * sob + h.to(tl.int64) * soh + q64 * son
-    lse_base = LSE + b64 * slb + h.to(tl.int64) * slh + q64 * sln
-    _store_rows(acc, m_i, l_i, o_base, lse_base, rows, row_ok, offs_d, d_ok, son, sod, sln, RETURN_LSE)
+    _epilogue(acc, m_i, l_i, O, LSE, b64, h, q64, rows, row_ok, offs_d, d_ok, sob, soh, son, sod, slb, slh, sln,
+              RETURN_LSE)
 
 
 def _tiles(q: torch.Tensor, block: int) -> Tiles:
