@@ -26,8 +26,8 @@ ARCHIVE_COMMIT = "8ecb2e5"
 _CHARS = r"[A-Za-z0-9_.{},*<>\-]"
 #: a path under benchmarks/results/, optionally in the archive form or relative (../)
 PATH = re.compile(r"(results-archive:)?(?:\.\./)*benchmarks/results/(" + _CHARS + r"*)")
-#: a bare report name: h200_... or cpu_... with a report's extension or a glob
-BARE = re.compile(r"(?<![\w/:.\-$])((?:h200|cpu)_" + _CHARS + r"*?(?:\.(?:md|json|log|png|txt)|\.\*|\*))(?!\w)")
+#: a bare report name: h100_..., h200_... or cpu_... with a report's extension or a glob
+BARE = re.compile(r"(?<![\w/:.\-$])((?:h[12]00|cpu)_" + _CHARS + r"*?(?:\.(?:md|json|log|png|txt)|\.\*|\*))(?!\w)")
 _SKIP_DIRS = {".git", ".tox", ".venv", "venv", "build", "dist", "node_modules", "__pycache__"}
 
 
