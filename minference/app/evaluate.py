@@ -1704,6 +1704,10 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from minference.config import ConfigError, ConfigMismatchError
 
     out = out or sys.stdout
+    if args.configs and not args.merge and not args.continue_from and not any(
+            spec.split("=", 1)[-1] == DENSE for spec in args.configs):
+        print(f"minference eval: note: no '{DENSE}' among --config: the 'vs dense' columns stay empty and the "
+              f"ship rule has no baseline (add --config {DENSE})", file=sys.stderr)
     try:
         if args.merge:
             report = merge_reports([EvalReport.load(p) for p in args.merge])

@@ -259,6 +259,24 @@ def test_cli_errors_before_loading_anything(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("configs, noted", [
+    (["nosuch.json"], True),
+    (["a=nosuch.json", "b=nosuch.json"], True),
+    (["dense", "nosuch.json"], False),
+    (["base=dense", "nosuch.json"], False),
+])
+def test_cli_notes_a_run_without_dense(configs, noted, capsys, monkeypatch):
+    """A --config list without dense gets a one-line note on stderr before anything runs (its report
+    has no baseline); the bad spec then stops the run before any model loads."""
+    import minference.app.models as M
+
+    monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model for a bad command line"))
+    assert main(["eval", "--no-progress", "--config", *configs]) == 2
+    err = capsys.readouterr().err
+    assert ("no 'dense' among --config" in err) is noted
+    assert err.index("unknown config") > (err.find("note:") if noted else -1)
+
+
 def test_model_dependent_errors(small):
     kw = dict(samples=1, progress=False, loaded=small, coverage=False)
     with pytest.raises(E.EvalError, match="does not fit task 'multi_value'.*n_tokens >="):
