@@ -51,7 +51,7 @@ install() {
 tests() {  # hypothesis profile
     log "gpu test tier (hypothesis profile $1)"
     MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest ${TEST_FILES:-tests/unit} -m "gpu or triton" \
-        -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
+        -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" --longest-first tests/gpu_durations.json 2>&1 | tee "$OUT/tests_$1.log" | tail -25
     log "tests rc=$?"
 }
 sanitize() {

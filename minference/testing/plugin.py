@@ -16,7 +16,9 @@ when CUDA is available, else ``ci``.
 ``--compile-report`` counts Triton JIT compiles (in-process cache misses, served by triton's disk
 cache or built) per test, and prints where the session's time went, per test file, test and
 kernel (xdist workers included). Under xdist each worker's torch gets its share of the CPU cores
-(unless ``OMP_NUM_THREADS`` is set).
+(unless ``OMP_NUM_THREADS`` is set). ``--longest-first FILE`` (a JSON ``{"seconds": {nodeid:
+seconds}}``, e.g. from a cold run's ``--durations``) hands the listed tests to xdist's workers
+first, longest first, so the longest ones do not start last while the other workers idle.
 
 This plugin never imports triton at configure time: ``TRITON_INTERPRET`` must be decided (by the
 caller's environment or a ``conftest.py``) before triton's first import.
@@ -61,6 +63,8 @@ def _cuda() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    if config.getoption("longest_first", None):  # a bad file fails here, before collection
+        load_durations(config.getoption("longest_first"))
     try:
         from hypothesis import HealthCheck, settings
     except ImportError:  # the plugin works without the test extra; strategies need it
@@ -83,7 +87,30 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(profile)
 
 
+def longest_first(items: list, seconds: dict[str, float]) -> list:
+    """``items`` with those named in ``seconds`` (by node id) first, longest first; the others
+    after them in their order (the longest-processing-time rule for a pool of workers)."""
+    return sorted(items, key=lambda item: -seconds.get(item.nodeid, 0.0))
+
+
+def load_durations(path: str) -> dict[str, float]:
+    """The ``seconds`` map of a ``--longest-first`` file; a missing or malformed file is a usage error."""
+    import json
+
+    try:
+        seconds = json.loads(open(path, encoding="utf-8").read())["seconds"]
+        return {str(k): float(v) for k, v in seconds.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise pytest.UsageError(f"--longest-first {path}: expected a JSON object with 'seconds' "
+                                f"{{node id: seconds}} ({err})") from err
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = config.getoption("longest_first", None)
+    # Only the order of the xdist workers' collection schedules anything (each worker collects the
+    # same sorted list, and the controller hands items out in that order).
+    if path and hasattr(config, "workerinput"):
+        items[:] = longest_first(items, load_durations(path))
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_interp = pytest.mark.skip(reason="CPU interpreter test; TRITON_INTERPRET is off in this run")
     cuda, interpreting = _cuda(), os.environ.get("TRITON_INTERPRET") == "1"
@@ -109,6 +136,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("minference").addoption(
         "--compile-report", action="store_true", default=False,
         help="count Triton JIT compiles per test; print the compile time per test file, test and kernel")
+    parser.getgroup("minference").addoption(
+        "--longest-first", default=None, metavar="FILE",
+        help="under xdist, hand out the tests FILE lists (JSON {'seconds': {node id: s}}) first, longest first")
 
 
 def worker_threads(cores: int, workers: int) -> int:

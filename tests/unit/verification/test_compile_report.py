@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
-from minference.testing.plugin import COMPILE_PROPERTY, compile_report
+from minference.testing.plugin import COMPILE_PROPERTY, compile_report, longest_first
 
 
 def _report(nodeid: str, when: str, duration: float, compiles=None) -> pytest.TestReport:
@@ -57,3 +59,37 @@ def test_xdist_workers_take_their_share_of_the_cores(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_y.py"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_longest_first_orders_the_listed_tests_and_keeps_the_rest():
+    items = [types.SimpleNamespace(nodeid=n) for n in ("a", "b", "c", "d", "e")]
+    order = [i.nodeid for i in longest_first(items, {"d": 85.0, "b": 30.0, "zz": 99.0})]
+    assert order == ["d", "b", "a", "c", "e"]
+
+
+def _collect(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MINFERENCE_HYPOTHESIS_PROFILE="ci")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_longest_first_orders_an_xdist_workers_collection(tmp_path):
+    """In an xdist worker (``config.workerinput``, set here by a conftest as xdist does) the listed
+    tests come first, longest first; in the controller or a plain run the order stays."""
+    (tmp_path / "test_z.py").write_text("".join(f"def test_{c}():\n    pass\n" for c in "abcd"))
+    (tmp_path / "d.json").write_text(json.dumps({"seconds": {"test_z.py::test_c": 40.0, "test_z.py::test_b": 9.5}}))
+    plain = _collect(tmp_path, "--longest-first", "d.json", "test_z.py")
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    assert [l for l in plain.stdout.splitlines() if "::" in l] == [f"test_z.py::test_{c}" for c in "abcd"]
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n@pytest.hookimpl(tryfirst=True)\ndef pytest_configure(config):\n    config.workerinput = {}\n")
+    worker = _collect(tmp_path, "--longest-first", "d.json", "test_z.py")
+    assert [l for l in worker.stdout.splitlines() if "::" in l] == [f"test_z.py::test_{c}" for c in "cbad"]
+
+
+def test_longest_first_refuses_a_bad_file_before_collecting(tmp_path):
+    (tmp_path / "test_w.py").write_text("def test_w():\n    pass\n")
+    (tmp_path / "bad.json").write_text('{"secs": {}}')
+    for name in ("bad.json", "missing.json"):
+        run = _collect(tmp_path, "--longest-first", name, "test_w.py")
+        assert run.returncode == 4 and f"--longest-first {name}: expected a JSON object" in run.stderr, run.stderr
