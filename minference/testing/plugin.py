@@ -64,7 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if config.getoption("longest_first", None):  # a bad file fails here, before collection
-        load_durations(config.getoption("longest_first"))
+        config.stash[_LONGEST_FIRST] = load_durations(config.getoption("longest_first"))
     try:
         from hypothesis import HealthCheck, settings
     except ImportError:  # the plugin works without the test extra; strategies need it
@@ -87,6 +87,10 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(profile)
 
 
+#: ``--longest-first``'s durations, read once at configure time.
+_LONGEST_FIRST = pytest.StashKey[dict]()
+
+
 def longest_first(items: list, seconds: dict[str, float]) -> list:
     """``items`` with those named in ``seconds`` (by node id) first, longest first; the others
     after them in their order (the longest-processing-time rule for a pool of workers)."""
@@ -96,9 +100,10 @@ def longest_first(items: list, seconds: dict[str, float]) -> list:
 def load_durations(path: str) -> dict[str, float]:
     """The ``seconds`` map of a ``--longest-first`` file; a missing or malformed file is a usage error."""
     import json
+    from pathlib import Path
 
     try:
-        seconds = json.loads(open(path, encoding="utf-8").read())["seconds"]
+        seconds = json.loads(Path(path).read_text(encoding="utf-8"))["seconds"]
         return {str(k): float(v) for k, v in seconds.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise pytest.UsageError(f"--longest-first {path}: expected a JSON object with 'seconds' "
@@ -106,11 +111,10 @@ def load_durations(path: str) -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    path = config.getoption("longest_first", None)
     # Only the order of the xdist workers' collection schedules anything (each worker collects the
     # same sorted list, and the controller hands items out in that order).
-    if path and hasattr(config, "workerinput"):
-        items[:] = longest_first(items, load_durations(path))
+    if _LONGEST_FIRST in config.stash and hasattr(config, "workerinput"):
+        items[:] = longest_first(items, config.stash[_LONGEST_FIRST])
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_interp = pytest.mark.skip(reason="CPU interpreter test; TRITON_INTERPRET is off in this run")
     cuda, interpreting = _cuda(), os.environ.get("TRITON_INTERPRET") == "1"
