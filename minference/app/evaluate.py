@@ -1705,7 +1705,7 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     out = out or sys.stdout
     if args.configs and not args.merge and not args.continue_from and not any(
-            spec.split("=", 1)[-1] == DENSE for spec in args.configs):
+            _split_spec(spec)[1].strip() == DENSE for spec in args.configs):
         print(f"minference eval: note: no '{DENSE}' among --config: the 'vs dense' columns stay empty and the "
               f"ship rule has no baseline (add --config {DENSE})", file=sys.stderr)
     try:
