@@ -20,9 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = "benchmarks/results/"
 ARCHIVE = "results-archive:"
-#: The last commit on main whose tree holds every report (the branch's tree): what a clone of main
-#: alone reads the archive from (benchmarks/results/README.md).
-ARCHIVE_COMMIT = "8ecb2e5"
+#: The latest commit on main whose tree holds the archive branch's whole tree (a snapshot commit):
+#: what a clone of main alone reads the archive from (benchmarks/results/README.md).
+ARCHIVE_COMMIT = "efb6a7b"
 _CHARS = r"[A-Za-z0-9_.{},*<>\-]"
 #: a path under benchmarks/results/, optionally in the archive form or relative (../)
 PATH = re.compile(r"(results-archive:)?(?:\.\./)*benchmarks/results/(" + _CHARS + r"*)")
@@ -80,17 +80,37 @@ def _present() -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
 
 
+def _files_at(ref: str) -> set[str] | None:
+    """The names under benchmarks/results/ in ``ref``'s tree; None where git or the ref is missing."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", f"{ref}:{RESULTS}"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(out.stdout.split()) if out.returncode == 0 else None
+
+
 def _archived() -> set[str] | None:
-    """The archive's file names (the branch, a clone's remote one, or main's commit), None without git."""
+    """The archive's file names (the branch, a clone's remote one, or main's snapshot commit), None
+    without git."""
     for ref in ("results-archive", "origin/results-archive", ARCHIVE_COMMIT):
-        try:
-            out = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", f"{ref}:{RESULTS}"],
-                                 capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if out.returncode == 0:
-            return set(out.stdout.split())
+        names = _files_at(ref)
+        if names is not None:
+            return names
     return None
+
+
+def test_main_alone_reads_every_file_of_the_archive_branch():
+    """A clone of main only (CI's) reads the archive from ARCHIVE_COMMIT: that snapshot must hold
+    everything the branch holds, or a citation checked here against the branch fails there."""
+    branch = _files_at("results-archive") or _files_at("origin/results-archive")
+    if branch is None:
+        pytest.skip("no results-archive branch in this clone")
+    snapshot = _files_at(ARCHIVE_COMMIT)
+    assert snapshot is not None, f"ARCHIVE_COMMIT {ARCHIVE_COMMIT} is not in this clone's history"
+    missing = sorted(branch - snapshot)
+    assert not missing, (f"{len(missing)} archived files main's snapshot {ARCHIVE_COMMIT} lacks (make a new "
+                         "snapshot, benchmarks/results/README.md): " + ", ".join(missing[:5]))
 
 
 def test_every_cited_report_is_in_the_tree_or_cited_in_the_archive_form():
