@@ -28,6 +28,8 @@
 #              measure the host time it saves at 16K-32K (dense there unless EVAL_ARGS has
 #              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
+# The exit status is non-zero when a stage failed (the summary names them); a stage whose bound
+# would be under 30 s (eval past CALL_END) is skipped and counts as failed.
 # With no STAGES every stage runs: name the stages of each device call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -52,7 +54,9 @@ tests() {  # hypothesis profile
     log "gpu test tier (hypothesis profile $1)"
     MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest ${TEST_FILES:-tests/unit} -m "gpu or triton" \
         -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" --longest-first tests/gpu_durations.json 2>&1 | tee "$OUT/tests_$1.log" | tail -25
-    log "tests rc=$?"
+    local rc=$?  # pytest's (pipefail)
+    log "tests rc=$rc"
+    return $rc
 }
 sanitize() {
     log "compute-sanitizer memcheck on benchmarks/sanitize_fuzz.py"
@@ -60,18 +64,22 @@ sanitize() {
     cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SAN:-200}" "$cs" --tool memcheck --print-limit 20 \
         python benchmarks/sanitize_fuzz.py 2>&1 | tee "$OUT/sanitize.log" | tail -4
-    log "sanitize rc=$?"
+    local rc=$?
+    log "sanitize rc=$rc"
+    return $rc
 }
 run_bench() {  # name, script, time bound, arguments
     log "$1: $2 $4"
     # shellcheck disable=SC2086
     timeout "$3" python "$2" $4 --json "$OUT/$1.json" 2>"$OUT/$1.err" | tee "$OUT/$1.md"
-    log "$1 rc=$?"
+    local rc=$?
+    log "$1 rc=$rc"
     tail -5 "$OUT/$1.err"
+    return $rc
 }
 
 ab() {
-    local round i tree
+    local round i tree rc=0
     for round in $(seq 1 "${AB_ROUNDS:-2}"); do
         i=0
         for tree in ${AB_TREES:?AB_TREES names the trees to compare}; do
@@ -81,10 +89,13 @@ ab() {
             (cd "$tree" && editable >/dev/null \
                 && timeout "${T_AB:-110}" python benchmarks/bench_kernels.py $AB_ARGS --json "$OUT/ab_${i}_$round.json" \
                     >"$OUT/ab_${i}_$round.md" 2>"$OUT/ab_${i}_$round.err")
-            log "ab rc=$?"
+            local r=$?
+            log "ab rc=$r"
+            [ $r = 0 ] || rc=$r
         done
     done
     editable
+    return $rc
 }
 MODEL=${MODEL:-qwen0.5b}
 # not ${SEARCH_OUT:-...{min_mass}...}: the default's own '}' would end the expansion there
@@ -109,12 +120,19 @@ app() {  # name, time bound, command...
     local name=$1 bound=$2
     shift 2
     log "$name: $*"
+    if [ "$bound" -lt 30 ]; then  # timeout 0 would mean no bound, a negative one an error
+        log "$name skipped: ${bound} s left of the call's bound"
+        return 1
+    fi
     timeout "$bound" "$@" 2>"$OUT/$name.err" | tee "$OUT/$name.md"
-    log "$name rc=$?"
+    local rc=$?
+    log "$name rc=$rc"
     tail -5 "$OUT/$name.err"
+    return $rc
 }
 
 log "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+failed=""
 for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
     case $stage in
         install) install ;;
@@ -124,7 +142,7 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         bench2) run_bench bench2 benchmarks/bench_kernels.py "${T_BENCH2:-90}" "${BENCH_ARGS2:-}" ;;
         ab) ab ;;
         e2e) run_bench e2e benchmarks/bench_end_to_end.py "${T_E2E:-90}" "${E2E_ARGS:-}" ;;
-        qwen) qwen || break ;;
+        qwen) qwen || { failed="$failed qwen"; break; } ;;
         # shellcheck disable=SC2086
         # shellcheck disable=SC2086
         costs) app costs "${T_COSTS:-200}" python benchmarks/calibrate_costs.py $COSTS_ARGS --out "$OUT/costs.json" \
@@ -136,9 +154,10 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         eval) app "eval_${TAG:-run}" "${T_EVAL:-$([ -n "${CALL_END:-}" ] && echo $((CALL_END - SECONDS)) || echo 540)}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
                   --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
-        *) echo "unknown stage $stage" ;;
-    esac
+        *) echo "unknown stage $stage"; false ;;
+    esac || failed="$failed $stage"
 done
+[ -z "$failed" ] || log "failed stages:$failed"
 cat "$OUT/summary.txt"
 # a device call returns at most 8 files from $OUT (the rest are left out, "(count)"): past 8,
 # pack everything into one archive (tar -xzf results.tgz here). PACK=0 for all but the last of
@@ -147,3 +166,4 @@ if [ "${PACK:-1}" = 1 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
     tar -czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/"
     echo "more than 8 files: packed into \$OUT/results.tgz"
 fi
+[ -z "$failed" ]  # the call's exit status: non-zero when a stage failed

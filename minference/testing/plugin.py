@@ -7,6 +7,12 @@ that runs on both), ``interpret`` (runs Triton kernels on CPU tensors under
 (tier 2, real model layers), ``model`` (tier 3, whole model), ``bench`` (pytest-benchmark, GPU
 timings).
 
+What changes a run is opt-in, so that an installed minference leaves other projects' test runs
+alone: the hypothesis profile, the marker skips and the xdist workers' thread share apply only
+where the ini option ``minference_testing = true`` is set (this project's ``pyproject.toml`` sets
+it; a project testing with :mod:`minference.testing` sets it to get them). Markers are always
+registered; ``--compile-report`` and ``--longest-first`` act whenever they are given.
+
 Hypothesis profiles: ``ci`` (bounded, CPU, 25 examples, no shrink phase: a failing example is
 reported as drawn, in the seconds one interpreted example takes, instead of after minutes of
 shrinking), ``ci-shrink`` (``ci`` with shrinking, to minimise a failure locally) and ``gpu`` (400
@@ -18,7 +24,8 @@ cache or built) per test, and prints where the session's time went, per test fil
 kernel (xdist workers included). Under xdist each worker's torch gets its share of the CPU cores
 (unless ``OMP_NUM_THREADS`` is set). ``--longest-first FILE`` (a JSON ``{"seconds": {nodeid:
 seconds}}``, e.g. from a cold run's ``--durations``) hands the listed tests to xdist's workers
-first, longest first, so the longest ones do not start last while the other workers idle.
+first, longest first, so the longest ones do not start last while the other workers idle (for
+xdist's default ``--dist load``; see :func:`schedule_order`).
 
 This plugin never imports triton at configure time: ``TRITON_INTERPRET`` must be decided (by the
 caller's environment or a ``conftest.py``) before triton's first import.
@@ -60,11 +67,22 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _enabled(config: pytest.Config) -> bool:
+    return bool(config.getini("minference_testing"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     if config.getoption("longest_first", None):  # a bad file fails here, before collection
         config.stash[_LONGEST_FIRST] = load_durations(config.getoption("longest_first"))
+        # xdist's load scheduler hands each worker a first chunk of consecutive items (at least
+        # two, more with few workers) and refills by its own chunks: one item per refill keeps
+        # schedule_order's placement (the controller reads the option when it builds the scheduler).
+        if not hasattr(config, "workerinput") and getattr(config.option, "maxschedchunk", 0) is None:
+            config.option.maxschedchunk = 1
+    if not _enabled(config):
+        return
     try:
         from hypothesis import HealthCheck, settings
     except ImportError:  # the plugin works without the test extra; strategies need it
@@ -97,6 +115,22 @@ def longest_first(items: list, seconds: dict[str, float]) -> list:
     return sorted(items, key=lambda item: -seconds.get(item.nodeid, 0.0))
 
 
+def schedule_order(items: list, seconds: dict[str, float], workers: int) -> list:
+    """The collection order that makes xdist's load scheduler (``--maxschedchunk 1``) start
+    ``workers`` workers on the longest tests: :func:`longest_first`, with its first ``2 * workers``
+    items paired as ``[L0, L(2w-1), L1, L(2w-2), ...]``. The scheduler gives worker ``i`` items
+    ``2i`` and ``2i + 1`` to begin with, run one after the other; plain longest-first would put
+    the two longest on one worker back to back (85 + 66 s on the H100's tier, more than the
+    157 s run's mean load per worker). Then each worker that finishes a test gets the longest
+    item left, queued behind the one it holds."""
+    order = longest_first(items, seconds)
+    if workers < 2 or len(order) < 2 * workers:
+        return order
+    head = order[: 2 * workers]
+    paired = [x for i in range(workers) for x in (head[i], head[2 * workers - 1 - i])]
+    return paired + order[2 * workers:]
+
+
 def load_durations(path: str) -> dict[str, float]:
     """The ``seconds`` map of a ``--longest-first`` file; a missing or malformed file is a usage error."""
     import json
@@ -114,7 +148,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Only the order of the xdist workers' collection schedules anything (each worker collects the
     # same sorted list, and the controller hands items out in that order).
     if _LONGEST_FIRST in config.stash and hasattr(config, "workerinput"):
-        items[:] = longest_first(items, config.stash[_LONGEST_FIRST])
+        workers = int(config.workerinput.get("workercount", 1))
+        items[:] = schedule_order(items, config.stash[_LONGEST_FIRST], workers)
+    if not _enabled(config):
+        return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_interp = pytest.mark.skip(reason="CPU interpreter test; TRITON_INTERPRET is off in this run")
     cuda, interpreting = _cuda(), os.environ.get("TRITON_INTERPRET") == "1"
@@ -143,6 +180,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("minference").addoption(
         "--longest-first", default=None, metavar="FILE",
         help="under xdist, hand out the tests FILE lists (JSON {'seconds': {node id: s}}) first, longest first")
+    parser.addini("minference_testing", type="bool", default=False,
+                  help="apply minference's hypothesis profile, marker skips and xdist thread share")
 
 
 def worker_threads(cores: int, workers: int) -> int:
@@ -182,7 +221,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Each xdist worker's torch would start a thread per core: 16 workers on 16 cores ran 256 threads
     # for the float64 references the kernel tests compute on the CPU (docs/verification.md).
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers is not None and "OMP_NUM_THREADS" not in os.environ:
+    if workers is not None and "OMP_NUM_THREADS" not in os.environ and _enabled(session.config):
         import torch
 
         torch.set_num_threads(worker_threads(os.cpu_count() or 1, int(workers)))

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from minference.testing.plugin import COMPILE_PROPERTY, compile_report, longest_first
+from minference.testing.plugin import COMPILE_PROPERTY, compile_report, longest_first, schedule_order
 
 
 def _report(nodeid: str, when: str, duration: float, compiles=None) -> pytest.TestReport:
@@ -54,6 +54,7 @@ def test_xdist_workers_take_their_share_of_the_cores(tmp_path):
         "from minference.testing.plugin import worker_threads\n"
         "def test_threads():\n"
         "    assert torch.get_num_threads() == worker_threads(os.cpu_count(), 3) == max(1, os.cpu_count() // 3)\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nminference_testing = true\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(MINFERENCE_HYPOTHESIS_PROFILE="ci", PYTEST_XDIST_WORKER_COUNT="3")
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_y.py"],
@@ -65,6 +66,61 @@ def test_longest_first_orders_the_listed_tests_and_keeps_the_rest():
     items = [types.SimpleNamespace(nodeid=n) for n in ("a", "b", "c", "d", "e")]
     order = [i.nodeid for i in longest_first(items, {"d": 85.0, "b": 30.0, "zz": 99.0})]
     assert order == ["d", "b", "a", "c", "e"]
+
+
+def test_schedule_order_starts_each_worker_on_one_of_the_longest():
+    """xdist's load scheduler gives worker i items 2i and 2i + 1 first: each worker's pair is one of
+    the w longest with one of the next w, longest with shortest."""
+    items = [types.SimpleNamespace(nodeid=n) for n in "abcdefgh"]
+    seconds = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 5.0, "f": 6.0, "g": 7.0}
+    assert [i.nodeid for i in schedule_order(items, seconds, 1)] == list("gfedcbah")
+    assert [i.nodeid for i in schedule_order(items, seconds, 2)] == list("gdfecbah")
+    assert [i.nodeid for i in schedule_order(items, seconds, 3)] == list("gbfcedah")
+    assert [i.nodeid for i in schedule_order(items, seconds, 5)] == list("gfedcbah")  # < 2w items: plain
+
+
+def test_longest_first_under_xdist_runs_the_two_longest_on_two_workers(tmp_path):
+    """A real ``-n 2`` session of 64 tests: the two longest listed run on different workers (plain
+    longest-first gave xdist's first worker both, back to back; with 64 tests its first chunk
+    would be the 8 longest)."""
+    pytest.importorskip("xdist")
+    names = [f"t{i:02d}" for i in range(64)]
+    (tmp_path / "test_s.py").write_text(
+        "import os\n" + "".join(
+            f"def test_{n}():\n    open('ran.txt', 'a').write('{n} ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+            for n in names))
+    seconds = {f"test_s.py::test_t{i:02d}": 100.0 - i for i in (40, 41, 42, 43)}  # t40 longest, then t41
+    (tmp_path / "d.json").write_text(json.dumps({"seconds": seconds}))
+    env = dict(os.environ, MINFERENCE_HYPOTHESIS_PROFILE="ci")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
+                          "--longest-first", "d.json", "test_s.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    worker = dict(line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())
+    assert len(worker) == 64 and len(set(worker.values())) == 2
+    assert worker["t40"] != worker["t41"], worker
+
+
+def test_the_plugin_leaves_a_project_that_does_not_opt_in_alone(tmp_path):
+    """Installed, the plugin loads in every pytest session: without ``minference_testing = true``
+    it neither skips another project's ``gpu`` / ``interpret`` tests nor loads its hypothesis
+    profile; with it, both apply."""
+    (tmp_path / "test_o.py").write_text(
+        "import pytest\nfrom hypothesis import settings\n"
+        "@pytest.mark.gpu\ndef test_marked():\n    pass\n"
+        "def test_profile():\n    assert settings.default.max_examples == 100, settings.default.max_examples\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MINFERENCE_HYPOTHESIS_PROFILE", "CI")}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "test_o.py"]
+    alone = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0 and "2 passed" in alone.stdout, alone.stdout[-2000:] + alone.stderr[-2000:]
+    (tmp_path / "pytest.ini").write_text("[pytest]\nminference_testing = true\n")
+    opted = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    out = opted.stdout
+    assert opted.returncode == 1 and f"AssertionError: {400 if cuda else 25}" in out, out[-2000:]  # its profile
+    assert cuda or "needs a CUDA GPU" in out, out[-2000:]
 
 
 def _collect(tmp_path, *args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,43 @@
+"""``benchmarks/gpu_session.sh`` on the CPU with a stub ``python``: a failing stage makes the
+call's exit status non-zero (the device tool reports it), and a stage past the call's time bound
+is skipped instead of running unbounded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+
+
+def _run(tmp_path: Path, stub_rc: int, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "python"
+    stub.write_text(f"#!/bin/sh\necho stub \"$@\"\nexit {stub_rc}\n")
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    full = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), PACK="0", **env)
+    return subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=full, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_a_failing_stage_fails_the_call(tmp_path):
+    ok = _run(tmp_path, 0, STAGES="bench")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = _run(tmp_path, 1, STAGES="bench e2e")
+    assert bad.returncode != 0 and "failed stages: bench e2e" in bad.stdout, bad.stdout + bad.stderr
+    costs = _run(tmp_path, 0, STAGES="costs", COSTS_ARGS="")  # exits 0 but writes no table: cp fails
+    assert costs.returncode != 0 and "failed stages: costs" in costs.stdout, costs.stdout + costs.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_eval_past_the_calls_bound_is_skipped(tmp_path):
+    run = _run(tmp_path, 0, STAGES="eval", CALL_END="0", EVAL_ARGS="")
+    assert run.returncode != 0 and "skipped" in run.stdout and "stub" not in run.stdout, run.stdout + run.stderr
