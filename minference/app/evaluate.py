@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO, cast
 
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
     from minference.app.evals import Sample
     from minference.app.ruler import PromptSet, RulerSample
+    from minference.guard import QualityGuard
 
 __all__ = [
     "DENSE",
@@ -353,7 +354,13 @@ def _build(cls, data: dict):
 
 @dataclass
 class EvalReport:
-    """Everything :func:`run_eval` measured; :meth:`to_dict` is the JSON file's content."""
+    """Everything :func:`run_eval` measured; :meth:`to_dict` is the JSON file's content.
+
+    ``settings`` are what runs must share to be merged (compared exactly); ``cuda_graph_stats`` is
+    what was counted, not set: per sparse config, the :class:`~minference.graphs.PrefillGraphs`
+    counters of a ``cuda_graphs`` run (captures, replays, direct calls...; ``{}`` without graphs),
+    summed by :func:`merge_reports`.
+    """
 
     model: dict
     machine: dict
@@ -365,6 +372,7 @@ class EvalReport:
     runs: list[RunStats] = field(default_factory=list)
     started: str = ""
     wall_s: float = 0.0
+    cuda_graph_stats: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def run(self, config: str, n_tokens: int) -> RunStats | None:
         return next((r for r in self.runs if r.config == config and r.n_tokens == n_tokens), None)
@@ -469,41 +477,69 @@ class EvalReport:
         Path(path).write_text(self.to_json() + "\n", encoding="utf-8")
 
     @classmethod
-    def from_dict(cls, data: dict) -> EvalReport:
+    def from_dict(cls, data) -> EvalReport:
+        """The report of :meth:`to_dict`'s JSON. Checked: an object with the report's format tag and
+        every field without a default, its configs, records and runs objects with their required
+        fields. A report written before :attr:`cuda_graph_stats` had its own field keeps them in
+        ``settings``: they move there (so it merges with newer reports).
+
+        Raises:
+            ValueError: not an eval report, or a malformed one (one line).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"not an eval report (a JSON {type(data).__name__}, not an object)")
         if data.get("format") != REPORT_FORMAT:
             raise ValueError(f"not an eval report (format {data.get('format')!r})")
-        runs = []
-        for r in data["runs"]:
-            r = dict(r)
-            r["split"] = None if r.get("split") is None else _build(TimeSplit, r["split"])
-            runs.append(_build(RunStats, r))
-        body = {k: v for k, v in data.items() if k not in ("format", "version", "summary")}
-        body["configs"] = [_build(EvalConfig, c) for c in data["configs"]]
-        body["records"] = [_build(SampleRecord, r) for r in data["records"]]
-        body["runs"] = runs
-        return _build(cls, body)
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required + ["records", "runs"] if k not in data]
+        if missing:
+            raise ValueError(f"malformed eval report: no {', '.join(map(repr, missing))}")
+        try:
+            runs = []
+            for r in data["runs"]:
+                r = dict(r)
+                r["split"] = None if r.get("split") is None else _build(TimeSplit, r["split"])
+                runs.append(_build(RunStats, r))
+            body = {k: v for k, v in data.items() if k not in ("format", "version", "summary")}
+            body["configs"] = [_build(EvalConfig, c) for c in data["configs"]]
+            body["records"] = [_build(SampleRecord, r) for r in data["records"]]
+            body["runs"] = runs
+            if isinstance(body["settings"], dict) and "cuda_graph_stats" in body["settings"]:
+                body["settings"] = dict(body["settings"])
+                body.setdefault("cuda_graph_stats", body["settings"].pop("cuda_graph_stats"))
+            return _build(cls, body)
+        except (TypeError, AttributeError, KeyError, ValueError) as err:
+            raise ValueError(f"malformed eval report: {type(err).__name__}: {err}") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> EvalReport:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        """:meth:`from_dict` of a JSON file; its ``ValueError`` (bad JSON, not a report) names the file."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
 
-def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
+def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = None) -> EvalReport:
     """One report from several runs of one model on one machine (e.g. the device calls of one
     session, each within its time limit): configs and lengths in first-seen order, records and
-    runs concatenated. Speed-ups stay per (config, length) against the dense run of that length,
-    so every length must have been measured with dense in the same run as its other configs.
+    runs concatenated, :attr:`EvalReport.cuda_graph_stats` summed per config. Speed-ups stay per
+    (config, length) against the dense run of that length, so every sparse config must have been
+    measured with dense in the same run (:func:`_check_dense_in_each`).
     One (config, length) may come from several reports when they ran disjoint samples (a RULER
     length split over calls with ``--tasks``, or a cut call continued with ``--continue``): its
     TTFTs are joined and their median taken again; the warm-up, the split, density and coverage
-    are the first report's.
+    (and the quality guard's summary) are the first report's. ``names`` name the reports in errors
+    (default ``report 1``, ``report 2``...; the CLI passes the files).
 
     Raises:
-        EvalError: a different model, dtype, GPU or settings, a config name with two specs, or
-            one (config, task, length, sample) in two reports.
+        EvalError: a different model, dtype, GPU or settings (the differing keys named), a config
+            name with two specs or two contents, one (config, task, length, sample) in two
+            reports, or a sparse config without dense in its own report.
     """
     if not reports:
         raise EvalError("nothing to merge")
+    names = [f"report {i + 1}" for i in range(len(reports))] if names is None else list(names)
     first = reports[0]
     keys = ("name", "dtype", "model_id")
     configs: dict[str, EvalConfig] = {}
@@ -512,15 +548,28 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
     tasks: list[str] = []
     records: list[SampleRecord] = []
     seen: dict[tuple, set[tuple]] = {}  # (config, length) -> (task, seed, index) of the samples merged so far
-    for rep in reports:
+    graph_stats: dict[str, dict[str, int]] = {}
+    for name, rep in zip(names, reports):
         if any(rep.model.get(k) != first.model.get(k) for k in keys):
-            raise EvalError(f"different models: {rep.model} vs {first.model}")
-        if rep.machine.get("gpu") != first.machine.get("gpu") or rep.settings != first.settings:
-            raise EvalError("reports from different machines or settings cannot be merged")
+            raise EvalError(f"{name}: different models: {rep.model} vs {first.model}")
+        if rep.machine.get("gpu") != first.machine.get("gpu"):
+            raise EvalError(f"reports from different machines cannot be merged ({name}: GPU "
+                            f"{rep.machine.get('gpu')!r}, {names[0]}: {first.machine.get('gpu')!r})")
+        differ = _settings_diff(first.settings, rep.settings)
+        if differ:
+            raise EvalError(f"reports with different settings cannot be merged ({names[0]} vs {name}: {differ})")
         for c in rep.configs:
-            if c.name in configs and configs[c.name].spec != c.spec:
-                raise EvalError(f"config {c.name!r} has two specs: {configs[c.name].spec!r} and {c.spec!r}")
+            known = configs.get(c.name)
+            if known is not None and known.spec != c.spec:
+                raise EvalError(f"config {c.name!r} has two specs: {known.spec!r} and {c.spec!r} ({name})")
+            if known is not None and _config_content(known) != _config_content(c):
+                raise EvalError(f"config {c.name!r} has two contents under the spec {c.spec!r} ({name} differs: "
+                                f"a file changed between the runs?)")
             configs.setdefault(c.name, c)
+        for config, counts in rep.cuda_graph_stats.items():
+            into = graph_stats.setdefault(config, {})
+            for k, v in counts.items():
+                into[k] = into.get(k, 0) + v
         for r in rep.runs:
             key = (r.config, r.n_tokens)
             mine = {(x.task, x.seed, x.index) for x in rep.records if (x.config, x.n_tokens) == key}
@@ -539,9 +588,59 @@ def merge_reports(reports: Sequence[EvalReport]) -> EvalReport:
         lengths += [n for n in rep.lengths if n not in lengths]
         tasks += [t for t in rep.tasks if t not in tasks]
         records += rep.records
+    _check_dense_in_each(reports, names, configs)
     return EvalReport(model=first.model, machine=first.machine, settings=first.settings, configs=list(configs.values()),
                       lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
-                      wall_s=sum(r.wall_s for r in reports))
+                      wall_s=sum(r.wall_s for r in reports), cuda_graph_stats=graph_stats)
+
+
+def _settings_diff(ours: dict, theirs: dict, skip: Sequence[str] = ()) -> str:
+    """The keys whose values differ between two reports' settings (a key one lacks differs), as
+    ``key: ours vs theirs; ...`` with each value cut to 40 characters; ``""``: the same. Keys in
+    ``skip`` are not compared."""
+    def text(settings: dict, key: str) -> str:
+        value = repr(settings[key]) if key in settings else "absent"
+        return value if len(value) <= 40 else value[:39] + "…"
+
+    absent = object()
+    keys = [k for k in dict.fromkeys([*ours, *theirs])
+            if k not in skip and ours.get(k, absent) != theirs.get(k, absent)]
+    return "; ".join(f"{k}: {text(ours, k)} vs {text(theirs, k)}" for k in keys)
+
+
+def _config_content(config: EvalConfig) -> tuple:
+    """What a config runs: its pattern and its PatternConfig without the provenance (a uniform
+    config's creation time differs from run to run; a file's provenance says nothing it runs)."""
+    body = None if config.config is None else {k: v for k, v in config.config.items() if k != "provenance"}
+    return body, config.pattern
+
+
+def _check_dense_in_each(reports: Sequence[EvalReport], names: Sequence[str], configs: dict[str, EvalConfig]) -> None:
+    """Every ratio against dense compares the timings of one run: in each report, a sparse
+    (config, length) needs the merged report's dense config at that length, timed on every prompt
+    the sparse one was timed on. Nothing to check where no config is dense (no ratios).
+
+    Raises:
+        EvalError: the first report and sparse config that lacks it (one line).
+    """
+    dense = next((c.name for c in configs.values() if c.dense), None)
+    if dense is None:
+        return
+    for name, rep in zip(names, reports):
+        lengths = {r.n_tokens for r in rep.runs if r.config == dense}
+        timed = {(x.task, x.n_tokens, x.index) for x in rep.records if x.config == dense and x.ttft_s is not None}
+        for r in rep.runs:
+            config = configs.get(r.config)
+            if config is None or config.dense:
+                continue
+            lacking = {(x.task, x.seed, x.index) for x in rep.records
+                       if (x.config, x.n_tokens) == (r.config, r.n_tokens) and x.ttft_s is not None
+                       and (x.task, x.n_tokens, x.index) not in timed}
+            if r.n_tokens not in lengths or lacking:
+                where = "at that length" if r.n_tokens not in lengths else f"on {_samples_text(lacking)}"
+                raise EvalError(f"{name}: {r.config} at {r.n_tokens} tokens has no {dense} run {where} in the same "
+                                f"report; every ratio against dense must come from one run (merge each sparse config "
+                                f"with the dense run of its own call)")
 
 
 def _samples_text(samples: set[tuple]) -> str:
@@ -1011,7 +1110,9 @@ def run_eval(
             patches and cleared at each new length; captured by the untimed warm-up prefill, so
             the timed prefills replay). Only CUDA tensors on the Triton backend use graphs. The
             profiled split then books index building under attention (a replay has no index
-            ranges); ``settings["cuda_graph_stats"]`` counts captures, replays and fallbacks.
+            ranges); :attr:`EvalReport.cuda_graph_stats` counts captures, replays and fallbacks.
+            Procedural suite only: RULER's prompts vary in length, more shapes than the cache
+            holds, so graphs would be captured inside timed prefills (refused before loading).
         prefill_chunk: every timed, profiled, answering and perplexity prefill feeds the prompt in
             chunks of this many tokens through the KV cache (chunked prefill, as serving engines
             run it; each later chunk runs the patched model's ``sparse_continue`` path); the TTFT is
@@ -1023,12 +1124,15 @@ def run_eval(
             ``runtime.guard``: one quality guard per sparse (config, length), its summary in
             ``RunStats.guard`` (docs/guard.md). ``None``: the configs' own settings.
         done: RULER: a report of an earlier run with the same settings on the same prompt set (a
-            call cut by its time bound): only the (config, task, length, sample) prompts it lacks
-            run, and the result (and every checkpoint) is that report merged with the new
-            measurements (:func:`merge_reports`).
+            call cut by its time bound; checked before the model loads, :func:`_check_continued`):
+            only the (config, task, length, sample) prompts it lacks run, and the result (and
+            every checkpoint) is that report merged with the new measurements
+            (:func:`merge_reports`). A sparse config may not run a prompt whose dense TTFT is in
+            that report (its ratio would mix runs): refused before any prompt runs.
 
     Raises:
-        EvalError: unknown task, config or model; lengths, samples or seeds out of range.
+        EvalError: unknown task, config or model; lengths, samples or seeds out of range;
+            ``cuda_graphs`` with RULER; ``done`` of another model, prompt set or settings.
     """
     from tqdm.auto import tqdm
 
@@ -1053,8 +1157,6 @@ def run_eval(
     ruler_set = None
     if suite == "ruler":
         ruler_set, lengths, tasks, samples = _ruler_plan(prompts, lengths, tasks, samples, seed)
-        if done is not None:
-            _check_continued(done, ruler_set)
     else:
         if done is not None:
             raise EvalError("--continue is for --suite ruler")
@@ -1070,6 +1172,11 @@ def run_eval(
     _check_int("prefill_chunk", prefill_chunk, 0)
     if not isinstance(cuda_graphs, bool):
         raise EvalError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+    if cuda_graphs and ruler_set is not None:
+        from minference.graphs import DEFAULT_MAX_SHAPES
+
+        raise EvalError(f"--cuda-graphs is for --suite procedural: RULER's prompts vary in length, more shapes than "
+                        f"the graph cache's {DEFAULT_MAX_SHAPES}, so captures would fall inside timed prefills")
     lengths = [_check_int("length", n, 2) for n in lengths]
     if not lengths:
         raise EvalError("no lengths given")
@@ -1086,7 +1193,16 @@ def run_eval(
         raise EvalError("no configs given")
     for spec in configs:
         check_config_spec(spec)
-    dev = torch.device(device)
+    dev = torch.device(device) if loaded is None else next(loaded[0].parameters()).device
+    # what the report records as its settings ("device" once more when the model is loaded: its index)
+    settings = {"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
+                "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
+                "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
+                "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
+                "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "suite": suite,
+                **({"ruler": _ruler_settings(ruler_set)} if ruler_set is not None else {})}
+    if done is not None:
+        _check_continued(done, model_name, settings)
 
     # Every check that needs only the tokenizer runs before the model loads: the tokenizer takes
     # about a second once converted, the weights 5 s (SmolLM2) to a minute (the 1.5B on a GPU).
@@ -1123,12 +1239,7 @@ def run_eval(
                "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
                "native_context": _native_context(model)},
         machine=machine_info(dev),
-        settings={"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
-                  "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
-                  "coverage_rows": COVERAGE_ROWS, "nll_chunk": NLL_CHUNK, "nll_buckets": NLL_BUCKETS,
-                  "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
-                  "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "suite": suite,
-                  **({"ruler": _ruler_settings(ruler_set)} if ruler_set is not None else {})},
+        settings=dict(settings, device=str(dev)),
         configs=resolved, lengths=lengths, tasks=tasks,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -1139,14 +1250,29 @@ def run_eval(
         from minference.graphs import PrefillGraphs
 
         graphs = {c.name: PrefillGraphs() for c in resolved if pattern_configs[c.name] is not None}
-    guard_opts, guards = guard or guard_options.GuardOptions(), {}  # one quality guard per sparse (config, length)
+    guard_opts = guard or guard_options.GuardOptions()
+    guards: dict[tuple[str, int], QualityGuard | None] = {}  # one quality guard per sparse (config, length)
+
+    def guard_for(name: str, n: int) -> QualityGuard | None:
+        """The quality guard of (config ``name``, length ``n``), made at its first prompt (``None``:
+        dense, or the guard is off)."""
+        if pattern_configs[name] is not None and (name, n) not in guards:
+            guards[(name, n)] = guard_opts.make(pattern_configs[name], f"{name}@{n}")
+        return guards.get((name, n))
+
+    def apply(name: str, run_guard: QualityGuard | None) -> None:
+        """Patch the model for config ``name`` (dense: unpatched) with its graphs and ``run_guard``."""
+        _apply(model, pattern_configs[name], dense_threshold, backend, allow_mismatch, dense_tail, graphs.get(name),
+               run_guard or guard_options.OFF)
+
     skip: set[tuple] = set()  # (config, task, length, index) measured by the continued report
     if done is not None:
-        merge_reports([done, report])  # the same model, machine and settings, or one line now
+        base = merge_reports([done, report], _CONTINUED)  # the same model, machine and configs, or one line now
         skip = {(x.config, x.task, x.n_tokens, x.index) for x in done.records}
+        _check_dense_left(base, resolved, ruler_prompts, skip)
         if checkpoint is not None:
             save = checkpoint
-            checkpoint = lambda partial: save(merge_reports([done, partial]))  # noqa: E731
+            checkpoint = lambda partial: save(merge_reports([done, partial], _CONTINUED))  # noqa: E731
     if ruler_set is not None:  # the prompts still to run: a continued report's are skipped
         left = sum((c, s.task, n, s.index) not in skip for n, ss in ruler_prompts.items() for s in ss for c in names)
     else:
@@ -1155,10 +1281,8 @@ def run_eval(
     try:
         if ruler_set is not None:
             _ruler_rounds(model, tokenizer, report, resolved, pattern_configs, ruler_prompts, eos, dev, bar,
-                          apply=lambda name: _apply(model, pattern_configs[name], dense_threshold, backend,
-                                                    allow_mismatch, dense_tail, graphs.get(name)),
-                          graphs=graphs, coverage=coverage, profile=profile, physical=physical, chunk=prefill_chunk,
-                          checkpoint=checkpoint, t_start=t_start, skip=skip)
+                          apply=apply, guard_for=guard_for, coverage=coverage, profile=profile, physical=physical,
+                          chunk=prefill_chunk, checkpoint=checkpoint, t_start=t_start, skip=skip)
         else:
             assert seed is not None  # the procedural suite's seed, 0 by default (set above)
             for n in lengths:
@@ -1176,12 +1300,9 @@ def run_eval(
                             round_prompts.perplexity = evals.perplexity_ids(tokenizer, n, index, seed=seed)
                     for cfg in resolved:
                         bar.set_postfix_str(f"{cfg.name} @ {n} tokens, sample {index}")
-                        if pattern_configs[cfg.name] is not None and (cfg.name, n) not in guards:
-                            guards[(cfg.name, n)] = guard_opts.make(pattern_configs[cfg.name], f"{cfg.name}@{n}")
-                        run_guard = guards.get((cfg.name, n))
+                        run_guard = guard_for(cfg.name, n)
                         guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in round_prompts.tasks()])
-                        _apply(model, pattern_configs[cfg.name], dense_threshold, backend, allow_mismatch, dense_tail,
-                               graphs.get(cfg.name), run_guard or guard_options.OFF)
+                        apply(cfg.name, run_guard)
                         stats = report.run(cfg.name, n)
                         if stats is None:
                             stats = RunStats(cfg.name, n, yarn=yarn)
@@ -1234,7 +1355,7 @@ def run_eval(
             integ.unpatch(model)
         set_context_length(model, 1)  # the model's own rotary embedding again
         if graphs:
-            report.settings["cuda_graph_stats"] = {name: cache.stats for name, cache in graphs.items()}
+            report.cuda_graph_stats = {name: cache.stats for name, cache in graphs.items()}
             graphs.clear()
         for (name, n), run_guard in guards.items():  # the quality guards' summaries
             stats = report.run(name, n)
@@ -1242,7 +1363,7 @@ def run_eval(
                 stats.guard = run_guard.summary()
                 run_guard.close()
     report.wall_s = time.perf_counter() - t_start
-    return report if done is None else merge_reports([done, report])
+    return report if done is None else merge_reports([done, report], _CONTINUED)
 
 
 def _ruler_plan(prompts, lengths, tasks, samples, seed) -> tuple[PromptSet, list[int], list[str], int]:
@@ -1300,16 +1421,44 @@ def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_
     return out
 
 
-def _check_continued(done: EvalReport, prompt_set) -> None:
-    """``--continue``'s report: RULER's, made on this prompt set (the rest of its settings are
-    checked against the new run's once the model is loaded, by :func:`merge_reports`)."""
+def _check_continued(done: EvalReport, model_name: str, settings: dict) -> None:
+    """``--continue``'s report, before the model loads: RULER's, of ``model_name``, made on this
+    prompt set, with these ``settings`` (all but the device's index, known once the model is
+    loaded; then :func:`merge_reports` checks it, the dtype, GPU and configs). Raises
+    :class:`EvalError` naming what differs."""
     if done.settings.get("suite") != "ruler":
         raise EvalError("--continue takes a report of --suite ruler")
+    if done.model.get("name") != model_name:
+        raise EvalError(f"--continue: that report ran the model {done.model.get('name')!r}, this run {model_name!r}")
     theirs = done.settings.get("ruler", {}).get("manifest_sha256")
-    ours = _ruler_settings(prompt_set)["manifest_sha256"]
+    ours = settings["ruler"]["manifest_sha256"]
     if theirs != ours:
         raise EvalError(f"--continue: that report ran another prompt set (manifest sha256 {str(theirs)[:12]}…, "
                         f"this set {ours[:12]}…)")
+    differ = _settings_diff(done.settings, settings, skip=("device",))
+    if differ:
+        raise EvalError(f"--continue: that report ran other settings ({differ}); continue it with its options")
+
+
+def _check_dense_left(base: EvalReport, resolved: Sequence[EvalConfig], prompts: dict[int, list[RulerSample]],
+                      skip: set[tuple]) -> None:
+    """``--continue``, before any prompt runs: each prompt a sparse config still has to run, dense
+    (``base``'s) runs too in this call, so that the merged report holds no ratio between two runs
+    (:func:`_check_dense_in_each`; a config new to the continued report has that report's dense
+    prompts to run). Raises :class:`EvalError` naming the config and prompt."""
+    dense = next((c.name for c in base.configs if c.dense), None)
+    for n, samples in prompts.items():
+        for s in samples:
+            left = [c for c in resolved if (c.name, s.task, n, s.index) not in skip]
+            alone = [c.name for c in left if not c.dense]
+            if dense is not None and alone and dense not in {c.name for c in left}:
+                raise EvalError(f"--continue: {alone[0]} has {s.task} sample {s.index} at {n} tokens left, which "
+                                f"{dense} does not run in this call (it is in the continued report): its ratio "
+                                f"against dense would mix two runs (run {alone[0]} in a call of its own)")
+
+
+#: How :func:`run_eval` names a ``--continue`` report and its own in :func:`merge_reports`'s errors.
+_CONTINUED = ("the continued report", "this run")
 
 
 def _ruler_settings(prompt_set) -> dict:
@@ -1321,34 +1470,38 @@ def _ruler_settings(prompt_set) -> dict:
 
 
 def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_configs,
-                  prompts: dict[int, list[RulerSample]], eos: set[int], dev: torch.device, bar, *, apply, graphs,
-                  coverage: bool, profile: bool, physical: bool, chunk: int, checkpoint, t_start: float,
+                  prompts: dict[int, list[RulerSample]], eos: set[int], dev: torch.device, bar, *,
+                  apply: Callable[[str, QualityGuard | None], None],
+                  guard_for: Callable[[str, int], QualityGuard | None], coverage: bool, profile: bool,
+                  physical: bool, chunk: int, checkpoint, t_start: float,
                   skip: frozenset[tuple] | set[tuple] = frozenset()) -> None:
     """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
     prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
     ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`).
-    A ``(config, task, length, index)`` in ``skip`` is not run (measured by a continued report)."""
+    The once-per-length prefills (warm-up...) run on the first prompt a config is timed on at a
+    length. ``apply(config, guard)`` patches the model with ``guard_for(config, length)``, the
+    quality guard of that (config, length). A ``(config, task, length, index)`` in ``skip`` is not
+    run (measured by a continued report)."""
     from minference.app import ruler
     from minference.app.models import set_context_length
 
     for n, samples in prompts.items():
         yarn = set_context_length(model, max(s.n_tokens + s.max_new_tokens for s in samples))
-        for cache in graphs.values():
-            cache.clear()
-        firsts = {s.task: s for s in reversed(samples)}  # the first sample of each task
         for sample in samples:
             ids = sample.ids.to(dev)
             for cfg in resolved:
                 if (cfg.name, sample.task, n, sample.index) in skip:
                     continue
                 bar.set_postfix_str(f"{cfg.name} @ {n}, {sample.task} #{sample.index}")
-                apply(cfg.name)
+                run_guard = guard_for(cfg.name, n)
+                guard_options.set_prompt(run_guard, f"{sample.task}/{n}/{sample.index}")
+                apply(cfg.name, run_guard)
                 stats = report.run(cfg.name, n)
-                if stats is None:
+                if stats is None:  # this prompt is the first one timed: the warm-up runs it
                     stats = RunStats(cfg.name, n, yarn=yarn)
                     report.runs.append(stats)
-                    _once_per_length(model, cfg, pattern_configs[cfg.name], next(iter(firsts.values())).ids, stats,
-                                     dev, coverage=coverage, profile=profile, physical=physical, chunk=chunk)
+                    _once_per_length(model, cfg, pattern_configs[cfg.name], sample.ids, stats, dev,
+                                     coverage=coverage, profile=profile, physical=physical, chunk=chunk)
                 def check(tokens: list[int], s=sample) -> bool:
                     return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
 
@@ -1681,8 +1834,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                    help="feed every prompt in chunks of C tokens through the KV cache (chunked prefill; "
                         "later chunks run sparse on query rows); 0: one call (default)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="sparse layers replay CUDA graphs captured by the warm-up prefill (CUDA, Triton backend; "
-                        "docs/integration.md)")
+                   help="sparse layers replay CUDA graphs captured by the warm-up prefill (CUDA, Triton backend, "
+                        "procedural suite; docs/integration.md)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="draw accuracy vs TTFT here (needs matplotlib)")
     p.add_argument("--no-coverage", action="store_true", help="skip density and coverage")
@@ -1710,7 +1863,7 @@ def _eval_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
               f"ship rule has no baseline (add --config {DENSE})", file=sys.stderr)
     try:
         if args.merge:
-            report = merge_reports([EvalReport.load(p) for p in args.merge])
+            report = merge_reports([EvalReport.load(p) for p in args.merge], names=args.merge)
         else:
             report = _run_from_args(args)
     except (EvalError, ConfigError, ConfigMismatchError, ModelNotAvailable, OSError, ValueError) as err:

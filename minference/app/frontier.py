@@ -36,7 +36,8 @@ turns those measurements into configs along the frontier:
   predicted cost and error in the provenance notes, and a summary (JSON, markdown, plot).
 * **Ship rule** (:func:`ship_choice`): over eval reports, the fastest config whose every task is
   within one sample of dense (at least 10 samples per cell), NLL within +0.02 nats and worst
-  TTFT at most 1.2 times its median; every faster config is named with the reasons it failed.
+  TTFT (of at least 10 timed prefills) at most 1.2 times its median, at every length, each with
+  a dense run to compare with; every faster config is named with the reasons it failed.
 """
 
 from __future__ import annotations
@@ -378,6 +379,11 @@ def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float
     worst_cost = torch.stack([cost_model.head_cost(c, worst_tiles[..., i], n) for i, c in enumerate(cands)], -1)
     allowed = worst_mass >= min_mass
     allowed[..., cands.index(Dense())] = True
+    bad = allowed & ~(torch.isfinite(error) & torch.isfinite(worst_error))
+    if bad.any():
+        layer, head, c = (int(x) for x in bad.nonzero()[0])
+        raise FrontierError(f"the {proxy} error of {cands[c]} at layer {layer}, head {head} is not finite "
+                            f"({int(bad.sum())} such entries): the measurements are corrupt")
     return HeadOptions(cands, cost, error, worst_error, worst_cost, mass, density, allowed, cost_model.unit, n, proxy)
 
 
@@ -498,8 +504,20 @@ def _check_budget(name: str, value: float) -> float:
     return float(value)
 
 
+def _check_worst_ratio(worst_ratio: float | None) -> float | None:
+    """``worst_ratio`` as a float (``None``: no worst-case bound); a ratio must be finite and >= 1."""
+    if worst_ratio is None:
+        return None
+    if _check_budget("worst_ratio", worst_ratio) < 1:
+        raise FrontierError(f"worst_ratio must be >= 1, got {worst_ratio!r}")
+    return float(worst_ratio)
+
+
 def _paths(options: HeadOptions, worst_ratio: float | None) -> list[tuple[float, _Path]]:
-    """``(μ, path)`` for each worst-case multiplier tried (one unconstrained path without a ratio)."""
+    """``(μ, path)`` for each worst-case multiplier tried (one unconstrained path without a ratio).
+    With a ratio ``R``, the last is ``μ = ∞``: the worst-case slack ``worst - R cost`` alone, whose
+    start (every head at its least error) has the least slack of the least-error assignments, so
+    it meets the bound whenever one of them does (all-dense always does)."""
     M = options.heads
     cost = options.cost.reshape(M, -1)
     error = options.error.reshape(M, -1)
@@ -511,6 +529,8 @@ def _paths(options: HeadOptions, worst_ratio: float | None) -> list[tuple[float,
         # the penalty mu * (worst - R cost) rescaled so the cost keeps weight 1
         objective = cost if worst_ratio is None or mu == 0 else cost + mu / (1 - mu * worst_ratio) * worst
         out.append((mu, lagrangian_path(cost, error, allowed, worst=worst, objective=objective)))
+    if worst_ratio is not None:
+        out.append((math.inf, lagrangian_path(cost, error, allowed, worst=worst, objective=worst - worst_ratio * cost)))
     return out
 
 
@@ -525,15 +545,15 @@ def allocate(options: HeadOptions, budget: float, *, worst_ratio: float | None =
     own error (exact), and is at most one head's step costlier than the knapsack optimum at
     ``budget``. With it, the multiplier ``μ`` of the worst-case constraint is searched on
     :data:`MU_GRID`; the result then minimises the cost over the assignments of at most its
-    error and its worst-case slack.
+    error and its worst-case slack. The last path, ``μ = ∞``, minimises the slack alone: an
+    assignment is found whenever one of the least error meets the bound (all-dense does).
 
     Raises:
         FrontierError: bad arguments, or no assignment on the paths satisfies both constraints.
     """
     budget = _check_budget("budget", budget)
     fixed = _check_budget("fixed", fixed)
-    if worst_ratio is not None and (_check_budget("worst_ratio", worst_ratio) < 1):
-        raise FrontierError(f"worst_ratio must be >= 1, got {worst_ratio!r}")
+    worst_ratio = _check_worst_ratio(worst_ratio)
     M = options.heads
     limit = budget * M + BUDGET_EPS * max(1, M)
     best: tuple | None = None
@@ -549,8 +569,9 @@ def allocate(options: HeadOptions, budget: float, *, worst_ratio: float | None =
         if best is None or key < best[0]:
             best = (key, mu, path, k)
     if best is None:
-        raise FrontierError(f"no assignment has {PROXIES[options.proxy]} <= {budget:g} and a flat-score worst case "
-                            f"within {worst_ratio}x the modelled prefill")
+        bound = ("" if worst_ratio is None else
+                 f" and a flat-score worst case within {worst_ratio:g}x the modelled prefill")
+        raise FrontierError(f"no assignment has {PROXIES[options.proxy]} <= {budget:g}{bound}")
     _, mu, path, k = best
     L, H = options.cost.shape[:2]
     lam = float(path.rate[k - 1]) if k else math.inf
@@ -594,7 +615,7 @@ def frontier_family(result: SearchResult, options: HeadOptions, budgets: Sequenc
         raise FrontierError("budgets must hold at least one error budget")
     for b in budgets:
         _check_budget("budget", b)
-    paths = _paths(options, worst_ratio)
+    paths = _paths(options, _check_worst_ratio(worst_ratio))
     base = result.config.provenance
     points = []
     for b in budgets:
@@ -833,11 +854,11 @@ class ShipDecision:
         lines = [f"ship: {self.chosen or f'{self.dense} (no sparse config passes)'} (ranked by median TTFT at "
                  f"{self.length} tokens)"]
         for name, med in self.ranking:
+            timing = "n/a" if med is None else f"{med:.1f} ms"
             if name == self.chosen:
-                lines.append(f"  {name}: {med:.1f} ms, passes")
+                lines.append(f"  {name}: {timing}, passes")
                 break
-            lines.append(f"  {name}: {'n/a' if med is None else f'{med:.1f} ms'}, rejected: "
-                         + "; ".join(self.rejected[name]))
+            lines.append(f"  {name}: {timing}, rejected: " + "; ".join(self.rejected[name]))
         return "\n".join(lines)
 
 
@@ -910,6 +931,7 @@ def _failures(report, name: str, dense: str, *, min_samples: int, slack: int, nl
     out = []
     for n in report.lengths:
         if report.run(dense, n) is None:
+            out.append(f"dense not run at {n}: nothing to compare with")
             continue
         if report.run(name, n) is None:
             out.append(f"not run at {n}")
@@ -930,16 +952,20 @@ def _failures(report, name: str, dense: str, *, min_samples: int, slack: int, nl
         pair = nll.get((name, n))
         if pair is None:
             out.append(f"NLL at {n}: not measured")
-        elif pair.nll - pair.dense > nll_tolerance + 1e-12:
+        elif not (pair.nll - pair.dense <= nll_tolerance + 1e-12):  # NaN fails
             out.append(f"NLL at {n}: {pair.nll:.3f} vs dense {pair.dense:.3f} (+{pair.nll - pair.dense:.3f} > "
                        f"+{nll_tolerance:g})" + (f", from {pair.source}" if pair.source else ""))
         t, td = ttft_stats(report, name, n), ttft_stats(report, dense, n)
         if t is None:
             out.append(f"TTFT at {n}: not timed")
             continue
-        if t.max_ms > worst_ratio * t.median_ms:
+        if t.count < min_samples:
+            out.append(f"TTFT at {n}: {t.count} timed prefills < {min_samples}")
+        if not (t.max_ms <= worst_ratio * t.median_ms):  # NaN fails
             out.append(f"TTFT at {n}: worst {t.max_ms:.1f} ms > {worst_ratio:g} x median {t.median_ms:.1f} ms")
-        if td is not None and t.median_ms >= td.median_ms:
+        if td is None:
+            out.append(f"TTFT at {n}: dense not timed")
+        elif not (t.median_ms < td.median_ms):
             out.append(f"TTFT at {n}: median {t.median_ms:.1f} ms not faster than dense {td.median_ms:.1f} ms")
     return out
 
@@ -950,10 +976,12 @@ def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_M
     """The config to ship from eval reports (several are merged by
     :func:`minference.app.evaluate.merge_reports`): the fastest sparse config (median TTFT at
     ``length``, default the longest; equal medians: lower NLL there, then name) that passes, at
-    every length with a dense run: every generation task within ``sample_slack`` samples of
-    dense on the same number of samples, at least ``min_samples``; NLL at most ``nll_tolerance``
-    above dense's; worst TTFT at most ``worst_ratio`` times its median; median below dense's. NLL where the
-    reports lack it comes from ``nll_reports`` (:func:`nll_pairs`: the same configs' NLL run)."""
+    every length of the report: dense ran there (a length without dense fails every config; none
+    at ``length`` raises); every generation task within ``sample_slack`` samples of dense on the
+    same number of samples, at least ``min_samples``; NLL at most ``nll_tolerance`` above dense's
+    (a NaN fails); at least ``min_samples`` timed prefills, worst TTFT at most ``worst_ratio``
+    times their median, median below dense's (dense timed). NLL where the reports lack it comes
+    from ``nll_reports`` (:func:`nll_pairs`: the same configs' NLL run)."""
     from minference.app.evaluate import EvalReport, merge_reports
 
     report = reports if isinstance(reports, EvalReport) else merge_reports(list(reports))
@@ -965,6 +993,8 @@ def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_M
     at = max(report.lengths) if length is None else length
     if at not in report.lengths:
         raise FrontierError(f"length {at} is not in the report ({report.lengths})")
+    if report.run(dense, at) is None:
+        raise FrontierError(f"dense ({dense!r}) has no run at the ranking length {at}: nothing to compare with")
     nll = nll_pairs(report, nll_reports)
     ranking = []
     for c in report.configs:

@@ -179,6 +179,63 @@ def test_allocation_errors():
         F.allocate(opts, 0.1, worst_ratio=1.2)  # every option's worst case is twice its cost
     with pytest.raises(F.FrontierError, match="no allowed option"):
         F.allocate(options([[1.0]], [[0.0]], allowed=[[False]]), 0.1)
+    # without a ratio the message names the error budget only
+    with pytest.raises(F.FrontierError, match=r"no assignment has .* per head <= 0$"):
+        F.allocate(options([[1.0, 2.0]], [[0.01, 0.1]]), 0.0)
+
+
+def test_a_family_checks_its_worst_ratio_before_building_paths(tmp_path):
+    """``worst_ratio=0`` raised a ZeroDivisionError from the paths: the family checks it as
+    ``allocate`` does."""
+    with pytest.raises(F.FrontierError, match="worst_ratio must be >= 1, got 0"):
+        F.write_family(fake_result(), [0.05], str(tmp_path / "z_{budget}.json"), worst_ratio=0)
+    opts = F.head_options(fake_result(), F.CostModel.from_dict(table()))
+    for bad in (0.5, math.inf):
+        with pytest.raises(F.FrontierError, match="worst_ratio"):
+            F.frontier_family(fake_result(), opts, [0.05], worst_ratio=bad)
+
+
+def test_bounded_allocation_keeps_all_dense_when_a_cheaper_lossless_option_breaks_the_bound():
+    # dense (cost 10, worst 10) and an adaptive option that misses nothing on the calibration
+    # prompts (cost 4, flat-score worst 8 > 1.2 x 4): only all-dense meets the bound
+    opts = options([[10.0, 4.0]], [[0.0, 0.0]], worst=[[10.0, 8.0]])
+    for budget in (0.0, 0.05):
+        a = F.allocate(opts, budget, worst_ratio=1.2)
+        assert a.choice.tolist() == [[0]] and (a.cost, a.error, a.worst) == (10.0, 0.0, 10.0)
+
+
+def test_bounded_allocation_finds_an_assignment_whenever_one_of_the_least_error_meets_the_bound():
+    """Exhaustive over tiny instances (errors in hundredths: many ties): whenever an assignment of
+    the least total error meets the worst-case bound (all-dense always does), ``allocate`` returns
+    one within both constraints at every budget of at least that error."""
+    found = 0
+    for seed in range(150):
+        g = torch.Generator().manual_seed(seed)
+        M, C = 3, 4
+        cost = torch.randint(1, 9, (M, C), generator=g).double()
+        error = torch.randint(0, 5, (M, C), generator=g).double() / 100
+        worst = cost * torch.randint(1, 4, (M, C), generator=g).double()
+        allowed = torch.rand(M, C, generator=g) > 0.25
+        allowed[:, 0] = True
+        if seed % 2:  # a dense option per head: lossless, no worse on flat scores
+            error[:, 0], cost[:, 0], worst[:, 0] = 0.0, 10.0, 10.0
+        least = torch.where(allowed, error, math.inf).min(1).values
+        opts = options(cost, error, worst, allowed)
+        for ratio, fixed in ((1.2, 0.0), (1.5, 2.0)):
+            feasible = any(all(float(error[m, c]) == float(least[m]) for m, c in enumerate(a))
+                           and fixed + totals(worst, a) <= ratio * (fixed + totals(cost, a)) + 1e-9
+                           for a in assignments(allowed))
+            assert feasible or seed % 2 == 0  # all-dense is
+            if not feasible:
+                continue
+            found += 1
+            for extra in (0.0, 0.01, 0.05):
+                budget = float(least.sum()) / M + extra
+                a = F.allocate(opts, budget, worst_ratio=ratio, fixed=fixed)
+                choice = a.choice[0].tolist()
+                assert all(bool(allowed[m, c]) for m, c in enumerate(choice))
+                assert a.error <= budget * M + 1e-9 and fixed + a.worst <= ratio * (fixed + a.cost) + 1e-9
+    assert found > 150  # the check ran on most instances
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +355,10 @@ def test_head_options_on_the_output_error_proxy():
         F.head_options(res, m, proxy="output")
     with pytest.raises(F.FrontierError, match="error proxy must be one of"):
         F.head_options(out, m, proxy="nll")
+    nan = out.out_error.clone()
+    nan[0, 1, 2] = float("nan")  # an allowed candidate: the allocation would silently go around it
+    with pytest.raises(F.FrontierError, match=r"layer 0, head 1 is not finite \(1 such"):
+        F.head_options(dataclasses.replace(out, out_error=nan), m, min_mass=0.6, proxy="output")
 
 
 def test_the_mass_proxy_is_the_default_and_an_output_error_equal_to_the_missed_mass_allocates_alike(tmp_path):
@@ -366,7 +427,9 @@ def test_family_files_load_and_record_their_prediction(tmp_path, tiny_llama):
                 assert loaded.provenance.scores[l][h] == pytest.approx(float(res.mass[l, h, c]), abs=1e-6)
         costs.append(s["cost"])
     assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]  # the budgets bought something
-    assert points[0].config.counts()["dense"] == 8 or summary["points"][0]["error"] == 0.0
+    # budget 0: no sparse candidate at 512 tokens both misses no mass and costs less than dense
+    assert points[0].config.layers == [[Dense()] * 4] * 2
+    assert summary["points"][0]["error"] == 0.0 and summary["points"][0]["cost"] == summary["dense_cost"]
     for ext in (".json", ".md", ".png"):
         assert (tmp_path / f"fam_frontier{ext}").is_file()
     assert json.loads((tmp_path / "fam_frontier.json").read_text())["points"][1]["budget"] == 0.05
@@ -457,6 +520,47 @@ def test_ship_rule_rejections():
     missing = report({"x": dict(ttft=ttft(0.5), correct=(8, 5), nll=2.0) | {2000: dict(skip=True)}},
                      lengths=(1000, 2000))
     assert F.ship_choice(missing, length=1000).rejected["x"] == ["not run at 2000"]
+
+
+def test_ship_rule_needs_dense_at_every_length():
+    """Without dense at a length nothing is compared there: that length fails every config, and
+    the ranking length without dense is an error (every config passed every check before)."""
+    no_dense = report({"bad": dict(ttft=ttft(0.3), correct=(0, 0), nll=9.0, samples=1),
+                       "dense": dict(ttft=ttft(1.0), correct=(8, 5), nll=2.0, skip=True)})
+    with pytest.raises(F.FrontierError, match=r"^dense \('dense'\) has no run at the ranking length 1000"):
+        F.ship_choice(no_dense)
+    dense_at = {"ok": dict(ttft=ttft(0.3), correct=(8, 5), nll=2.0) | {1000: dict(correct=(0, 0), nll=9.0)},
+                "dense": dict(ttft=ttft(1.0), correct=(8, 5), nll=2.0)}
+    rep = report(dense_at | {"dense": dense_at["dense"] | {1000: dict(skip=True)}}, lengths=(1000, 2000))
+    d = F.ship_choice(rep)
+    assert d.chosen is None and d.rejected["ok"] == ["dense not run at 1000: nothing to compare with"]
+    with pytest.raises(F.FrontierError, match="ranking length 1000"):
+        F.ship_choice(rep, length=1000)
+    rep = report(dense_at | {"dense": dense_at["dense"] | {2000: dict(skip=True)}}, lengths=(1000, 2000))
+    with pytest.raises(F.FrontierError, match="ranking length 2000"):
+        F.ship_choice(rep)
+    assert F.ship_choice(rep, length=1000).rejected["ok"][-1] == "dense not run at 2000: nothing to compare with"
+    # a decision whose chosen config has no timing prints n/a (it raised a TypeError)
+    text = F.ShipDecision("x", 1000, "dense", [("x", None)], {"x": []}).text()
+    assert text.splitlines()[1] == "  x: n/a, passes"
+
+
+def test_ship_rule_rejects_a_nan_nll_or_ttft():
+    nan = float("nan")
+    d = F.ship_choice(report({"x": dict(ttft=ttft(0.3), correct=(8, 5), nll=nan)}))
+    assert d.chosen is None and d.rejected["x"] == ["NLL at 1000: nan vs dense 2.000 (+nan > +0.02)"]
+    d = F.ship_choice(report({"x": dict(ttft=ttft(nan), correct=(8, 5), nll=2.0)}))
+    assert d.chosen is None and d.rejected["x"] == ["TTFT at 1000: worst nan ms > 1.2 x median nan ms",
+                                                    "TTFT at 1000: median nan ms not faster than dense 1000.0 ms"]
+
+
+def test_ship_rule_needs_enough_timed_prefills_and_a_timed_dense():
+    d = F.ship_choice(report({"one": dict(ttft=[0.3], correct=(8, 5), nll=2.0)}))
+    assert d.chosen is None and d.rejected["one"] == ["TTFT at 1000: 1 timed prefills < 10"]
+    assert F.ship_choice(report({"one": dict(ttft=[0.3], correct=(8, 5), nll=2.0)}), min_samples=1).chosen == "one"
+    d = F.ship_choice(report({"slow": dict(ttft=ttft(5.0), correct=(8, 5), nll=2.0),
+                              "dense": dict(ttft=[], correct=(8, 5), nll=2.0)}))
+    assert d.chosen is None and d.rejected["slow"] == ["TTFT at 1000: dense not timed"]
 
 
 def test_ship_rule_merges_reports_and_needs_dense():

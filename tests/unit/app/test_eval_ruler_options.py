@@ -1,0 +1,118 @@
+"""``minference eval --suite ruler`` with the options the procedural suite honours too: the quality
+guard (one per sparse (config, length), summary printed), the warm-up on the first timed prompt,
+``--cuda-graphs`` refused, and ``--continue`` checked before the model loads."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+import minference.integration as integ
+from minference.app import evaluate as E
+from minference.app import guard_options, ruler
+from minference.app.cli import build_parser, main
+from minference.guard import QualityGuard
+
+from .test_ruler import UNIFORM, _texts, _write_set
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def small(smollm2_layers):
+    return smollm2_layers(LAYERS)
+
+
+@pytest.fixture(scope="module")
+def ruler_set(small, tmp_path_factory):
+    return _write_set(tmp_path_factory.mktemp("set"), small[1], _texts(2))
+
+
+def _run(small, folder, **kw):
+    return E.run_eval("smollm2", suite="ruler", prompts=folder, configs=kw.pop("configs", ["dense", UNIFORM]),
+                      dense_threshold=kw.pop("dense_threshold", 0), progress=False, loaded=small, coverage=False, **kw)
+
+
+def test_ruler_runs_one_quality_guard_per_sparse_config_and_length(small, ruler_set, monkeypatch, tmp_path):
+    """--guard reaches every sparse patch of the RULER loop (not the config's own runtime.guard):
+    one guard per (config, length) for all its prompts, named by prompt, its summary in the run
+    and printed under the table as for the procedural suite; dense runs unpatched, no guard."""
+    passed = []
+    real = integ.patch
+    monkeypatch.setattr(integ, "patch", lambda *a, **kw: passed.append(kw.get("guard")) or real(*a, **kw))
+    report = _run(small, ruler_set, guard=guard_options.GuardOptions({"mode": "observe", "sample_rate": 1.0}))
+    assert len(passed) == 4 and all(isinstance(g, QualityGuard) for g in passed) and len(set(map(id, passed))) == 1
+    dense, sparse = report.runs
+    assert dense.guard is None and sparse.guard["name"] == f"{sparse.config}@512"
+    assert sparse.guard["mode"] == "observe" and sparse.guard["checked_calls"] == sparse.guard["calls"] > 0
+    args = build_parser().parse_args(["eval", "--suite", "ruler", "--prompts", str(ruler_set)])
+    out = io.StringIO()
+    assert E._write_outputs(report, args, out) == 0
+    assert f"quality guard [{sparse.config} @ 512]: mode observe" in out.getvalue()
+
+
+def test_ruler_warms_up_on_the_first_prompt_it_times(small, ruler_set, monkeypatch):
+    """The once-per-length prefills of a (config, length) run the first prompt timed there (the
+    first task's first sample, not the last task's), also in a continued run (the first prompt it
+    has left)."""
+    warmed, timed = [], []
+    real_once, real_answer = E._once_per_length, E._answer
+    monkeypatch.setattr(E, "_once_per_length", lambda model, cfg, config, prompt, *a, **kw: (
+        warmed.append(prompt.tolist()), real_once(model, cfg, config, prompt, *a, **kw))[1])
+    monkeypatch.setattr(E, "_answer", lambda model, ids, *a, **kw: (
+        timed.append(ids.tolist()), real_answer(model, ids, *a, **kw))[1])
+    niah = [s.ids.tolist() for s in ruler.load_prompt_set(ruler_set).samples("niah_single_1", 512)]
+    report = _run(small, ruler_set)
+    assert timed[0] == niah[0] and warmed == [niah[0], niah[0]]  # dense, then the sparse config
+    cut = E.EvalReport.from_dict(json.loads(report.to_json()))
+    cut.records = [r for r in cut.records if (r.task, r.index) == ("niah_single_1", 0)]
+    warmed.clear()
+    timed.clear()
+    _run(small, ruler_set, done=cut)
+    assert timed[0] == niah[1] and warmed == [niah[1], niah[1]]
+
+
+def test_ruler_refuses_cuda_graphs_before_loading_anything(ruler_set, monkeypatch, capsys):
+    """RULER's prompts vary in length (more shapes than the graph cache keeps): graphs would be
+    captured inside timed prefills, so the combination is refused in one line, before any load."""
+    import minference.app.models as M
+
+    monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model for a refused command"))
+    monkeypatch.setattr(M, "load_tokenizer", lambda *a, **kw: pytest.fail("loaded a tokenizer for a refused command"))
+    assert main(["eval", "--no-progress", "--suite", "ruler", "--prompts", str(ruler_set), "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("minference eval: error: --cuda-graphs is for --suite procedural: RULER's prompts vary in length, "
+                   "more shapes than the graph cache's 4, so captures would fall inside timed prefills\n")
+
+
+def test_continue_with_other_settings_fails_before_loading_and_names_them(small, ruler_set, monkeypatch, capsys,
+                                                                          tmp_path):
+    import minference.app.models as M
+
+    done = _run(small, ruler_set, tasks=["niah_single_1"])
+    done.save(tmp_path / "done.json")
+    monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model before comparing settings"))
+    monkeypatch.setattr(M, "load_tokenizer", lambda *a, **kw: pytest.fail("loaded a tokenizer first"))
+    with pytest.raises(E.EvalError, match=r"^--continue: that report ran other settings \(dense_threshold: 0 vs "
+                                          r"4096\); continue it with its options$"):
+        E.run_eval("smollm2", suite="ruler", prompts=ruler_set, configs=["dense", UNIFORM], dense_threshold=4096,
+                   coverage=False, progress=False, done=done)
+    assert main(["eval", "--no-progress", "--suite", "ruler", "--prompts", str(ruler_set), "--config", "dense",
+                 UNIFORM, "--no-coverage", "--continue", str(tmp_path / "done.json")]) == 2
+    assert "that report ran other settings (dense_threshold: 0 vs None)" in capsys.readouterr().err
+    with pytest.raises(E.EvalError, match="that report ran the model 'smollm2', this run 'qwen0.5b'"):
+        E.run_eval("qwen", suite="ruler", prompts=ruler_set, configs=["dense", UNIFORM], dense_threshold=0,
+                   coverage=False, progress=False, done=done)
+
+
+def test_continue_refuses_a_sparse_config_whose_dense_prompts_are_done(small, ruler_set, monkeypatch):
+    """A config new to the continued report would be timed on prompts whose dense TTFT is in that
+    report (another run): refused before any prompt runs, naming the config and prompt."""
+    done = _run(small, ruler_set)
+    monkeypatch.setattr(E, "_answer", lambda *a, **kw: pytest.fail("ran a prompt"))
+    other = '{"kind": "block_sparse", "top_k": 3, "block": 64}'
+    with pytest.raises(E.EvalError, match=r"^--continue: BS\(top3,b64\) has niah_single_1 sample 0 at 512 tokens "
+                                          r"left, which dense does not run in this call"):
+        _run(small, ruler_set, configs=["dense", UNIFORM, other], done=done)
