@@ -16,18 +16,23 @@ checks a sample of the live prefill calls against dense attention:
   earlier ones) :func:`shadow_rows` computes the exact attention of those rows against every key
   (float32 logits and softmax) and, per (row, head), the **captured mass** (the dense
   probability of the keys the head's sparse set holds, :func:`head_sets`) and the squared error of
-  the sparse output against the dense one. Per head: the mean and minimum mass over the checked
-  rows and the relative output error ``‖o_sparse − o_dense‖ / ‖o_dense‖`` over them.
+  the sparse output against the dense one. Per (batch row, head), :func:`head_stats`: the mean
+  and minimum mass over that batch row's checked rows and the relative output error
+  ``‖o_sparse − o_dense‖ / ‖o_dense‖`` over them. Each batch row (prompt) is judged on its own:
+  a prompt whose head misses is not averaged away by clean batch-mates.
 * **Policy.** ``mode="observe"`` reports; ``mode="enforce"`` also recomputes densely, in this call,
-  every head whose mean mass is below ``GuardSettings.min_mass`` (the dispatcher's dense path
-  on those heads: at most one dense attention of the layer). Both count the event.
-* **Metrics.** Per (layer, global head): checks, heads below the floor, fallbacks, mass and
-  error sums, extremes and histograms (:data:`MASS_BINS`, :data:`ERROR_BINS`). Each checked call
-  gives one record (a dict; one JSON line in the ``jsonl`` file, passed to ``on_record``, and a
-  ``logging`` line on the :data:`LOGGER_NAME` logger). :meth:`QualityGuard.summary` and
-  :func:`format_summary` give the totals, the worst heads, and whether the config is **flagged
-  for re-search** (enough checked calls with a head below the floor), with the ids of the
-  prompts that triggered it (bounded).
+  every head whose mean mass is below ``GuardSettings.min_mass`` in at least one batch row (the
+  dispatcher's dense path on those heads, for the whole batch: at most one dense attention of
+  the layer). Both count the event, attributed to the failing batch rows only.
+* **Metrics.** Per (layer, global head): checked prompts (batch rows), those below the floor,
+  fallbacks, mass and error sums, extremes and histograms over the prompts (:data:`MASS_BINS`,
+  :data:`ERROR_BINS`). Each checked call gives one record (a dict; one JSON line in the
+  ``jsonl`` file, passed to ``on_record``, and a ``logging`` line on the :data:`LOGGER_NAME`
+  logger). :meth:`QualityGuard.summary` and :func:`format_summary` give the totals, the worst
+  heads, and whether the config is **flagged for re-search** (enough checked calls with a head
+  below the floor), with the ids of the prompts that triggered it (bounded). A call counts as
+  checked once a layer recorded a check (a call whose layers all took the dense path is drawn
+  but not checked).
 
 Host syncs happen on checked calls only: in ``enforce`` mode one per checked layer (the heads to
 recompute are read on the host before the layer returns), in ``observe`` mode one per checked
@@ -79,12 +84,16 @@ logger = logging.getLogger(LOGGER_NAME)
 MASS_BINS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.999)
 #: Upper edges of the relative-output-error histogram bins; one more bin holds the rest.
 ERROR_BINS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
-#: Largest ``B * Hq * rows * N`` block of the shadow computation at once (its float32 logits of one
-#: kv head's query heads and the boolean key sets of all heads); more checked rows are done in
-#: chunks of rows, so a checked call at 1M tokens stays within a few hundred MB.
+#: Largest ``B * Hq * rows * N`` boolean key-set block of the shadow computation: more checked rows
+#: are done in chunks of rows (at least one row a chunk), and within a chunk the keys in blocks
+#: whose float32 logits and upcast k and v hold at most a quarter of it (:func:`shadow_rows`): no
+#: float32 copy of whole k or v. The extra memory of a checked layer is a few times
+#: ``max(SHADOW_CHUNK_ELEMENTS, B * Hq * N)`` bytes (head_sets' temporaries) plus the key blocks:
+#: measured 337 MB peak RSS (527 MB with ragged rows) at N = 1M, B = 1, Hq = 14, Hkv = 2, D = 64
+#: on CPU (docs/guard.md, "Cost").
 SHADOW_CHUNK_ELEMENTS = 1 << 26
 #: ``"v"`` field of every record (one JSON line per checked call).
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,27 +203,27 @@ def head_sets(groups: Sequence[_GroupSets], pos: torch.Tensor, Hq: int, N: int, 
 def shadow_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, pos: torch.Tensor,
                 groups: Sequence[_GroupSets], *, scale: float, lens: torch.Tensor, starts: torch.Tensor,
                 q_lens: torch.Tensor, q_starts: torch.Tensor, ragged: bool, fill_gaps: int,
-                chunk_elements: int = SHADOW_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact attention of the rows ``pos [B, R]`` (logical, -1 none) and their comparison with the
     sparse output ``out [B, Hq, Nq, D]``, for every head.
 
     Returns float32 ``(mass, err2, ref2)``, each ``[B, Hq, R]``: the dense probability mass of the
     head's key set (:func:`head_sets`), ``‖out_row − dense_row‖²`` and ``‖dense_row‖²``; zeros at
-    rows ``pos = -1``. Logits, softmax and products in float32 (q, k, v upcast per kv head); rows
-    in chunks of at most ``chunk_elements`` ``B * Hq * rows * N`` elements. Device ops only. With
-    ``ragged`` rows the keys are first gathered to logical positions (``starts[b] + j``).
+    rows ``pos = -1``. Logits, softmax and products in float32. Rows in chunks whose key sets
+    (``B * Hq * rows * N`` booleans) hold at most ``chunk_elements`` (default
+    :data:`SHADOW_CHUNK_ELEMENTS`) elements; within a chunk, per kv head, the keys in blocks (an
+    online softmax: running maximum, rescaled sums) whose float32 logits and upcast k and v hold at
+    most ``chunk_elements / 4`` elements: no whole-``N`` float32 copy of k or v. Device ops
+    only. With ``ragged`` rows each block's keys are gathered at logical positions
+    (``starts[b] + j``); values past a row's length (NaN allowed) read as 0.
     """
+    chunk_elements = SHADOW_CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
     B, Hq, Nq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     R = pos.shape[1]
     dev = q.device
     j = arange_constant(N, dev)
-    if ragged:  # keys at logical positions: k[b, :, starts[b] + j] (clamped; j >= lens[b] is never read)
-        at = (starts.long()[:, None] + j[None, :]).clamp(max=N - 1)  # [B, N]
-        k = k.gather(2, at[:, None, :, None].expand(B, Hkv, N, D))
-        v = v.gather(2, at[:, None, :, None].expand(B, Hkv, N, D))
-    inside = (j[None, :] < lens.long()[:, None])[:, :, None]  # [B, N, 1]: padding values (NaN allowed) read as 0
     q_lo = lens.long() - q_lens.long()
     qrow = (q_starts.long()[:, None] + pos - q_lo[:, None]).clamp(0, max(Nq - 1, 0))  # [B, R] rows of q and out
     index = qrow[:, None, :, None].expand(B, Hq, R, D)
@@ -222,25 +231,44 @@ def shadow_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     o_sparse = out.gather(2, index).float()
     mass = torch.zeros(B, Hq, R, dtype=torch.float32, device=dev)
     err2, ref2 = torch.zeros_like(mass), torch.zeros_like(mass)
+    tiny = torch.finfo(torch.float32).tiny
     step = max(1, chunk_elements // max(1, B * Hq * N))
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
+        Rc = r1 - r0
         p_rows = pos[:, r0:r1]
         member = head_sets(groups, p_rows, Hq, N, fill_gaps)  # [B, Hq, Rc, N]
-        causal = j[None, None, :] <= p_rows[:, :, None]  # [B, Rc, N]
+        kstep = max(1, chunk_elements // (4 * max(1, B * (G * Rc + 2 * D))))  # float32 block elements
         for g in range(Hkv):
             h0, h1 = g * G, (g + 1) * G
-            kf, vf = k[:, g].float(), torch.where(inside, v[:, g].float(), 0.0)  # [B, N, D]
-            s = torch.matmul(q_rows[:, h0:h1, r0:r1], kf.transpose(1, 2)[:, None]) * scale  # [B, G, Rc, N]
-            s.masked_fill_(~causal[:, None], float("-inf"))
-            top = s.amax(-1, keepdim=True)
-            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-            p = s.sub_(top).exp_()  # unnormalised probabilities, 0 off the causal keys
-            z = p.sum(-1)  # [B, G, Rc]
-            kept = (p * member[:, h0:h1]).sum(-1)
-            dense = torch.matmul(p, vf[:, None]) / z.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+            qg = q_rows[:, h0:h1, r0:r1].reshape(B, G * Rc, D)
+            top = torch.full((B, G * Rc), float("-inf"), device=dev)  # running maximum of the logits
+            z, kept = torch.zeros(B, G * Rc, device=dev), torch.zeros(B, G * Rc, device=dev)
+            acc = torch.zeros(B, G * Rc, D, device=dev)  # running sum of p · v
+            for c0 in range(0, N, kstep):
+                jb = j[c0:c0 + kstep]
+                if ragged:  # the block's keys at logical positions (clamped; j >= lens[b] is never read)
+                    at = (starts.long()[:, None] + jb[None, :]).clamp(max=N - 1)[:, :, None].expand(B, len(jb), D)
+                    kb, vb = k[:, g].gather(1, at), v[:, g].gather(1, at)
+                else:
+                    kb, vb = k[:, g, c0:c0 + kstep], v[:, g, c0:c0 + kstep]
+                vb = torch.where((jb[None, :] < lens.long()[:, None])[:, :, None], vb.float(), 0.0)  # [B, Kb, D]
+                s = torch.bmm(qg, kb.float().transpose(1, 2)).mul_(scale)  # [B, G * Rc, Kb]
+                causal = (jb[None, None, :] <= p_rows[:, :, None])[:, None].expand(B, G, Rc, len(jb))
+                s.masked_fill_(~causal.reshape(B, G * Rc, len(jb)), float("-inf"))
+                new = torch.maximum(top, s.amax(-1))
+                base = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+                alpha = (top - base).exp()  # 0 while nothing was seen
+                p = s.sub_(base[..., None]).exp_()  # unnormalised probabilities, 0 off the causal keys
+                in_set = member[:, h0:h1, :, c0:c0 + kstep].reshape(B, G * Rc, len(jb))
+                z = z * alpha + p.sum(-1)
+                kept = kept * alpha + (p * in_set).sum(-1)
+                acc = acc * alpha[..., None] + torch.bmm(p, vb)
+                top = new
+            dense = (acc / z.clamp(min=tiny)[..., None]).view(B, G, Rc, D)
+            z, kept = z.view(B, G, Rc), kept.view(B, G, Rc)
             valid = z > 0
-            mass[:, h0:h1, r0:r1] = torch.where(valid, kept / z.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+            mass[:, h0:h1, r0:r1] = torch.where(valid, kept / z.clamp(min=tiny), 0.0)
             diff = (o_sparse[:, h0:h1, r0:r1] - dense).square().sum(-1)
             err2[:, h0:h1, r0:r1] = torch.where(valid, diff, 0.0)
             ref2[:, h0:h1, r0:r1] = torch.where(valid, dense.square().sum(-1), 0.0)
@@ -248,14 +276,16 @@ def shadow_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 
 def head_stats(mass: torch.Tensor, err2: torch.Tensor, ref2: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Per head over every batch row's checked rows (``pos >= 0``): ``[4, Hq]`` float32 of the mean
-    mass, the smallest mass, the relative output error ``sqrt(Σ err2 / Σ ref2)`` (0 where both
-    sums are 0) and the number of rows. NaN mass (and error) for a head with no row. Device ops."""
+    """Per (batch row, head) over that batch row's checked rows (``pos >= 0``): ``[4, B, Hq]``
+    float32 of the mean mass, the smallest mass, the relative output error ``sqrt(Σ err2 / Σ
+    ref2)`` (0 where both sums are 0) and the number of rows. NaN mass (and error) for a batch row
+    with no checked row. Each batch row (prompt) is judged on its own: a prompt whose head misses
+    is not averaged with clean batch-mates. Device ops."""
     valid = (pos >= 0)[:, None, :].float()  # [B, 1, R]
-    rows = valid.sum((0, 2)).expand(mass.shape[1])  # [Hq]
-    mean = (mass * valid).sum((0, 2)) / rows
-    low = torch.where(valid > 0, mass, float("inf")).amin((0, 2))
-    e, r = (err2 * valid).sum((0, 2)), (ref2 * valid).sum((0, 2))
+    rows = valid.sum(2).expand(mass.shape[0], mass.shape[1])  # [B, Hq]
+    mean = (mass * valid).sum(2) / rows
+    low = torch.where(valid > 0, mass, float("inf")).amin(2) if mass.shape[2] else torch.full_like(rows, math.inf)
+    e, r = (err2 * valid).sum(2), (ref2 * valid).sum(2)
     error = torch.where(r > 0, (e / r.clamp(min=torch.finfo(torch.float32).tiny)).sqrt(),
                         torch.where(e > 0, float("inf"), 0.0))
     none = rows == 0
@@ -307,7 +337,9 @@ class ShadowCheck:
                q_seqlens: int | torch.Tensor | None = None, q_seqstarts: torch.Tensor | None = None,
                head_offset: int = 0, dense_tail: int = 0, fill_gaps: int = 0) -> torch.Tensor | None:
         """Check the layer's output ``out [B, Hq, Nq, D]`` (the dispatcher's arguments); return
-        ``[F]`` int32 local heads to recompute densely, or ``None``."""
+        ``[F]`` int32 local heads to recompute densely, or ``None``. Each batch row is judged on
+        its own; the dispatcher recomputes a head for every batch row, so a head goes dense when
+        its mass is below the floor in at least one batch row."""
         s = self.guard.settings
         B, Hq, Nq, _ = q.shape
         N = k.shape[2]
@@ -320,12 +352,14 @@ class ShadowCheck:
         mass, err2, ref2 = shadow_rows(q, k, v, out, pos, self._groups(groups, head_offset), scale=scale, lens=lens,
                                        starts=starts, q_lens=q_lens, q_starts=q_starts, ragged=seqstarts is not None,
                                        fill_gaps=fill_gaps)
-        stats = head_stats(mass, err2, ref2, pos)  # [4, Hq] on the device
+        stats = head_stats(mass, err2, ref2, pos)  # [4, B, Hq] on the device
         if s.mode != "enforce":
             self.guard._layer_done(self, stats, None)
             return None
         host = stats.cpu()  # the one sync of an enforced layer: which heads to recompute
-        low = [h for h in range(Hq) if host[0, h] < s.min_mass]  # NaN (no row) is never below
+        # the dispatcher recomputes a head for the whole batch: a head below the floor in any batch
+        # row goes dense (its batch-mates get dense output too); NaN (no row) is never below
+        low = [h for h in range(Hq) if bool((host[0, :, h] < s.min_mass).any())]
         self.guard._layer_done(self, host, low)
         return torch.tensor(low, dtype=torch.int32, device=q.device) if low else None
 
@@ -343,7 +377,11 @@ def _bin(value: float, edges: Sequence[float]) -> int:
 
 @dataclass
 class HeadStats:
-    """Running metrics of one (layer, global head) over its checked calls."""
+    """Running metrics of one (layer, global head) over its checked prompts: one prompt is one
+    batch row of a checked call, judged on its own. ``checked``, ``below_floor``, the sums, the
+    extremes and the histograms count prompts (their mean mass over the row's checked rows, their
+    relative error); ``fallbacks`` counts the checked calls that recomputed the head densely (for
+    the whole batch)."""
 
     checked: int = 0
     below_floor: int = 0
@@ -355,7 +393,8 @@ class HeadStats:
     mass_hist: list[int] = field(default_factory=lambda: [0] * (len(MASS_BINS) + 1))
     error_hist: list[int] = field(default_factory=lambda: [0] * (len(ERROR_BINS) + 1))
 
-    def add(self, mass: float, mass_min: float, error: float, below: bool, fallback: bool) -> None:
+    def add(self, mass: float, mass_min: float, error: float, below: bool, fallback: bool = False) -> None:
+        """One prompt's check (``fallback``: count a call's dense recomputation here, once a call)."""
         self.checked += 1
         self.below_floor += below
         self.fallbacks += fallback
@@ -375,18 +414,29 @@ class HeadStats:
 
 
 class _LayerRecord(TypedDict):
-    """One checked layer in a call's record (``"layers"``): global heads, checked rows, and per head
-    the mean and minimum mass and the relative error (:func:`_num`), the heads below the floor and
-    those recomputed dense."""
+    """One checked layer in a call's record (``"layers"``; :func:`_num` values). Per batch row
+    ``b`` (a prompt): ``rows[b]`` checked rows, ``row_mass[b][h]`` the mean mass over them,
+    ``row_error[b][h]`` the relative error, ``row_below[b]`` the global heads below the floor.
+    Per head, over the batch rows: ``mass`` the lowest row mean (what the floor judges),
+    ``mass_min`` the lowest single row, ``error`` the largest row error; ``below`` the heads below
+    the floor in some batch row, ``fallback`` those recomputed densely (for the whole batch)."""
 
     layer: int
     heads: list[int]
-    rows: int
+    rows: list[int]
     mass: list[float | None]
     mass_min: list[float | None]
     error: list[float | None]
+    row_mass: list[list[float | None]]
+    row_error: list[list[float | None]]
+    row_below: list[list[int]]
     below: list[int]
     fallback: list[int]
+
+
+def _least(xs: Any) -> float:
+    """The smallest of ``xs`` ignoring NaN (NaN when there is none)."""
+    return min((x for x in xs if not math.isnan(x)), default=math.nan)
 
 
 def _num(x: float) -> float | None:
@@ -409,9 +459,16 @@ class QualityGuard:
         on_record: called with each checked call's record (a dict, as in the JSON line).
         name: a label for log lines and the summary (e.g. the config's name).
 
-    Set :attr:`prompt_id` (any JSON value: a string, a number, a list for a batch) before a
-    prefill; it is stored with that call's record and, when a head fell below the floor, among
-    the saved prompt ids (at most ``settings.max_saved_prompts``, first seen kept).
+    Set :attr:`prompt_id` (any JSON value: a string, a number, a list of one id per batch row)
+    before a prefill; it is stored with that call's record and, when a head fell below the floor,
+    among the saved prompt ids (at most ``settings.max_saved_prompts``, first seen kept): with
+    one id per batch row, only the ids of the batch rows that fell below.
+
+    Counters: ``calls`` prefill calls (drawn), ``sampled`` checked calls (drawn for a check and at
+    least one layer checked: the flag rate's denominator), ``calls_below_floor`` checked calls
+    with a head below the floor in some batch row, ``below_floor`` (batch row, layer, head)
+    events below the floor, ``fallbacks`` (layer, head) dense recomputations (each for the whole
+    batch).
     """
 
     def __init__(self, settings: GuardSettings | None = None, *, jsonl: str | os.PathLike | TextIO | None = None,
@@ -453,7 +510,8 @@ class QualityGuard:
 
     def end_call(self) -> None:
         """The forward ended: a checked call's statistics are read (``observe``: its one sync),
-        counted and recorded."""
+        counted and recorded. A call drawn for a check whose layers recorded nothing (each took
+        the dispatcher's dense path) is not counted as checked."""
         if not self._open:
             return
         self._open = False
@@ -492,8 +550,7 @@ class QualityGuard:
         if not self._drawn:
             self._drawn = True
             self.calls += 1
-            self._sampled = self._rng.random() < self.settings.sample_rate
-            self.sampled += self._sampled
+            self._sampled = self._rng.random() < self.settings.sample_rate  # counted in `sampled` once checked
             self._prompt = self.prompt_id
         return ShadowCheck(self, layer, head_offset) if self._sampled else None
 
@@ -504,44 +561,66 @@ class QualityGuard:
 
     def _record(self) -> None:
         s = self.settings
-        host = torch.stack([stats for _, stats, _ in self._layers]).cpu().tolist()  # observe: the call's one sync
+        flat = torch.cat([stats.reshape(-1) for _, stats, _ in self._layers]).cpu()  # observe: the call's one sync
+        host = [part.view(stats.shape).tolist() for part, (_, stats, _) in  # per layer [4][B][Hq]
+                zip(flat.split([stats.numel() for _, stats, _ in self._layers]), self._layers)]
         layers: list[_LayerRecord] = []
         below_total, fallback_total = 0, 0
+        failing: set[int] = set()  # batch rows with a head below the floor in some layer
+        batch = 0
         for (check, _, fallback), (mass, low, error, rows) in zip(self._layers, host):
-            heads = [check.head_offset + h for h in range(len(mass))]
-            below = [heads[h] for h in range(len(mass)) if mass[h] < s.min_mass]
+            batch = len(mass)
+            H = len(mass[0]) if batch else 0
+            heads = [check.head_offset + h for h in range(H)]
+            row_below = [[heads[h] for h in range(H) if mass[b][h] < s.min_mass] for b in range(batch)]
             done = [] if fallback is None else [check.head_offset + h for h in fallback]
             for h, g in enumerate(heads):
-                if math.isnan(mass[h]):
-                    continue
-                self.heads.setdefault((check.layer, g), HeadStats()).add(mass[h], low[h], error[h], g in below,
-                                                                         g in done)
-            below_total += len(below)
+                seen = [b for b in range(batch) if not math.isnan(mass[b][h])]  # batch rows with checked rows
+                if seen:
+                    st = self.heads.setdefault((check.layer, g), HeadStats())
+                    for b in seen:
+                        st.add(mass[b][h], low[b][h], error[b][h], g in row_below[b])
+                    st.fallbacks += g in done  # only a head with a row below goes dense
+            failing.update(b for b in range(batch) if row_below[b])
+            below_total += sum(len(x) for x in row_below)
             fallback_total += len(done)
-            layers.append({"layer": check.layer, "heads": heads, "rows": int(rows[0]) if rows else 0,
-                           "mass": [_num(x) for x in mass], "mass_min": [_num(x) for x in low],
-                           "error": [_num(x) for x in error], "below": below, "fallback": done})
+            layers.append({"layer": check.layer, "heads": heads,
+                           "rows": [int(rows[b][0]) if H else 0 for b in range(batch)],
+                           "mass": [_num(_least(mass[b][h] for b in range(batch))) for h in range(H)],
+                           "mass_min": [_num(_least(low[b][h] for b in range(batch))) for h in range(H)],
+                           "error": [_num(-_least(-error[b][h] for b in range(batch))) for h in range(H)],
+                           "row_mass": [[_num(x) for x in row] for row in mass],
+                           "row_error": [[_num(x) for x in row] for row in error],
+                           "row_below": row_below, "below": sorted(set().union(*row_below)), "fallback": done})
+        self.sampled += 1  # a checked call: at least one layer recorded (a dense early return records none)
         self.below_floor += below_total
         self.fallbacks += fallback_total
+        below_rows = sorted(failing)
         if below_total:
             self.calls_below_floor += 1
-            self._save_prompt(self._prompt)
+            self._save_prompt(self._prompt, below_rows, batch)
         record = {"v": RECORD_VERSION, "guard": self.name, "call": self.calls, "time": round(time.time(), 3),
                   "prompt": self._prompt, "mode": s.mode, "min_mass": s.min_mass, "below_floor": below_total,
-                  "fallbacks": fallback_total, "layers": layers}
+                  "below_rows": below_rows, "fallbacks": fallback_total, "layers": layers}
         self._write(record)
         if self.on_record is not None:
             self.on_record(record)
         level = logging.INFO if below_total else logging.DEBUG
         if logger.isEnabledFor(level):
             worst = min((x for lay in layers for x in lay["mass"] if x is not None), default=None)
-            logger.log(level, "guard%s: call %d (prompt %r) checked %d layers: %d heads below mass %.3g (%d "
-                       "recomputed dense); lowest mean mass %s", f" {self.name}" if self.name else "", self.calls,
-                       self._prompt, len(layers), below_total, s.min_mass, fallback_total, worst)
+            logger.log(level, "guard%s: call %d (prompt %r) checked %d layers: %d head events below mass %.3g in batch "
+                       "rows %s (%d heads recomputed dense); lowest mean mass %s", f" {self.name}" if self.name else "",
+                       self.calls, self._prompt, len(layers), below_total, s.min_mass, below_rows, fallback_total,
+                       worst)
         self._update_flag()
 
-    def _save_prompt(self, prompt: Any) -> None:
-        ids = prompt if isinstance(prompt, (list, tuple)) else [prompt]
+    def _save_prompt(self, prompt: Any, rows: Sequence[int], batch: int) -> None:
+        """Keep the ids of the failing batch ``rows``: a list or tuple of ``batch`` ids names one per
+        batch row; any other id (one for the whole call, a list of another length) is kept whole."""
+        if isinstance(prompt, (list, tuple)):
+            ids = [prompt[b] for b in rows] if len(prompt) == batch else list(prompt)
+        else:
+            ids = [prompt]
         for x in ids:
             if len(self.saved_prompts) >= self.settings.max_saved_prompts:
                 return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,8 @@ __all__ = ["GuardOptions", "OFF", "add_arguments", "from_args", "format_summarie
 OFF = GuardSettings(mode="off")
 #: Command-line option -> GuardSettings field.
 _OPTIONS = {"guard": "mode", "guard_rate": "sample_rate", "guard_min_mass": "min_mass"}
+#: GuardSettings field -> its option's flag (the messages name the flags the user gave).
+_FLAGS = {"sample_rate": "--guard-rate", "min_mass": "--guard-min-mass"}
 
 
 @dataclass(frozen=True)
@@ -28,19 +31,39 @@ class GuardOptions:
     Attributes:
         settings: GuardSettings fields to override (the rest come from each config's file).
         jsonl: file to append one JSON line per checked call to (every config's guard), or ``None``.
+        prog: the command, for the note of :meth:`make`.
     """
 
     settings: dict[str, Any] = field(default_factory=dict)
     jsonl: str | None = None
+    prog: str = field(default="minference", compare=False)
+    _noted: list[bool] = field(default_factory=lambda: [False], init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         GuardSettings(**{"mode": "observe", **self.settings})  # a bad value fails here, before any model loads
+        if self.settings.get("mode") == "off" and self._tuning():
+            raise ValueError(f"argument --guard: off runs no guard, so {', '.join(self._tuning())} would do nothing "
+                             "(drop them, or choose --guard observe or enforce)")
+
+    def _tuning(self) -> list[str]:
+        """The options given that configure a guard (all but the mode)."""
+        return [_FLAGS[k] for k in self.settings if k in _FLAGS] + (["--guard-log"] if self.jsonl else [])
 
     def make(self, config: PatternConfig, name: str) -> QualityGuard | None:
         """The guard ``config`` runs with: its ``runtime.guard`` with these overrides; ``None`` when
-        the mode is ``"off"``."""
+        the mode is ``"off"``. Options that configure a guard while the mode resolves to off (the
+        config's own mode is off and no ``--guard`` was given) would do nothing: a note on stderr
+        says so, once (the mode is only known per config, after the model loads, and another
+        config of the run may have its guard on: a note, not an error)."""
         settings = dataclasses.replace(config.runtime.guard, **self.settings)
-        return None if settings.mode == "off" else QualityGuard(settings, jsonl=self.jsonl, name=name)
+        if settings.mode != "off":
+            return QualityGuard(settings, jsonl=self.jsonl, name=name)
+        if self._tuning() and not self._noted[0]:
+            self._noted[0] = True
+            print(f"{self.prog}: note: {', '.join(self._tuning())} given, but config {name!r} runs no quality guard "
+                  "(its runtime.guard mode is off and no --guard was given): add --guard observe or --guard enforce",
+                  file=sys.stderr)
+        return None
 
 
 def _unit(text: str) -> float:
@@ -64,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> GuardOptions:
-    """:class:`GuardOptions` from the parsed options (a ``ValueError`` names a bad value)."""
+    """:class:`GuardOptions` from the parsed options (a ``ValueError`` names a bad value, or
+    ``--guard off`` with options that configure a guard)."""
     given = {name: getattr(args, opt) for opt, name in _OPTIONS.items() if getattr(args, opt, None) is not None}
-    return GuardOptions(given, getattr(args, "guard_log", None))
+    return GuardOptions(given, getattr(args, "guard_log", None), prog=getattr(args, "cli_prog", "minference"))
 
 
 def set_prompt(guard: QualityGuard | None, prompt_id: Any) -> None:

@@ -65,6 +65,35 @@ def test_options_override_the_configs_runtime_settings() -> None:
         G.GuardOptions({"min_mass": 2.0})
 
 
+def test_guard_options_that_make_no_guard_say_so(capsys) -> None:
+    """--guard-rate / --guard-min-mass / --guard-log without --guard on a config whose guard is
+    off make no guard: a one-line note on stderr says so, once; a config whose guard is on takes
+    them; without such options, no note."""
+    model = _tiny()
+    argv = ["eval", "--guard-rate", "1", "--guard-min-mass", "0.9", "--guard-log", "g.jsonl"]
+    options = G.from_args(build_parser().parse_args(argv))
+    assert options.make(_config(model), "a@2048") is None and options.make(_config(model), "b@2048") is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "minference eval: note: --guard-rate, --guard-min-mass, --guard-log given, but config 'a@2048' runs no "
+        "quality guard") and "--guard observe" in err
+    guard = options.make(_config(model, mode="observe"), "c")
+    assert isinstance(guard, QualityGuard) and guard.settings.min_mass == 0.9
+    assert G.GuardOptions().make(_config(model), "c") is None
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", ["eval", "run"])
+def test_guard_off_with_options_that_configure_one_is_a_one_line_error(command, capsys) -> None:
+    from minference.app.cli import main
+
+    assert main([command, "--guard", "off", "--guard-rate", "1", "--guard-log", "g.jsonl"]) == 2
+    assert capsys.readouterr().err == (
+        f"minference {command}: error: argument --guard: off runs no guard, so --guard-rate, --guard-log would do "
+        "nothing (drop them, or choose --guard observe or enforce)\n")
+    assert G.from_args(build_parser().parse_args([command, "--guard", "off"])) == G.GuardOptions({"mode": "off"})
+
+
 def test_eval_runs_one_guard_per_sparse_config_and_length(tmp_path, byte_tokenizer) -> None:
     """run_eval on a tiny random model (CPU, torch backend): the sparse config's runs carry the
     guard's summary, each checked prefill is a JSON line naming the task prompts it ran, and the

@@ -14,9 +14,11 @@ import pytest
 import torch
 from minference.reference import masks as M
 from minference.reference.attention import dense_attention_probs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minference.integration as integ
 from minference import dispatch
+from minference import guard as guard_module
 from minference.config import (
     ConfigError,
     GuardSettings,
@@ -27,7 +29,7 @@ from minference.config import (
     model_signature,
 )
 from minference.dispatch import sparse_prefill
-from minference.guard import LOGGER_NAME, QualityGuard, check_positions, format_summary
+from minference.guard import LOGGER_NAME, QualityGuard, _GroupSets, check_positions, format_summary, shadow_rows
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, qkv
@@ -99,17 +101,18 @@ def reference_masks(plan, indices: dict, Hq: int, B: int, N: int, fill_gaps: int
 
 
 def reference_stats(q, k, v, out, masks, rows: list[list[int]], *, seqlens=None, seqstarts=None, q_first=0):
-    """Float64 per head: mean and least captured mass over the checked rows of every batch row,
-    and ``‖out − dense‖ / ‖dense‖`` over them (``out`` row of logical position ``i``: ``starts + i
-    - q_first``)."""
+    """Float64 per batch row and head (``[B][Hq]`` lists): mean and least captured mass over that
+    batch row's checked rows, and ``‖out − dense‖ / ‖dense‖`` over them (``out`` row of logical
+    position ``i``: ``starts + i - q_first``)."""
     B, Hq, N, G = k.shape[0], q.shape[1], k.shape[2], q.shape[1] // k.shape[1]
     full_q = q if q.shape[2] == N else torch.cat([torch.zeros(B, Hq, N - q.shape[2], q.shape[3]), q], dim=2)
     probs = dense_attention_probs(full_q.double(), k.double(), seqlens=seqlens, seqstarts=seqstarts)
     starts = [0] * B if seqstarts is None else [int(s) for s in seqstarts]
-    masses = [[] for _ in range(Hq)]
-    err, ref = [0.0] * Hq, [0.0] * Hq
+    mean, low, error = [], [], []
     for b in range(B):
         vb = v[b].double()
+        masses = [[] for _ in range(Hq)]
+        err, ref = [0.0] * Hq, [0.0] * Hq
         for h in range(Hq):
             for i in rows[b]:
                 p = probs[b, h, i]  # [N] logical keys
@@ -118,10 +121,22 @@ def reference_stats(q, k, v, out, masks, rows: list[list[int]], *, seqlens=None,
                 o = out[b, h, starts[b] + i - q_first].double()
                 err[h] += float((o - dense).square().sum())
                 ref[h] += float(dense.square().sum())
-    mean = [sum(m) / len(m) for m in masses]
-    low = [min(m) for m in masses]
-    error = [math.sqrt(e / r) for e, r in zip(err, ref)]
+        mean.append([sum(m) / len(m) for m in masses])
+        low.append([min(m) for m in masses])
+        error.append([math.sqrt(e / r) for e, r in zip(err, ref)])
     return mean, low, error
+
+
+def assert_layer_matches(layer: dict, mean, low, error, *, mass_abs: float = 2e-5, error_rel: float = 1e-3,
+                         error_abs: float = 1e-5) -> None:
+    """A layer record against :func:`reference_stats`: per batch row, and per head over the rows
+    (the lowest row mean, the lowest row, the largest row error)."""
+    for b in range(len(mean)):
+        assert layer["row_mass"][b] == pytest.approx(mean[b], abs=mass_abs)
+        assert layer["row_error"][b] == pytest.approx(error[b], rel=error_rel, abs=error_abs)
+    assert layer["mass"] == pytest.approx([min(col) for col in zip(*mean)], abs=mass_abs)
+    assert layer["mass_min"] == pytest.approx([min(col) for col in zip(*low)], abs=mass_abs)
+    assert layer["error"] == pytest.approx([max(col) for col in zip(*error)], rel=error_rel, abs=error_abs)
 
 
 def _settings(**kw) -> GuardSettings:
@@ -177,13 +192,70 @@ def test_mass_and_error_equal_a_float64_reference(backend, ragged) -> None:
     (layer,) = records[0]["layers"]
     masks = reference_masks(PLAN, spy.indices, Hq, B, N, 7)
     checked = [expected_positions(n, n, s.tail_rows, s.spread_rows, 6) for n in lens]
-    assert layer["rows"] == sum(len(r) for r in checked)
+    assert layer["rows"] == [len(r) for r in checked]
     mean, low, error = reference_stats(q, k, v, out, masks, checked, **rows)
-    assert layer["mass"] == pytest.approx(mean, abs=2e-5)
-    assert layer["mass_min"] == pytest.approx(low, abs=2e-5)
-    assert layer["error"] == pytest.approx(error, rel=1e-3, abs=1e-5)
+    assert_layer_matches(layer, mean, low, error)
     assert layer["mass"][4] == pytest.approx(1.0) and layer["error"][4] < 1e-5  # the dense head
     assert min(layer["mass"]) < 0.9  # the plan is really sparse on these inputs
+
+
+def test_row_chunks_and_key_blocks_keep_the_float64_result(monkeypatch) -> None:
+    """A chunk budget small enough for several row chunks and key blocks (the online softmax over
+    key blocks, ragged rows with NaN padding gathered per block) gives the float64 reference's
+    statistics, as the one-block computation does."""
+    B, Hq, Hkv, N, D = 2, 9, 3, 160, 16
+    q, k, v = qkv(AttnShape(B=B, Hq=Hq, Hkv=Hkv, N=N, D=D), torch.float32, "cpu", seed=3, sharpness=3.0)
+    rows = dict(seqlens=torch.tensor([N, 117], dtype=torch.int32), seqstarts=torch.tensor([0, 29], dtype=torch.int32))
+    for x in (q, k, v):
+        x[1, :, :29] = float("nan")
+        x[1, :, 29 + 117:] = float("nan")
+    monkeypatch.setattr(guard_module, "SHADOW_CHUNK_ELEMENTS", 3 * B * Hq * N)  # 3 rows a chunk, 26 keys a block
+    spy = Spy(QualityGuard(_settings()))
+    records = []
+    spy.guard.on_record = records.append
+    with spy.guard.call("p"):
+        out = sparse_prefill(q, k, v, PLAN, dense_threshold=0, backend="torch", fill_gaps=7, dense_tail=6,
+                             validate=False, shadow=spy.check(), **rows)
+    (layer,) = records[0]["layers"]
+    masks = reference_masks(PLAN, spy.indices, Hq, B, N, 7)
+    checked = [expected_positions(n, n, 5, 7, 6) for n in (N, 117)]
+    assert_layer_matches(layer, *reference_stats(q, k, v, out, masks, checked, **rows))
+
+
+class _LargestFloat(TorchDispatchMode):
+    """Records the largest float32 tensor any op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for x in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
+                self.largest = max(self.largest, x.numel())
+        return result
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_shadow_computation_never_upcasts_whole_keys(ragged) -> None:
+    """The shadow computation's float32 tensors stay within its chunk budget: k and v are upcast
+    one key block at a time (bfloat16 inputs whose whole k of one kv head, ``N * D`` float32,
+    is 16 times the budget)."""
+    B, Hq, Hkv, N, D, budget = 1, 4, 2, 4096, 64, 1 << 14
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.bfloat16) for H in (Hq, Hkv, Hkv))
+    out = torch.randn_like(q)
+    lens, starts = torch.tensor([N], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    pos = check_positions(lens, lens, tail_rows=4, spread_rows=4, dense_tail=0, N=N, bound=N)
+    groups = [_GroupSets("a_shape", torch.arange(Hq), sink=torch.full((Hq,), 4), window=torch.full((Hq,), 256))]
+    kw = dict(scale=D ** -0.5, lens=lens, starts=starts, q_lens=lens, q_starts=starts, ragged=ragged, fill_gaps=0)
+    with _LargestFloat() as seen:
+        mass, err2, ref2 = shadow_rows(q, k, v, out, pos, groups, chunk_elements=budget, **kw)
+    assert seen.largest <= budget < N * D
+    whole = shadow_rows(q, k, v, out, pos, groups, chunk_elements=1 << 30, **kw)  # one block
+    for got, want in zip((mass, err2, ref2), whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.interpret
@@ -200,11 +272,9 @@ def test_heads_the_converter_made_dense_count_every_key() -> None:
     (layer,) = records[0]["layers"]
     masks = reference_masks(PLAN, spy.indices, 9, 1, 160, dispatch.FILL_GAPS)
     checked = [expected_positions(160, 160, 5, 7, 0)]
-    mean, _, error = reference_stats(q, k, v, out, masks, checked)
     for h in (0, 3, 5):  # the vertical-slash heads
         assert layer["mass"][h] == pytest.approx(1.0, abs=1e-5) and layer["error"][h] < 1e-4
-    assert layer["mass"] == pytest.approx(mean, abs=2e-5)
-    assert layer["error"] == pytest.approx(error, rel=1e-3, abs=1e-5)
+    assert_layer_matches(layer, *reference_stats(q, k, v, out, masks, checked))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -223,9 +293,7 @@ def test_a_chunk_after_a_cache_is_checked_on_its_own_rows(backend) -> None:
     masks = reference_masks(PLAN, spy.indices, 9, 1, N, dispatch.FILL_GAPS)
     checked = [expected_positions(N, C, 5, 7, 0)]
     assert min(checked[0]) >= N - C
-    mean, low, error = reference_stats(q, k, v, out, masks, checked, q_first=N - C)
-    assert layer["mass"] == pytest.approx(mean, abs=2e-5)
-    assert layer["error"] == pytest.approx(error, rel=1e-3, abs=1e-5)
+    assert_layer_matches(layer, *reference_stats(q, k, v, out, masks, checked, q_first=N - C))
 
 
 # ---- the policy on a planted needle ----------------------------------------------------------
@@ -293,6 +361,64 @@ def test_enforce_recomputes_the_heads_below_the_floor_densely(backend) -> None:
     assert (plain[:, :2, 200:] - dense[:, :2, 200:]).abs().max() > 0.1  # sparse really missed it
 
 
+def _batch(bad_row: int, B: int):
+    """``B`` batch rows of the needle case, the needle (missed by heads 0 and 1) in ``bad_row`` only."""
+    bad, good = needle_case(True), needle_case(False)
+    return tuple(torch.cat([bad[i] if b == bad_row else good[i] for b in range(B)]) for i in range(3))
+
+
+@pytest.mark.parametrize("B, bad_row", [(2, 1), (4, 2)])
+@pytest.mark.parametrize("mode", ["observe", "enforce"])
+def test_one_bad_prompt_in_a_batch_is_judged_on_its_own(B, bad_row, mode) -> None:
+    """A prompt whose heads miss the needle is not averaged away by clean batch-mates: its heads
+    are below the floor (enforce: recomputed densely, for the whole batch), and the events, the
+    metrics and the saved prompt ids name that batch row only."""
+    q, k, v = _batch(bad_row, B)
+    records = []
+    guard = QualityGuard(_settings(mode=mode, min_mass=0.8, tail_rows=8, spread_rows=8), on_record=records.append)
+    with guard.call([f"req-{b}" for b in range(B)]):
+        out = sparse_prefill(q, k, v, NEEDLE_PLAN, dense_threshold=0, backend="torch", validate=False,
+                             shadow=guard.layer_check(0))
+    (layer,) = records[0]["layers"]
+    assert layer["below"] == [0, 1] and layer["rows"] == [16] * B
+    assert layer["row_below"] == [[0, 1] if b == bad_row else [] for b in range(B)]
+    assert max(layer["row_mass"][bad_row][:2]) < 0.8
+    assert min(min(m) for b, m in enumerate(layer["row_mass"]) if b != bad_row) > 0.95
+    assert layer["mass"][:2] == layer["row_mass"][bad_row][:2]  # per head: the lowest batch row
+    assert records[0]["below_rows"] == [bad_row] and records[0]["below_floor"] == guard.below_floor == 2
+    assert guard.saved_prompts == [f"req-{bad_row}"] and guard.calls_below_floor == 1
+    heads = guard.heads
+    assert heads[(0, 0)].checked == B and heads[(0, 0)].below_floor == 1 and heads[(0, 2)].below_floor == 0
+    dense = dispatch.dense_prefill(q, k, v)
+    if mode == "enforce":
+        assert layer["fallback"] == [0, 1] and guard.fallbacks == 2 and heads[(0, 0)].fallbacks == 1
+        torch.testing.assert_close(out[:, :2], dense[:, :2], atol=2e-5, rtol=1e-5)  # every batch row's heads 0, 1
+    else:
+        assert layer["fallback"] == [] and (out[bad_row, :2, 200:] - dense[bad_row, :2, 200:]).abs().max() > 0.1
+    one_id = QualityGuard(_settings(min_mass=0.8))
+    with one_id.call("batch-7"):  # one id for the whole batch: kept whole
+        sparse_prefill(q, k, v, NEEDLE_PLAN, dense_threshold=0, backend="torch", validate=False,
+                       shadow=one_id.layer_check(0))
+    assert one_id.saved_prompts == ["batch-7"]
+
+
+def test_a_call_whose_layers_run_dense_is_drawn_but_not_checked() -> None:
+    """A drawn call whose layers take the dispatcher's dense path (N below the default
+    threshold) checks nothing: it is no checked call, records nothing, and stays out of the flag
+    rate's denominator."""
+    assert dispatch.DENSE_THRESHOLD > 256
+    q, k, v = needle_case()
+    records = []
+    guard = QualityGuard(_settings(min_mass=0.8, flag_rate=0.5, flag_min_calls=2), on_record=records.append)
+    for i in range(6):
+        with guard.call(i):
+            sparse_prefill(q, k, v, NEEDLE_PLAN, dense_threshold=0 if i < 2 else None, backend="torch",
+                           validate=False, shadow=guard.layer_check(0))
+    assert guard.calls == 6 and guard.sampled == len(records) == 2 and guard.calls_below_floor == 2
+    assert guard.flagged  # 2 of 2 checked calls, not 2 of 6
+    assert "2 of 6 prefill calls checked" in format_summary(guard.summary())
+
+
 def test_no_alarm_where_the_config_covers_the_input() -> None:
     """Local attention under an A-shape window that holds it: nothing below the floor, in
     observe or enforce, and the output is untouched."""
@@ -347,7 +473,7 @@ def test_the_sampling_rate_is_honoured() -> None:
             picked.append(guard.layer_check(0) is not None)
             assert (guard.layer_check(1) is not None) == picked[-1]  # one decision per call, every layer
             guard.end_call()
-        assert guard.calls == calls and guard.sampled == sum(picked)
+        assert guard.calls == calls and guard.sampled == 0  # drawn, but no layer checked anything
         return picked
 
     k = sum(draws(1 / 16))
@@ -406,10 +532,10 @@ def test_patched_model_writes_one_json_line_per_checked_forward(tmp_path) -> Non
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert guard.calls == 13 and 0 < guard.sampled < 13 and len(records) == guard.sampled
     for r in records:
-        assert r["v"] == 1 and r["guard"] == "tiny" and r["mode"] == "observe"
+        assert r["v"] == 2 and r["guard"] == "tiny" and r["mode"] == "observe"
         assert [x["layer"] for x in r["layers"]] == list(range(layers))
         for lay in r["layers"]:
-            assert len(lay["mass"]) == len(lay["error"]) == len(lay["heads"]) and lay["rows"] > 0
+            assert len(lay["mass"]) == len(lay["error"]) == len(lay["heads"]) and lay["rows"][0] > 0
             assert all(0 <= m <= 1 + 1e-6 for m in lay["mass"])
     assert [r["prompt"] for r in records[:-1]] == sorted(r["prompt"] for r in records[:-1])
     with torch.no_grad():
@@ -534,7 +660,6 @@ def test_gpu_unchecked_calls_never_sync_and_bf16_mass_matches_float64() -> None:
         out = sparse_prefill(q, k, v, PLAN, dense_threshold=0, validate=False, shadow=spy.check())
     masks = reference_masks(PLAN, spy.indices, 9, 2, 1024, dispatch.FILL_GAPS)
     checked = [expected_positions(1024, 1024, 5, 7, 0)] * 2
-    mean, _, error = reference_stats(q.cpu(), k.cpu(), v.cpu(), out.cpu(), masks, checked)
     (layer,) = records[0]["layers"]
-    assert layer["mass"] == pytest.approx(mean, abs=1e-4)
-    assert layer["error"] == pytest.approx(error, rel=1e-2, abs=1e-3)
+    assert_layer_matches(layer, *reference_stats(q.cpu(), k.cpu(), v.cpu(), out.cpu(), masks, checked),
+                         mass_abs=1e-4, error_rel=1e-2, error_abs=1e-3)
