@@ -47,8 +47,9 @@ from minference.dispatch import FILL_GAPS
 if TYPE_CHECKING:
     from minference.patterns import Pattern
 
-__all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "user_errors", "check_arguments", "Parser", "HelpFormatter",
-           "check_device", "check_config_file", "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
+__all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "FOLDER_OPTIONS", "user_errors", "check_arguments", "Parser",
+           "HelpFormatter", "check_device", "check_config_file", "check_output_file", "check_output_folder",
+           "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
 #: Modules whose ``add_cli(subparsers)`` adds subcommands (imported when the parser is built).
 SUBCOMMAND_MODULES = ("minference.app.main_job", "minference.app.plots", "minference.app.evaluate",
@@ -74,6 +75,12 @@ DEMO_PERIOD = 1.5
 DEMO_HARMONIC_DECAY = 1.0
 #: Per-head mix of (sink, column, local) strengths, cycled over query heads.
 DEMO_HEAD_MIX = ((1.0, 0.0, 1.0), (0.6, 1.0, 0.8), (0.3, 0.2, 0.3), (1.0, 0.6, 0.5))
+#: ``minference demo --help``'s description.
+DEMO_DESCRIPTION = (
+    "Run every pattern on a bundled synthetic example (an attention sink, a local band, heavy key columns and "
+    "a diffuse head) and print, per pattern, its density, the dense attention mass it captures and its error "
+    "against dense attention, and how far the fast path lands from the float64 reference."
+)
 #: Triton kernels run when importable; the Triton interpreter needs this on CPU.
 _INTERPRET = "TRITON_INTERPRET"
 
@@ -318,17 +325,43 @@ def _number_in(lo: float, hi: float, *, open_low: bool = False):
     return check
 
 
-def _output_file(path: str) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
+def check_output_file(path: str) -> str:
+    """``path`` if a file can be written there, else a ``ValueError`` saying why: it is not a
+    folder, its folder exists and is writable, and a file already there is writable. What every
+    option naming a file to write is checked with (:data:`OPTION_CHECKS`: ``--out``, ``--plot``,
+    ``--save-measurements``; ``search`` checks each file its ``--out`` template makes): a folder
+    given as ``--out`` ran a whole eval or search and then failed with ``[Errno 21]``."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ValueError(f"{path!r} is a folder; give a file name")
+    folder = os.path.dirname(full)
     if not os.path.isdir(folder):
         raise ValueError(f"the folder of {path!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"the folder of {path!r} is not writable")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ValueError(f"{path!r} exists and is not writable")
+    return path
+
+
+def check_output_folder(path: str) -> str:
+    """``path`` if it is a folder to write into, or one that can be made there (its parent exists
+    and is writable): the check of the options in :data:`FOLDER_OPTIONS`."""
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise ValueError(f"{path!r} exists and is not a folder")
+    where = full if os.path.isdir(full) else os.path.dirname(full)
+    if not os.path.isdir(where):
+        raise ValueError(f"the folder of {path!r} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"{where!r} is not writable")
     return path
 
 
 def _image_file(path: str) -> str:
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("drawing needs matplotlib: pip install matplotlib (or pip install 'minference[plot]')")
-    return _output_file(path)
+    return check_output_file(path)
 
 
 #: Checks of the options that mean the same in every subcommand, by argparse ``dest``: each
@@ -357,9 +390,14 @@ OPTION_CHECKS = {
     "layers": _int_at_least(0),
     "layer": _int_at_least(0),
     "head": _int_at_least(0),
-    "out": _output_file,
+    "out": check_output_file,
     "plot": _image_file,
+    "save_measurements": check_output_file,
 }
+
+#: Options that name a folder to write into, not a file, by (subcommand, dest): checked with
+#: :func:`check_output_folder` instead of their :data:`OPTION_CHECKS` entry.
+FOLDER_OPTIONS = {("minference ruler generate", "out")}
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -379,6 +417,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if (getattr(args, "cli_prog", None), dest) in FOLDER_OPTIONS:
+            check = check_output_folder
         try:
             if isinstance(value, list):
                 setattr(args, dest, [check(x) for x in value])
@@ -436,7 +476,7 @@ def _demo_cmd(args: argparse.Namespace) -> int:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo", help="every pattern on a bundled synthetic example: density, captured mass, error vs dense",
-        description=__doc__.split("\n\n")[2].replace("``", "") if __doc__ else None,  # None under python -OO
+        description=DEMO_DESCRIPTION,
     )
     demo.add_argument("--tokens", type=_positive_int, default=DEMO_TOKENS, help="sequence length")
     demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic content")
@@ -471,6 +511,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         check_arguments(parser, args)
+        if getattr(args, "no_progress", False):  # transformers' loading bars too
+            from minference.app.models import quiet_loading
+
+            with quiet_loading():
+                return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except Exception as err:
         if getattr(args, "debug", False) or not isinstance(err, user_errors()):

@@ -34,7 +34,8 @@ For one model (:func:`minference.app.models.load_model`), several configs, lengt
   index). Layers that run dense count 1 for all three.
 
 Configs: ``"dense"`` (the unpatched model, transformers SDPA: the baseline), a PatternConfig file
-(refused for another model unless ``allow_mismatch``), or one pattern for every head as JSON
+(read and validated before the model loads; refused for another model unless ``allow_mismatch``,
+checked once it is loaded), or one pattern for every head as JSON
 (``'{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}'``); ``name=SPEC`` names one.
 The loop runs length -> sample -> config, so every config sees the same prompts.
 """
@@ -210,39 +211,108 @@ def _parse_pattern(text: str):
         raise EvalError(f"config {text!r} is not a pattern: {err}") from None
 
 
-def check_config_spec(spec: str) -> None:
-    """Refuse, before any model is loaded, a spec that is neither ``dense``, an existing file nor a
-    valid pattern JSON."""
+def check_config_spec(spec: str):
+    """Refuse, before any model is loaded, a spec that is neither ``dense``, a PatternConfig file
+    that reads and validates (:func:`minference.config.load_config` without a model: JSON, schema,
+    shapes) nor a valid pattern JSON. Returns the file's :class:`~minference.config.PatternConfig`
+    (``None`` for dense and pattern JSON); checking it against the model needs the loaded model
+    (:func:`resolve_config`).
+
+    Raises:
+        EvalError: one line; for a file, naming the file.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise EvalError(f"config spec must be a non-empty string, got {spec!r}")
     _, body = _split_spec(spec)
     body = body.strip()
     if body == DENSE:
-        return
+        return None
     if body.startswith("{"):
         _parse_pattern(body)
-        return
+        return None
     if not Path(body).is_file():
         raise EvalError(f"unknown config {spec!r}: expected 'dense', a PatternConfig file, or one pattern for "
                         f"every head as JSON, e.g. {DEFAULT_QWEN_PATTERN!r} (with an optional 'name=' prefix)")
+    return _load_file_config(body)
 
 
-def resolve_config(spec: str, model: torch.nn.Module, *, allow_mismatch: bool = False) -> EvalConfig:
-    """:class:`EvalConfig` of one spec for ``model`` (see the module docstring for the forms)."""
-    from minference.config import load_config
-    from minference.patterns import pattern_to_dict
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", text.strip())
 
-    check_config_spec(spec)
+
+def _load_file_config(path: str, signature=None, *, allow_mismatch: bool = False):
+    """:func:`minference.config.load_config` of the file ``path`` (checked against ``signature``
+    where given), every error one line naming the file. A config made for another model says what
+    differs and whether ``--allow-mismatch`` would run it.
+
+    Raises:
+        EvalError: the file does not read, parse or validate, or does not fit ``signature``.
+    """
+    from minference.config import ConfigError, ConfigMismatchError, load_config
+
+    try:
+        return load_config(path, signature=signature, allow_mismatch=allow_mismatch)
+    except ConfigMismatchError as err:
+        differences = err.differences
+        usable = False
+        if not allow_mismatch:  # would --allow-mismatch run it (the config covers the model's layers and heads)?
+            try:
+                load_config(path, signature=signature, allow_mismatch=True)
+                usable = True
+            except ConfigMismatchError as again:
+                differences = again.differences
+        raise EvalError(f"{path} was made for another model: " + "; ".join(_one_line(d) for d in differences)
+                        + (" (--allow-mismatch runs it anyway)" if usable else "")) from None
+    except (ConfigError, OSError, TypeError, ValueError) as err:
+        text = _one_line(str(err))
+        raise EvalError(text if text.startswith(path) else f"{path}: {text}") from None
+
+
+def _spec_name(spec: str) -> str:
+    """The name a (checked) spec gets in the report: its ``name=`` prefix, else ``dense``, the
+    pattern's short name or the file's stem."""
     name, body = _split_spec(spec)
     body = body.strip()
+    if name:
+        return name
     if body == DENSE:
-        return EvalConfig(name or DENSE, spec, "dense")
+        return DENSE
+    if body.startswith("{"):
+        return _pattern_name(_parse_pattern(body))
+    return Path(body).stem
+
+
+def _runs_sparse(spec: str, parsed) -> bool:
+    """True when the (checked) spec has a head that is not dense: the dense threshold decides
+    whether it runs sparse. ``parsed``: :func:`check_config_spec`'s result."""
+    body = _split_spec(spec)[1].strip()
+    if body == DENSE:
+        return False
+    if body.startswith("{"):
+        return _parse_pattern(body).kind != "dense"
+    return parsed is not None and any(p.kind != "dense" for row in parsed.layers for p in row)
+
+
+def resolve_config(spec: str, model: torch.nn.Module, *, allow_mismatch: bool = False,
+                   signature=None) -> EvalConfig:
+    """:class:`EvalConfig` of one spec for ``model`` (see the module docstring for the forms). A
+    file is checked against ``signature`` (default: ``model``'s, weights fingerprint included);
+    a mismatch is one line naming the file (:class:`EvalError`)."""
+    from minference.config import model_signature
+    from minference.patterns import pattern_to_dict
+
+    body = _split_spec(spec)[1].strip() if isinstance(spec, str) else ""
+    if not body or body == DENSE or body.startswith("{") or not Path(body).is_file():
+        check_config_spec(spec)  # a file is read once, below
+    if body == DENSE:
+        return EvalConfig(_spec_name(spec), spec, "dense")
     if body.startswith("{"):
         pattern = _parse_pattern(body)
         config = uniform_config(model, pattern)
-        return EvalConfig(name or _pattern_name(pattern), spec, "uniform", config.to_dict(), pattern_to_dict(pattern))
-    config = load_config(body, model, allow_mismatch=allow_mismatch)
-    return EvalConfig(name or Path(body).stem, spec, "file", config.to_dict())
+        return EvalConfig(_spec_name(spec), spec, "uniform", config.to_dict(), pattern_to_dict(pattern))
+    config = _load_file_config(body, model_signature(model) if signature is None else signature,
+                               allow_mismatch=allow_mismatch)
+    return EvalConfig(_spec_name(spec), spec, "file", config.to_dict())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1103,6 +1173,9 @@ def run_eval(
             the set holds for each task and length, the same count everywhere).
         seed: the procedural prompts' seed (default 0); RULER prompts carry their own.
         dense_threshold: passed to :func:`minference.patch` (``None``: the dispatcher's default).
+            A sparse config at a length whose prompts are shorter runs dense (``dense_short``): a
+            note on stderr says so before the model loads, and the table shows its ratios as
+            ``dense`` (:data:`DENSE_CELL_NOTE`).
         dense_tail: passed to :func:`minference.patch`: the last prompt tokens of a sparse
             prefill that attend densely (0: none).
         cuda_graphs: sparse configs run their layers through CUDA graphs
@@ -1112,7 +1185,8 @@ def run_eval(
             profiled split then books index building under attention (a replay has no index
             ranges); :attr:`EvalReport.cuda_graph_stats` counts captures, replays and fallbacks.
             Procedural suite only: RULER's prompts vary in length, more shapes than the cache
-            holds, so graphs would be captured inside timed prefills (refused before loading).
+            holds, so graphs would be captured inside timed prefills (refused before loading);
+            refused before loading too off a CUDA device or with ``backend="torch"`` (graphs never run).
         prefill_chunk: every timed, profiled, answering and perplexity prefill feeds the prompt in
             chunks of this many tokens through the KV cache (chunked prefill, as serving engines
             run it; each later chunk runs the patched model's ``sparse_continue`` path); the TTFT is
@@ -1132,7 +1206,10 @@ def run_eval(
 
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range;
-            ``cuda_graphs`` with RULER; ``done`` of another model, prompt set or settings.
+            ``cuda_graphs`` with RULER or off CUDA; ``done`` of another model, prompt set or
+            settings (all before the model loads); a config file that does not read or validate
+            (before loading) or was made for another model (right after loading, before any
+            prompt), one line naming the file.
     """
     from tqdm.auto import tqdm
 
@@ -1147,6 +1224,7 @@ def run_eval(
         native_context,
         set_context_length,
     )
+    from minference.config import model_signature
 
     t_start = time.perf_counter()
     if model_name not in MODEL_CHOICES:
@@ -1191,9 +1269,29 @@ def run_eval(
     configs = list(configs)
     if not configs:
         raise EvalError("no configs given")
-    for spec in configs:
-        check_config_spec(spec)
-    dev = torch.device(device) if loaded is None else next(loaded[0].parameters()).device
+    # every file config read and validated now (one line naming the file), not after the model loads;
+    # whether it fits the model needs the model's signature (resolve_config, right after loading)
+    parsed = [check_config_spec(spec) for spec in configs]
+    names = [_spec_name(spec) for spec in configs]
+    if len(set(names)) != len(names):
+        raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
+    if loaded is None:  # a config for another model, by the model's known shape (the fingerprint: after loading)
+        from minference.app.models import check_config_model
+
+        for spec, config in zip(configs, parsed):
+            if config is not None:
+                try:
+                    check_config_model(config, model_name, allow_mismatch=allow_mismatch)
+                except ValueError as err:
+                    raise EvalError(f"{_split_spec(spec)[1].strip()}: {err}") from None
+    if loaded is not None:
+        dev = next(loaded[0].parameters()).device
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise EvalError(f"unknown device {device!r}: {_one_line(str(err))}") from None
+    _check_cuda_graphs(cuda_graphs, dev, backend)
     # what the report records as its settings ("device" once more when the model is loaded: its index)
     settings = {"device": str(dev), "dense_threshold": dense_threshold, "backend": backend, "seed": seed,
                 "samples": samples, "coverage": coverage, "profile": profile and dev.type == "cuda",
@@ -1215,6 +1313,9 @@ def run_eval(
     # short for a task (or too long for the model) fails here, not hours into the run.
     ruler_prompts, first = _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit, limit_text,
                                           allow_mismatch)
+    note = _dense_short_note(configs, parsed, dense_threshold, ruler_prompts or {n: [n] for n in lengths})
+    if note:
+        print(f"minference eval: note: {note}", file=sys.stderr)
 
     model, tokenizer = loaded if loaded is not None else load_model(model_name, path=model_path, device=dev,
                                                                     dtype=dtype)
@@ -1227,7 +1328,9 @@ def run_eval(
         limit, limit_text = loaded_limit
         ruler_prompts, first = _first_prompts(ruler_set, tokenizer, lengths, tasks, samples, seed, limit,
                                               limit_text, allow_mismatch)
-    resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch) for spec in configs]
+    # a file config against the loaded model: its weights fingerprint and rotary settings too
+    signature = model_signature(model) if any(c is not None for c in parsed) else None
+    resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch, signature=signature) for spec in configs]
     names = [c.name for c in resolved]
     if len(set(names)) != len(names):
         raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
@@ -1520,6 +1623,47 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 checkpoint(report)
 
 
+def _check_cuda_graphs(cuda_graphs: bool, device: torch.device, backend: str) -> None:
+    """``cuda_graphs`` only where graphs run: a CUDA device and not the torch backend (elsewhere
+    every call would run directly, and the report would still say "CUDA graphs"). Raises
+    :class:`EvalError` (one line) before anything loads."""
+    if not cuda_graphs:
+        return
+    if device.type != "cuda":
+        raise EvalError(f"--cuda-graphs needs a CUDA device (--device cuda), not {str(device)!r}: graphs never run "
+                        f"on {device.type}, every call would run directly")
+    if backend == "torch":
+        raise EvalError("--cuda-graphs replays the Triton kernels' graphs: --backend torch never uses them "
+                        "(use --backend auto or triton)")
+
+
+def _dense_short_note(configs: Sequence[str], parsed: Sequence, dense_threshold: int | None,
+                      prompts: dict[int, list]) -> str:
+    """The note :func:`run_eval` prints before the model loads when a sparse config will run dense
+    under the dense threshold (path ``dense_short``: the prompt's keys are fewer than the threshold,
+    every chunk of a chunked prefill included): which configs, at which lengths. ``prompts``: per
+    length, its prompts' token counts (procedural: the length) or RULER samples (``n_tokens``).
+    ``""``: none does."""
+    from minference.dispatch import DENSE_THRESHOLD
+
+    threshold = DENSE_THRESHOLD if dense_threshold is None else dense_threshold
+    sparse = [_spec_name(spec) for spec, p in zip(configs, parsed) if _runs_sparse(spec, p)]
+    where = []
+    for n, items in prompts.items():
+        sizes = [x if isinstance(x, int) else x.n_tokens for x in items]
+        short = sum(size < threshold for size in sizes)
+        if short == len(sizes):
+            where.append(str(n))
+        elif short:
+            where.append(f"{n} ({short} of {len(sizes)} prompts)")
+    if not sparse or not where:
+        return ""
+    return (f"{', '.join(sparse)} will run dense at {', '.join(where)} tokens (path dense_short: prompts shorter "
+            f"than the dense threshold {_threshold_text(dense_threshold)} run dense); their TTFT against dense there "
+            f"is dense against dense, shown as 'dense' in the table, not a speed-up (--dense-threshold N runs "
+            f"prompts of N tokens and more sparse)")
+
+
 def _triton_backend(backend: str, device: torch.device) -> bool:
     """True when the dispatcher runs the Triton kernels (physical tiles are measurable)."""
     from minference.dispatch import resolve_backend
@@ -1594,6 +1738,20 @@ def _threshold_text(value: int | None) -> str:
     return str(value)
 
 
+#: The footnote under the table where a sparse config's ratio cells read ``dense`` (:func:`_ran_dense`).
+DENSE_CELL_NOTE = ("dense (in vs dense, max vs dense, worst / dense): the config ran no sparse attention at that "
+                   "length, every attention call on a dense path (paths: dense_short: prompts shorter than the dense "
+                   "threshold run dense); its TTFT there is dense against dense, so no speed-up is claimed.")
+
+
+def _ran_dense(config: EvalConfig, stats: RunStats) -> bool:
+    """True for a sparse config whose counted prefill of a (config, length) ran no sparse path
+    (:attr:`RunStats.calls`: e.g. only ``dense_short``, under the dense threshold): its ratios
+    against dense compare dense with dense. ``False`` where nothing was counted (dense, or none)."""
+    return (not config.dense and bool(stats.calls)
+            and not any(stats.calls.get(path) for path in ("sparse", "sparse_continue")))
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -1623,6 +1781,7 @@ def format_report(report: EvalReport) -> str:
         "TTFT ms", "vs dense", "TTFT max ms", "max vs dense", "worst / dense", "attn ms", "index ms", "other ms",
         "density (log/phys)", "coverage", "paths"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    marked = False  # a sparse config that ran dense somewhere: its ratios read "dense" (footnote below)
     for n in report.lengths:
         base = report.run(dense, n) if dense else None
         for c in report.configs:
@@ -1654,11 +1813,15 @@ def format_report(report: EvalReport) -> str:
             med = s.ttft_median_s
             row.append(_fmt(None if med is None else med * 1e3, ".1f"))
             speed = (base.ttft_median_s / med) if base is not None and base.ttft_median_s and med else None
-            row.append("-" if speed is None else f"{speed:.2f}x")
             w = ttft.get((c.name, "all", n))
+            as_dense = _ran_dense(c, s) and speed is not None  # dense against dense: no speed-up to claim
+            marked = marked or as_dense
+            row.append("dense" if as_dense else "-" if speed is None else f"{speed:.2f}x")
             row.append(_fmt(None if w is None else w["ttft_max_ms"], ".1f"))
-            row.append("-" if w is None or w["speedup_max"] is None else f"{w['speedup_max']:.2f}x")
-            row.append("-" if w is None or w["worst_ratio"] is None else f"{w['worst_ratio']:.2f}")
+            row.append("dense" if as_dense else "-" if w is None or w["speedup_max"] is None
+                       else f"{w['speedup_max']:.2f}x")
+            row.append("dense" if as_dense else "-" if w is None or w["worst_ratio"] is None
+                       else f"{w['worst_ratio']:.2f}")
             sp = s.split
             parts = ("attention_ms", "index_ms", "other_ms")
             row += [_fmt(None if sp is None else getattr(sp, f), ".1f") for f in parts]
@@ -1666,6 +1829,8 @@ def format_report(report: EvalReport) -> str:
             row.append(_fmt(s.coverage))
             row.append(", ".join(f"{k} {v}" for k, v in s.calls.items()) or ("SDPA" if c.dense else "-"))
             lines.append("| " + " | ".join(row) + " |")
+    if marked:
+        lines += ["", DENSE_CELL_NOTE]
     cells = ("Task cells: RULER's score, the mean of its per-sample metric x 100 (string_match_all: share of the "
              "references found; string_match_part, qa: any reference found); avg: mean over the tasks shown, "
              "only for a config that ran them all in full; "
@@ -1695,8 +1860,10 @@ def format_report(report: EvalReport) -> str:
                         row.append("-")
                         continue
                     cell = f"{w['ttft_median_ms']:.0f} / {w['ttft_max_ms']:.0f}"
+                    s = report.run(c.name, n)
                     if not c.dense and w["speedup_median"] is not None:
-                        cell += f" ({w['speedup_median']:.2f}x, {w['speedup_max']:.2f}x)"
+                        cell += (" (dense)" if s is not None and _ran_dense(c, s)
+                                 else f" ({w['speedup_median']:.2f}x, {w['speedup_max']:.2f}x)")
                     row.append(cell)
                 if len(row) > 2 and any(x != "-" for x in row[2:]):
                     lines.append("| " + " | ".join(row) + " |")

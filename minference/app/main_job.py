@@ -7,7 +7,7 @@ from bundled prose (``minference.app.prompts``) and the bundled pattern config
 1. dense prefill (transformers' SDPA), then greedy decoding of the answer;
 2. sparse prefill (``minference.patch``) of the same prompt, then greedy decoding (decode is dense);
 
-and prints both answers next to the key, the prefill time of each, the sparsity (fraction of
+and prints both answers next to the key, the prefill time of each, the density (fraction of
 causal query-key pairs computed, overall and per layer), the per-layer coverage (attention mass
 of the dense softmax that the sparse index captures, measured on the queries and keys the
 sparse layers really saw), the smallest greedy logit margin, and how many attention calls took
@@ -90,7 +90,7 @@ RUN_DESCRIPTION = (
     "Load SmolLM2-135M-Instruct (bundled GGUF; on a GPU: Qwen2.5-Coder-0.5B-Instruct at 120K tokens), build a "
     "long passkey prompt from bundled prose, and run "
     "dense prefill then sparse prefill (bundled pattern config) of the same prompt, each followed by greedy "
-    "decoding. Prints both answers next to the key, both prefill times, the sparsity (fraction of causal "
+    "decoding. Prints both answers next to the key, both prefill times, the density (fraction of causal "
     "query-key pairs computed, per layer), the per-layer coverage (dense attention mass the sparse index "
     "captures) and which attention path each call took. A few minutes on a 2-core CPU."
 )
@@ -333,11 +333,11 @@ def format_report(r: MainJobReport) -> str:
         lines.append(f"cpu threads       : {r.threads}")
     if r.coverage_measured:
         lines += [
-            f"sparsity          : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
+            f"density           : {r.density:.3f} of causal query-key pairs computed (mean over layers and heads)",
             f"coverage          : {r.coverage:.3f} of dense attention mass captured (mean over layers and heads)",
         ]
     else:
-        lines.append("sparsity, coverage: not measured (--no-coverage)")
+        lines.append("density, coverage : not measured (--no-coverage)")
     lines.append(f"attention calls   : {r.call_counts}")
     if r.coverage_measured:
         lines += ["", "layer  density  coverage"]
@@ -498,9 +498,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--out", required=True, help="where to write the config JSON")
     search.add_argument("--model", choices=MODEL_CHOICES, default="smollm2", help="model to search (qwen = qwen0.5b)")
     search.add_argument("--model-path", default=None, help="qwen: its GGUF file (default: minference.app.models)")
-    search.add_argument("--select", choices=("best_mass", "cheapest"), default="best_mass",
-                        help="best_mass: highest mean mass at a common budget; cheapest: least tile cost whose "
-                             "worst calibration prompt reaches --min-mass")
+    search.add_argument("--select", choices=("best_mass", "cheapest"), default=None,
+                        help="best_mass: highest mean mass at a common budget (the default for budgeted candidates); "
+                             "cheapest: least tile cost whose worst calibration prompt reaches --min-mass (the "
+                             "default for adaptive and frontier candidates, whose masses are not at one budget; "
+                             "best_mass would pick their widest budget, or Dense); with --from-measurements: the "
+                             "saved search's, but cheapest where it saved best_mass over Dense")
     search.add_argument("--candidates", choices=("budgeted", "adaptive", "frontier"), default="budgeted",
                         help="budgeted: fixed budgets at --target-density; adaptive: the budget rules of "
                              "minference.app.search.adaptive_candidates; frontier: frontier_candidates (with caps)")
@@ -554,20 +557,62 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 # any model loads (each raises ValueError with the message for the user).
 
 
-def _check_run(args: argparse.Namespace) -> None:
-    model, _, tokens = main_job_defaults(args.device, args.model)
-    if model == "qwen":
-        from minference.app.models import QWEN_NATIVE_CONTEXT, QWEN_YARN_FACTOR
-        from minference.app.prompts import PASSKEY_DIGITS
+def _check_context(model: str, n_tokens: int, what: str) -> None:
+    """``n_tokens`` (prompt and generated tokens) within ``model``'s YaRN context, else a
+    ``ValueError`` about ``--tokens`` (before the load: ``set_context_length`` refused it after)."""
+    from minference.app.models import QWEN_YARN_FACTOR, yarn_context
 
-        limit = int(QWEN_NATIVE_CONTEXT * QWEN_YARN_FACTOR)
-        n = tokens if args.tokens is None else args.tokens
-        if n + PASSKEY_DIGITS + EXTRA_DECODE_TOKENS > limit:  # one token per digit (Qwen's tokenizer)
-            raise ValueError(f"argument --tokens: {n} tokens and the answer exceed qwen's {limit}-token context "
-                             f"(YaRN x{QWEN_YARN_FACTOR:g})")
+    limit = yarn_context(model)
+    if limit is not None and n_tokens > limit:
+        raise ValueError(f"argument --tokens: {what} exceed {model}'s {limit}-token context "
+                         f"(YaRN x{QWEN_YARN_FACTOR:g})")
+
+
+def _check_config_model(path, model: str, *, allow_mismatch: bool = False,
+                        hint: str | None = "pass --allow-mismatch to use it anyway"):
+    """The config at ``path`` (it loads: the shared --config check read it), refused before the
+    weights load when it was made for another model than ``model``
+    (:func:`minference.app.models.check_config_model`). Returns the config."""
+    from minference.app.models import check_config_model
+    from minference.config import load_config
+
+    config = load_config(path)
+    try:
+        check_config_model(config, model, allow_mismatch=allow_mismatch, hint=hint)
+    except ValueError as err:
+        raise ValueError(f"argument --config: {path} was {err}") from None
+    return config
+
+
+def _check_run(args: argparse.Namespace) -> None:
+    from minference.app.prompts import PASSKEY_DIGITS
+
+    model, config, tokens = main_job_defaults(args.device, args.model)
+    n = tokens if args.tokens is None else args.tokens
+    # one token per digit (Qwen's tokenizer)
+    _check_context(model, n + PASSKEY_DIGITS + EXTRA_DECODE_TOKENS, f"{n} tokens and the answer")
+    path = args.config if args.config is not None else (config if config.is_file() else None)
+    if path is not None:  # no bundled config: run_main_job says so
+        _check_config_model(path, model, allow_mismatch=args.allow_mismatch)
+
+
+def _output_paths(args: argparse.Namespace) -> list[str]:
+    """Every file a search writes: one config per ``--min-mass`` (``{min_mass}`` filled) or per
+    ``--frontier`` budget (``{budget}`` filled) and the family's summary, or ``--out`` itself."""
+    if args.frontier is not None:  # the names minference.app.frontier.write_family writes
+        stem = args.out.replace("{budget}", "frontier")
+        stem = stem[: -len(".json")] if stem.endswith(".json") else stem
+        return ([args.out.replace("{budget}", f"{b:g}") for b in args.frontier]
+                + [stem + e for e in (".json", ".md", ".png")])
+    from minference.app.search import DEFAULT_MIN_MASS
+
+    saved = getattr(args, "measurements", None)
+    masses = args.min_mass or [saved.min_mass if saved is not None else DEFAULT_MIN_MASS]
+    return [args.out.replace("{min_mass}", f"{m:g}") for m in masses]
 
 
 def _check_search(args: argparse.Namespace) -> None:
+    from minference.app.cli import check_output_file
     from minference.app.models import is_qwen
 
     if args.min_mass and len(args.min_mass) > 1 and "{min_mass}" not in args.out:
@@ -577,12 +622,17 @@ def _check_search(args: argparse.Namespace) -> None:
     if args.proxy != "mass" and args.frontier is None:
         raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
     measured = None
+    args.select_note = None
     if args.from_measurements is not None:
         from minference.app.search import SearchResult
 
         if args.save_measurements is not None:
             raise ValueError("--from-measurements runs no search: drop --save-measurements")
         measured = SearchResult.load(args.from_measurements)  # ValueError names what is wrong
+        _check_measured_select(args, measured)
+    else:
+        _check_context(args.model, args.tokens, f"calibration prompts of {args.tokens} tokens")
+        _check_select(args)
     args.measurements = measured  # read once: _search_cmd makes the configs from it
     if args.frontier is not None:
         from minference.app.frontier import FrontierError, check_family_args, check_proxy
@@ -598,12 +648,67 @@ def _check_search(args: argparse.Namespace) -> None:
             args, measured.config.model, candidates=measured.candidates, n_tokens=measured.n_tokens)
         if problem:
             raise ValueError(problem)
+    for path in _output_paths(args):  # each file --out makes (a folder given as --out failed after the search)
+        try:
+            check_output_file(path)
+        except ValueError as err:
+            raise ValueError(f"argument --out: {err}") from None
+
+
+#: Why ``--select best_mass`` is refused with Dense among the candidates (without ``--frontier``).
+_BEST_MASS_OVER_DENSE = "picks Dense for every head (Dense is among the candidates and captures all the mass)"
+
+
+def _check_select(args: argparse.Namespace) -> None:
+    """A fresh search's ``--select``: ``None`` becomes the rule that suits ``--candidates``
+    (:func:`minference.app.search.default_selection`); ``best_mass`` over the frontier candidates
+    (Dense among them) is refused unless ``--frontier`` (which does not select by it)."""
+    from minference.app import search as S
+
+    candidates = _candidates(args)
+    if args.select is None:
+        args.select = S.default_selection(candidates if candidates is not None else [])
+    elif args.select == "best_mass" and args.frontier is None and any(c.kind == "dense" for c in candidates or ()):
+        raise ValueError(f"--select best_mass with --candidates {args.candidates} {_BEST_MASS_OVER_DENSE}: use "
+                         "--select cheapest (their default) or --frontier")
+
+
+def _check_measured_select(args: argparse.Namespace, measured) -> None:
+    """``--select`` with ``--from-measurements``: the given rule (``best_mass`` over Dense refused
+    as in :func:`_check_select`), else the saved search's, but ``cheapest`` where it saved
+    ``best_mass`` with Dense among its candidates (a note says so: ``args.select_note``)."""
+    dense = any(c.kind == "dense" for c in measured.candidates)
+    if args.frontier is not None:  # a family does not select by it
+        args.select = args.select or measured.select
+        return
+    if args.select is None:
+        args.select = measured.select
+        if measured.select == "best_mass" and dense:
+            args.select = "cheapest"
+            args.select_note = (f"minference search: note: {args.from_measurements} was saved with select best_mass, "
+                                f"which {_BEST_MASS_OVER_DENSE}: choosing with cheapest")
+    elif args.select == "best_mass" and dense:
+        raise ValueError(f"--select best_mass over the candidates of {args.from_measurements} {_BEST_MASS_OVER_DENSE}: "
+                         "use --select cheapest or --frontier")
+    if args.select == "cheapest" and (measured.worst_mass is None or measured.cost is None):
+        raise ValueError(f"{args.from_measurements}: --select cheapest needs the worst masses and costs, which this "
+                         "file lacks")
+
+
+def _candidates(args: argparse.Namespace):
+    """The candidate list of ``--candidates`` (``None``: the search's budgeted default)."""
+    from minference.app import search as S
+
+    if args.candidates == "adaptive":
+        return S.adaptive_candidates()
+    if args.candidates == "frontier":
+        return S.frontier_candidates(args.tokens)
+    return None
 
 
 def _check_sweep(args: argparse.Namespace) -> None:
-    from minference.config import load_config
-
-    n_layers = len(load_config(args.config).layers)  # loads: checked by the shared --config check
+    # the config against SmolLM2's shape before the weights load (the sweep has no --allow-mismatch)
+    n_layers = len(_check_config_model(args.config, "smollm2", hint=None).layers)
     bad = [k for k in args.layers or () if k > n_layers]
     if bad:
         raise ValueError(f"argument --layers: layer counts must lie in [0, {n_layers}] (the config's layers), "
@@ -641,6 +746,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     masses = args.min_mass or [None]  # checked by _check_search
     if args.from_measurements is not None:  # no model: the configs from a saved search (read by _check_search)
+        if getattr(args, "select_note", None):
+            print(args.select_note, file=sys.stderr)
         return _search_outputs(args.measurements, args, masses, out, fresh=False)
     # the calibration prompts first, from the tokenizer alone: a --tokens they cannot fill fails
     # before the weights load
@@ -657,11 +764,8 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if is_qwen(args.model):
         set_context_length(model, args.tokens)
     kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", masses[0]),
-                                              ("row_stride", args.row_stride)) if value is not None}
-    if args.candidates == "adaptive":
-        kwargs["candidates"] = S.adaptive_candidates()
-    elif args.candidates == "frontier":
-        kwargs["candidates"] = S.frontier_candidates(args.tokens)
+                                              ("row_stride", args.row_stride), ("candidates", _candidates(args)))
+              if value is not None}
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
                       model_id=QWEN_MODELS[canonical_model(args.model)].model_id if is_qwen(args.model)
                       else SMOLLM2_MODEL_ID, **kwargs)
@@ -682,9 +786,14 @@ def _search_outputs(result, args: argparse.Namespace, masses: list, out: TextIO 
         write_family(result, args.frontier, args.out, cost_table=args.cost_table, worst_ratio=args.worst_ratio,
                      fixed=args.fixed_ms, proxy=args.proxy, stream=out or sys.stdout)
         return 0
+    select = getattr(args, "select", None) or result.select  # resolved by _check_search
     for i, mass in enumerate(masses):
-        # a fresh search chose with masses[0]; saved measurements keep their search's own choice and selection
-        config = result.config if (i == 0 and fresh) or mass is None else result.rechoose(mass)
+        # a fresh search chose with masses[0] and --select; saved measurements keep their search's own choice
+        # unless another min_mass or selection is asked for
+        if (i == 0 and fresh) or (mass is None and select == result.select):
+            config = result.config
+        else:
+            config = result.rechoose(result.min_mass if mass is None else mass, select=select)
         path = args.out.replace("{min_mass}", f"{result.min_mass if mass is None else mass:g}")
         config.save(path)
         print(f"wrote {path}: {config.counts()}", file=out or sys.stdout)

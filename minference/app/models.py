@@ -36,10 +36,12 @@ import hashlib
 import importlib.util
 import inspect
 import os
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +65,11 @@ __all__ = [
     "MODEL_CHOICES",
     "canonical_model",
     "is_qwen",
+    "MODEL_SHAPES",
+    "model_shape",
+    "check_config_model",
+    "yarn_context",
+    "quiet_loading",
     "QWEN_GGUF",
     "QWEN_SHA256",
     "QWEN_SIZE",
@@ -282,6 +289,91 @@ def canonical_model(name: str) -> str:
 def is_qwen(name: str) -> bool:
     """True for the long-context testbed models (YaRN to 128K), under any of their names."""
     return MODEL_ALIASES.get(name, name) in QWEN_MODELS
+
+
+#: What each model's loaded config says about its attention, known without loading it (checked
+#: against the loaded SmolLM2 and against the bundled Qwen configs, which record their loaded
+#: models' signatures, in tests/unit/app/test_models.py): what a config is compared with before
+#: the weights load (:func:`check_config_model`). A Qwen file given by path is the testbed's: its
+#: size and hash are checked (:func:`gguf_path`).
+MODEL_SHAPES: dict[str, dict] = {
+    "smollm2": {"architecture": "llama", "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64},
+    "qwen0.5b": {"architecture": "qwen2", "num_layers": 24, "num_heads": 14, "num_kv_heads": 2, "head_dim": 64},
+    "qwen1.5b": {"architecture": "qwen2", "num_layers": 28, "num_heads": 12, "num_kv_heads": 2, "head_dim": 128},
+}
+
+
+def model_shape(name: str):
+    """The :class:`~minference.config.ModelSignature` of ``name`` (one of :data:`MODEL_CHOICES`)
+    known without loading it (:data:`MODEL_SHAPES`): architecture, layers, heads, kv heads and
+    head dim; the rotary settings and the weights fingerprint are ``None`` (not compared)."""
+    from minference.config import ModelSignature
+
+    name = canonical_model(name)
+    title = QWEN_MODELS[name].title if name in QWEN_MODELS else "SmolLM2-135M-Instruct"
+    return ModelSignature(model_id=title, **MODEL_SHAPES[name])
+
+
+def check_config_model(config, name: str, *, allow_mismatch: bool = False,
+                       hint: str | None = "pass --allow-mismatch to use it anyway") -> None:
+    """Refuse, before the weights load, a ``config`` made for another model than ``name``: its
+    recorded architecture, layers, heads, kv heads and head dim against :func:`model_shape`, as
+    :meth:`~minference.config.PatternConfig.check` compares them after the load (with
+    ``allow_mismatch`` only a config too small for the model is refused).
+
+    Raises:
+        ValueError: one line naming both models and every difference (then ``hint``, when the
+            config could be used with ``allow_mismatch``).
+    """
+    from minference.config import ConfigMismatchError
+
+    shape = model_shape(name)
+    try:
+        config.check(shape, allow_mismatch=allow_mismatch)
+    except ConfigMismatchError as err:
+        covers = len(config.layers) >= shape.num_layers and config.model.num_heads >= shape.num_heads
+        tail = f"; {hint}" if hint and covers and not allow_mismatch else ""
+        raise ValueError(f"made for {config.model.model_id or 'another model'}, not {name} ({shape.model_id}): "
+                         f"{'; '.join(err.differences)}{tail}") from None
+
+
+def yarn_context(name: str) -> int | None:
+    """The longest context (prompt and generated tokens) of ``name`` with YaRN
+    (:func:`set_context_length`: :data:`QWEN_YARN_FACTOR` times the native context) for the Qwen
+    testbed models under any of their names; ``None`` for SmolLM2, which the app runs without it."""
+    return int(native_context(name) * QWEN_YARN_FACTOR) if is_qwen(canonical_model(name)) else None
+
+
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Within it, loading a model shows no progress bars: transformers' own (``Loading weights``;
+    :func:`transformers.utils.logging.disable_progress_bar`, which also silences the hub's) and the
+    GGUF conversion's (``Converting and de-quantizing GGUF tensors``, a plain tqdm of
+    ``transformers.modeling_gguf_pytorch_utils``). What ``--no-progress`` runs under
+    (:func:`minference.app.cli.main`); both are restored after."""
+    from functools import partial
+
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # no transformers: no model loads, nothing to silence
+        yield
+        return
+    try:
+        gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:  # a transformers without GGUF support: nothing to silence there
+        gguf_utils = None
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_bar is not None:
+        gguf_utils.tqdm = partial(gguf_bar, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _cache_dir() -> Path:

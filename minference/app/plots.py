@@ -647,12 +647,16 @@ def _show_config_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int
 
 
 def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from minference.app.models import load_smollm2
+    from minference.app.models import check_config_model, load_smollm2
     from minference.app.prompts import passkey_prompt
     from minference.config import load_config, model_signature
 
     _check_path(args.out)
     config = load_config(args.config)  # checked against the model once it is loaded
+    try:  # and against SmolLM2's shape before the weights load
+        check_config_model(config, "smollm2", allow_mismatch=args.allow_mismatch)
+    except ValueError as err:
+        raise ValueError(f"argument --config: {args.config} was {err}") from None
     n_layers, n_heads = len(config.layers), config.model.num_heads
     if not 0 <= args.layer < n_layers:
         raise ValueError(f"argument --layer: must be in [0, {n_layers}) (the config's layers), got {args.layer}")
@@ -672,31 +676,49 @@ def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
-def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def _read_report_json(path: str) -> dict:
+    """The JSON object in ``path`` (a frontier summary or an eval report); a ``ValueError`` naming the
+    file otherwise: one line, exit 2 (:func:`minference.app.cli.main`)."""
     import json
 
-    from minference.app.evaluate import EvalReport, merge_reports
-    from minference.app.frontier import FrontierError, ship_choice
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"cannot read {path}: not JSON ({err.msg} at line {err.lineno})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        why = (err.strerror or err) if isinstance(err, OSError) else err
+        raise ValueError(f"cannot read {path}: {why}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a frontier summary or an eval report (a JSON {type(data).__name__})")
+    return data
+
+
+def _eval_report(path: str, data: dict):
+    from minference.app.evaluate import EvalReport
+
+    try:
+        return EvalReport.from_dict(data)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _show_frontier_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from minference.app.evaluate import merge_reports
+    from minference.app.frontier import ship_choice
 
     out = out or sys.stdout
     _check_path(args.out)
-    try:
-        data = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.paths]
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"minference show frontier: cannot read {err}") from None
+    data = [_read_report_json(p) for p in args.paths]
     if data[0].get("format") == "minference.frontier":
         if len(data) > 1:
-            raise SystemExit("minference show frontier: one frontier summary at a time")
+            raise ValueError("one frontier summary at a time")
         path = plot_search_frontier(data[0], args.out)
         print(f"wrote {path}", file=out)
         return 0
-    try:
-        reports = [EvalReport.from_dict(d) for d in data]
-        report = reports[0] if len(reports) == 1 else merge_reports(reports)
-        companions = [EvalReport.load(p) for p in args.nll]
-        decision = ship_choice(report, length=args.length, nll_reports=companions)
-    except (OSError, ValueError, FrontierError) as err:
-        raise SystemExit(f"minference show frontier: {err}") from None
+    reports = [_eval_report(p, d) for p, d in zip(args.paths, data)]
+    report = reports[0] if len(reports) == 1 else merge_reports(reports, names=args.paths)
+    companions = [_eval_report(p, _read_report_json(p)) for p in args.nll]
+    decision = ship_choice(report, length=args.length, nll_reports=companions)  # FrontierError: a ValueError
     print(decision.text(), file=out)
     path = plot_eval_frontier(report, args.out, length=decision.length, ship=decision.chosen, nll=decision.nll or None)
     print(f"wrote {path}", file=out)

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +85,7 @@ __all__ = [
     "frontier_candidates",
     "is_adaptive",
     "SELECTIONS",
+    "default_selection",
 ]
 
 #: Density (fraction of causal pairs) every candidate is budgeted to at the calibration length.
@@ -602,9 +604,12 @@ class SearchResult:
     @classmethod
     def from_dict(cls, data: Any) -> SearchResult:
         """The result :meth:`to_dict` wrote. Raises ``ValueError`` naming what is wrong: another
-        format or version, a measurement missing or not ``[layers, heads, candidates]`` of the
-        config and candidates it holds. The optional measurements (all but ``mass`` and
-        ``density``) may be absent, as in files written before the output error was measured."""
+        format or version, a field of the wrong type (``select`` not one of :data:`SELECTIONS`,
+        ``min_mass`` not a number in ``[0, 1]``, ``n_tokens`` / ``head_dim`` not a positive int or
+        ``null``), a measurement missing, not numbers, not finite or not ``[layers, heads,
+        candidates]`` of the config and candidates it holds. The optional measurements (all but
+        ``mass`` and ``density``) may be absent, as in files written before the output error was
+        measured."""
         if not isinstance(data, dict) or data.get("format") != MEASUREMENTS_FORMAT:
             raise ValueError(f"not a search measurements file (format {MEASUREMENTS_FORMAT!r})")
         if data.get("version") != MEASUREMENTS_VERSION:
@@ -612,6 +617,27 @@ class SearchResult:
         missing = [k for k in ("config", "candidates", "select", "min_mass", "mass", "density") if data.get(k) is None]
         if missing:
             raise ValueError(f"search measurements lack {', '.join(map(repr, missing))}")
+
+        def bad(field: str, want: str) -> ValueError:
+            got = data[field]
+            if field == "candidates" and isinstance(got, list):  # the first entry that is not an object
+                got = next((x for x in got if not isinstance(x, dict)), got)
+            shown = repr(got) if isinstance(got, (bool, int, float, str)) else f"a {type(got).__name__}"
+            return ValueError(f"search measurements: {field!r} must be {want}, got {shown[:60]}")
+
+        if not isinstance(data["config"], dict):
+            raise bad("config", "a PatternConfig object")
+        if not isinstance(data["candidates"], list) or not all(isinstance(c, dict) for c in data["candidates"]):
+            raise bad("candidates", "a list of pattern objects")
+        if not isinstance(data["select"], str) or data["select"] not in SELECTIONS:
+            raise bad("select", f"one of {', '.join(SELECTIONS)}")
+        min_mass = data["min_mass"]
+        if isinstance(min_mass, bool) or not isinstance(min_mass, (int, float)) or not 0 <= min_mass <= 1:
+            raise bad("min_mass", "a number in [0, 1]")
+        for field in ("n_tokens", "head_dim"):
+            value = data.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise bad(field, "a positive int or null")
         config = PatternConfig.from_dict(data["config"])  # ConfigError (a ValueError) names the entry
         try:
             candidates = [pattern_from_dict(c) for c in data["candidates"]]
@@ -623,14 +649,22 @@ class SearchResult:
             if data.get(name) is None:  # only the optional ones (mass and density are checked above)
                 measured[name] = None
                 continue
-            t = torch.tensor(data[name], dtype=torch.float32)
+            if not isinstance(data[name], list):
+                raise bad(name, "a [layers, heads, candidates] list of numbers")
+            try:
+                t = torch.tensor(data[name], dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError, OverflowError):  # None or text inside, ragged lists
+                raise ValueError(f"search measurement {name!r} is not a [layers, heads, candidates] list of "
+                                 "numbers") from None
             if tuple(t.shape) != shape:
                 raise ValueError(f"search measurement {name!r} has shape {tuple(t.shape)}, expected {shape} "
                                  "(layers, heads, candidates)")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"search measurement {name!r} holds a non-finite value")
             measured[name] = t
         mass, density = measured.pop("mass"), measured.pop("density")
         assert mass is not None and density is not None  # required above
-        return cls(config, candidates, mass, density, select=data["select"], min_mass=float(data["min_mass"]),
+        return cls(config, candidates, mass, density, select=data["select"], min_mass=float(min_mass),
                    n_tokens=data.get("n_tokens"), head_dim=data.get("head_dim"), **measured)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -655,9 +689,13 @@ class SearchResult:
                 data = json.loads(Path(path).read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: not JSON ({err.msg} at line {err.lineno})") from None
-        except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path}: not gzip-compressed JSON ({err})") from None
-        return cls.from_dict(data)
+        except (gzip.BadGzipFile, EOFError, UnicodeDecodeError, zlib.error) as err:  # zlib: a damaged stream
+            what = "gzip-compressed JSON" if str(path).endswith(".gz") else "UTF-8 JSON"
+            raise ValueError(f"{path}: not {what} ({err})") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}" if str(path) not in str(err) else str(err)) from None
 
     def rechoose(self, min_mass: float, select: str | None = None) -> PatternConfig:
         """The config this search gives under another ``min_mass`` (and ``select``), from the
@@ -688,6 +726,15 @@ _MEASURED = ("mass", "density", "worst_mass", "cost", "tiles", "max_tiles", "out
 SELECTIONS = ("best_mass", "cheapest")
 
 
+def default_selection(candidates: Sequence[Pattern]) -> str:
+    """The selection rule that suits ``candidates``: ``"best_mass"`` for candidates of one common
+    budget (:func:`candidate_patterns`), ``"cheapest"`` where a candidate's cost is its own — an
+    adaptive rule (:func:`adaptive_candidates`: the highest mass is the widest budget) or
+    :class:`Dense` (:func:`frontier_candidates`: it captures all the mass, so the highest mass is
+    Dense for every head)."""
+    return "cheapest" if any(is_adaptive(c) or isinstance(c, Dense) for c in candidates) else "best_mass"
+
+
 def search(
     model: PreTrainedModel,
     prompts: Sequence[torch.Tensor],
@@ -699,7 +746,7 @@ def search(
     seed: int | None = None,
     row_stride: int = SEARCH_ROW_STRIDE,
     progress: bool = True,
-    select: str = "best_mass",
+    select: str | None = None,
 ) -> SearchResult:
     """Choose a pattern per (layer, global head) of ``model`` from calibration ``prompts``.
 
@@ -717,6 +764,7 @@ def search(
             on the WORST calibration prompt is at least ``min_mass``, the one of least
             :func:`tile_density` times :func:`tile_cost`; a head none satisfies stays dense) —
             the rule for adaptive candidates, whose density differs per head and per input.
+            ``None``: :func:`default_selection` of the candidates.
     """
     from tqdm.auto import tqdm
 
@@ -727,9 +775,10 @@ def search(
     lengths = {int(p.numel()) for p in prompts}
     if len(lengths) != 1 or any(p.dim() != 1 for p in prompts):
         raise ValueError(f"prompts must be 1-D token id tensors of one length, got lengths {sorted(lengths)}")
-    _check_choice(min_mass, select)
     (n,) = lengths
     cands = list(candidates) if candidates is not None else candidate_patterns(n, target_density)
+    select = default_selection(cands) if select is None else select
+    _check_choice(min_mass, select)
     signature = model_signature(model, model_id=model_id)
     L, H = signature.num_layers, signature.num_heads
     mass = torch.zeros(L, H, len(cands), dtype=torch.float64)

