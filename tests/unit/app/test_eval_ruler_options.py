@@ -17,13 +17,6 @@ from minference.guard import QualityGuard
 
 from .test_ruler import UNIFORM, _texts, _write_set
 
-LAYERS = 2
-
-
-@pytest.fixture(scope="module")
-def small(smollm2_layers):
-    return smollm2_layers(LAYERS)
-
 
 @pytest.fixture(scope="module")
 def ruler_set(small, tmp_path_factory):

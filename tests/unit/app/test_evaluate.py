@@ -20,19 +20,12 @@ from minference.app.cli import build_parser, main
 from minference.app.main_job import DEFAULT_CONFIG
 from minference.patterns import AShape, BlockSparse, Dense, VerticalSlash
 
-#: The SmolLM2 of these tests keeps its first layers only: every prefill of the real run stays
-#: cheap on 2 cores while the bundled config still brings vertical-slash, A-shape and dense heads.
-LAYERS = 2
+from .conftest import SMALL_LAYERS as LAYERS
+
 N = 1024
 TASKS = ("single_needle", "multi_key", evals.PERPLEXITY_TASK)
 UNIFORM = '{"kind": "block_sparse", "top_k": 4, "block": 64}'
 
-
-@pytest.fixture(scope="module")
-def small(smollm2_layers):
-    """SmolLM2-135M truncated to :data:`LAYERS` layers (fp32, CPU, unpatched): a deep copy of the
-    session's model (``tests/conftest.py``), which stays whole."""
-    return smollm2_layers(LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -286,12 +286,7 @@ def test_generation_refuses_bad_arguments(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # minference eval --suite ruler.
 
-LAYERS = 2
 
-
-@pytest.fixture(scope="module")
-def small(smollm2_layers):
-    return smollm2_layers(LAYERS)
 
 
 @pytest.fixture(scope="module")
