@@ -329,7 +329,7 @@ def check_output_file(path: str) -> str:
     """``path`` if a file can be written there, else a ``ValueError`` saying why: it is not a
     folder, its folder exists and is writable, and a file already there is writable. What every
     option naming a file to write is checked with (:data:`OPTION_CHECKS`: ``--out``, ``--plot``,
-    ``--save-measurements``; ``search`` checks each file its ``--out`` template makes): a folder
+    ``--save-measurements``, ``--guard-log``; ``search`` checks each file its ``--out`` template makes): a folder
     given as ``--out`` ran a whole eval or search and then failed with ``[Errno 21]``."""
     full = os.path.abspath(path)
     if os.path.isdir(full):
@@ -393,6 +393,7 @@ OPTION_CHECKS = {
     "out": check_output_file,
     "plot": _image_file,
     "save_measurements": check_output_file,
+    "guard_log": check_output_file,
 }
 
 #: Options that name a folder to write into, not a file, by (subcommand, dest): checked with

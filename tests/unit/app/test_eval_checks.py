@@ -38,7 +38,7 @@ def _random_llama(layers: int = 2, heads: int = 4, vocab: int = 256):
 
 
 # ---------------------------------------------------------------------------------------------
-# E1: config files.
+# Config files.
 
 
 @pytest.mark.parametrize("content, message", [
@@ -99,7 +99,7 @@ def test_eval_config_that_cannot_cover_the_model_says_so_in_one_line(byte_tokeni
 
 
 # ---------------------------------------------------------------------------------------------
-# E2: sparse configs under the dense threshold.
+# Sparse configs under the dense threshold.
 
 
 @pytest.mark.parametrize("threshold, dense_at", [
@@ -169,7 +169,7 @@ def test_eval_run_under_the_default_threshold_reports_no_speedup(byte_tokenizer,
 
 
 # ---------------------------------------------------------------------------------------------
-# E3: CUDA graphs.
+# CUDA graphs.
 
 
 def test_eval_refuses_cuda_graphs_where_they_never_run_before_loading(monkeypatch, capsys):
