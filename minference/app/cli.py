@@ -38,6 +38,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, TextIO
 
 import torch
@@ -47,7 +48,7 @@ from minference.dispatch import FILL_GAPS
 if TYPE_CHECKING:
     from minference.patterns import Pattern
 
-__all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "FOLDER_OPTIONS", "user_errors", "check_arguments", "Parser",
+__all__ = ["SUBCOMMAND_MODULES", "OPTION_CHECKS", "user_errors", "check_arguments", "Parser",
            "HelpFormatter", "check_device", "check_config_file", "check_output_file", "check_output_folder",
            "build_parser", "main", "demo_qkv", "demo_patterns", "run_demo"]
 
@@ -346,7 +347,7 @@ def check_output_file(path: str) -> str:
 
 def check_output_folder(path: str) -> str:
     """``path`` if it is a folder to write into, or one that can be made there (its parent exists
-    and is writable): the check of the options in :data:`FOLDER_OPTIONS`."""
+    and is writable): the check of the options that name a folder to write (``out_folder``)."""
     full = os.path.abspath(path)
     if os.path.exists(full) and not os.path.isdir(full):
         raise ValueError(f"{path!r} exists and is not a folder")
@@ -394,11 +395,8 @@ OPTION_CHECKS = {
     "plot": _image_file,
     "save_measurements": check_output_file,
     "guard_log": check_output_file,
+    "out_folder": check_output_folder,
 }
-
-#: Options that name a folder to write into, not a file, by (subcommand, dest): checked with
-#: :func:`check_output_folder` instead of their :data:`OPTION_CHECKS` entry.
-FOLDER_OPTIONS = {("minference ruler generate", "out")}
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -418,8 +416,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         value = getattr(args, dest, None)
         if value is None:
             continue
-        if (getattr(args, "cli_prog", None), dest) in FOLDER_OPTIONS:
-            check = check_output_folder
         try:
             if isinstance(value, list):
                 setattr(args, dest, [check(x) for x in value])
@@ -512,12 +508,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         check_arguments(parser, args)
+        quiet: AbstractContextManager = nullcontext()
         if getattr(args, "no_progress", False):  # transformers' loading bars too
             from minference.app.models import quiet_loading
 
-            with quiet_loading():
-                return int(args.func(args) or 0)
-        return int(args.func(args) or 0)
+            quiet = quiet_loading()
+        with quiet:
+            return int(args.func(args) or 0)
     except Exception as err:
         if getattr(args, "debug", False) or not isinstance(err, user_errors()):
             raise

@@ -35,8 +35,9 @@ For one model (:func:`minference.app.models.load_model`), several configs, lengt
 
 Configs: ``"dense"`` (the unpatched model, transformers SDPA: the baseline), a PatternConfig file
 (read and validated before the model loads; refused for another model unless ``allow_mismatch``,
-checked once it is loaded), or one pattern for every head as JSON
-(``'{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}'``); ``name=SPEC`` names one.
+by the model's known shape before it loads and its weights fingerprint once loaded), or one
+pattern for every head as JSON (``'{"kind": "vertical_slash", "vertical": 1000, "slash": 6096}'``);
+``name=SPEC`` names one.
 The loop runs length -> sample -> config, so every config sees the same prompts.
 """
 
@@ -1207,9 +1208,9 @@ def run_eval(
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range;
             ``cuda_graphs`` with RULER or off CUDA; ``done`` of another model, prompt set or
-            settings (all before the model loads); a config file that does not read or validate
-            (before loading) or was made for another model (right after loading, before any
-            prompt), one line naming the file.
+            settings (all before the model loads); a config file that does not read or validate,
+            or was made for another model (by its shape before loading, by the weights
+            fingerprint right after loading, before any prompt), one line naming the file.
     """
     from tqdm.auto import tqdm
 
@@ -1276,14 +1277,11 @@ def run_eval(
     if len(set(names)) != len(names):
         raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
     if loaded is None:  # a config for another model, by the model's known shape (the fingerprint: after loading)
-        from minference.app.models import check_config_model
+        from minference.app.models import model_shape
 
         for spec, config in zip(configs, parsed):
             if config is not None:
-                try:
-                    check_config_model(config, model_name, allow_mismatch=allow_mismatch)
-                except ValueError as err:
-                    raise EvalError(f"{_split_spec(spec)[1].strip()}: {err}") from None
+                _load_file_config(_split_spec(spec)[1].strip(), model_shape(model_name), allow_mismatch=allow_mismatch)
     if loaded is not None:
         dev = next(loaded[0].parameters()).device
     else:
@@ -1331,9 +1329,6 @@ def run_eval(
     # a file config against the loaded model: its weights fingerprint and rotary settings too
     signature = model_signature(model) if any(c is not None for c in parsed) else None
     resolved = [resolve_config(spec, model, allow_mismatch=allow_mismatch, signature=signature) for spec in configs]
-    names = [c.name for c in resolved]
-    if len(set(names)) != len(names):
-        raise EvalError(f"config names repeat: {names}; name them with name=SPEC")
     pattern_configs = {c.name: c.pattern_config() for c in resolved}
 
     report = EvalReport(

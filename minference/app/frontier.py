@@ -82,6 +82,8 @@ __all__ = [
     "frontier_summary",
     "summary_proxy",
     "format_summary",
+    "family_config_path",
+    "family_summary_stem",
     "write_family",
     "check_family_args",
     "TTFTStats",
@@ -757,6 +759,18 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
     return None
 
 
+def family_config_path(out: str, budget: float) -> str:
+    """Where :func:`write_family` writes the config of ``budget``: ``out`` with ``{budget}`` filled."""
+    return out.replace("{budget}", f"{budget:g}")
+
+
+def family_summary_stem(out: str) -> str:
+    """The summary's path without its extension (``.json``, ``.md``, ``.png``): ``out`` with
+    ``{budget}`` replaced by ``frontier``, less a ``.json`` ending."""
+    stem = out.replace("{budget}", "frontier")
+    return stem[: -len(".json")] if stem.endswith(".json") else stem
+
+
 def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, cost_table: str | None = None,
                  worst_ratio: float | None = DEFAULT_WORST_RATIO, fixed: float = 0.0, min_mass: float = 0.0,
                  proxy: str = "mass", stream: TextIO | None = None) -> tuple[list[FrontierPoint], dict]:
@@ -773,14 +787,13 @@ def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, co
     options = head_options(result, model, min_mass=min_mass, proxy=proxy)
     points = frontier_family(result, options, budgets, worst_ratio=worst_ratio, fixed=fixed, cost_source=model.source)
     for p in points:
-        p.path = out.replace("{budget}", f"{p.budget:g}")
+        p.path = family_config_path(out, p.budget)
         p.config.save(p.path)
         if stream is not None:
             print(f"wrote {p.path}: {p.config.counts()}, predicted cost {p.allocation.cost:.4g} {model.unit}, "
                   f"error {p.allocation.error / options.heads:.4g} ({proxy})", file=stream)
     summary = frontier_summary(result, options, points, worst_ratio=worst_ratio, fixed=fixed, cost_source=model.source)
-    stem = out.replace("{budget}", "frontier")
-    stem = stem[: -len(".json")] if stem.endswith(".json") else stem
+    stem = family_summary_stem(out)
     Path(stem + ".json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     Path(stem + ".md").write_text(format_summary(summary) + "\n", encoding="utf-8")
     written = [stem + ".json", stem + ".md"]

@@ -40,6 +40,7 @@ __all__ = [
     "QWEN_CONFIG",
     "QWEN_TOKENS",
     "main_job_defaults",
+    "check_config_file_model",
     "MainJobReport",
     "run_main_job",
     "format_report",
@@ -568,7 +569,7 @@ def _check_context(model: str, n_tokens: int, what: str) -> None:
                          f"(YaRN x{QWEN_YARN_FACTOR:g})")
 
 
-def _check_config_model(path, model: str, *, allow_mismatch: bool = False,
+def check_config_file_model(path, model: str, *, allow_mismatch: bool = False,
                         hint: str | None = "pass --allow-mismatch to use it anyway"):
     """The config at ``path`` (it loads: the shared --config check read it), refused before the
     weights load when it was made for another model than ``model``
@@ -593,17 +594,17 @@ def _check_run(args: argparse.Namespace) -> None:
     _check_context(model, n + PASSKEY_DIGITS + EXTRA_DECODE_TOKENS, f"{n} tokens and the answer")
     path = args.config if args.config is not None else (config if config.is_file() else None)
     if path is not None:  # no bundled config: run_main_job says so
-        _check_config_model(path, model, allow_mismatch=args.allow_mismatch)
+        check_config_file_model(path, model, allow_mismatch=args.allow_mismatch)
 
 
 def _output_paths(args: argparse.Namespace) -> list[str]:
     """Every file a search writes: one config per ``--min-mass`` (``{min_mass}`` filled) or per
     ``--frontier`` budget (``{budget}`` filled) and the family's summary, or ``--out`` itself."""
     if args.frontier is not None:  # the names minference.app.frontier.write_family writes
-        stem = args.out.replace("{budget}", "frontier")
-        stem = stem[: -len(".json")] if stem.endswith(".json") else stem
-        return ([args.out.replace("{budget}", f"{b:g}") for b in args.frontier]
-                + [stem + e for e in (".json", ".md", ".png")])
+        from minference.app.frontier import family_config_path, family_summary_stem
+
+        stem = family_summary_stem(args.out)
+        return [family_config_path(args.out, b) for b in args.frontier] + [stem + e for e in (".json", ".md", ".png")]
     from minference.app.search import DEFAULT_MIN_MASS
 
     saved = getattr(args, "measurements", None)
@@ -708,7 +709,7 @@ def _candidates(args: argparse.Namespace):
 
 def _check_sweep(args: argparse.Namespace) -> None:
     # the config against SmolLM2's shape before the weights load (the sweep has no --allow-mismatch)
-    n_layers = len(_check_config_model(args.config, "smollm2", hint=None).layers)
+    n_layers = len(check_config_file_model(args.config, "smollm2", hint=None).layers)
     bad = [k for k in args.layers or () if k > n_layers]
     if bad:
         raise ValueError(f"argument --layers: layer counts must lie in [0, {n_layers}] (the config's layers), "

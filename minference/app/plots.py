@@ -647,16 +647,14 @@ def _show_config_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int
 
 
 def _show_head_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from minference.app.models import check_config_model, load_smollm2
+    from minference.app.main_job import check_config_file_model
+    from minference.app.models import load_smollm2
     from minference.app.prompts import passkey_prompt
-    from minference.config import load_config, model_signature
+    from minference.config import model_signature
 
     _check_path(args.out)
-    config = load_config(args.config)  # checked against the model once it is loaded
-    try:  # and against SmolLM2's shape before the weights load
-        check_config_model(config, "smollm2", allow_mismatch=args.allow_mismatch)
-    except ValueError as err:
-        raise ValueError(f"argument --config: {args.config} was {err}") from None
+    # against SmolLM2's shape before the weights load, against the model itself once it is loaded
+    config = check_config_file_model(args.config, "smollm2", allow_mismatch=args.allow_mismatch)
     n_layers, n_heads = len(config.layers), config.model.num_heads
     if not 0 <= args.layer < n_layers:
         raise ValueError(f"argument --layer: must be in [0, {n_layers}) (the config's layers), got {args.layer}")

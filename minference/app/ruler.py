@@ -556,7 +556,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                                             "needs the ruler extra) and stage for a machine without a registry")
     sub = p.add_subparsers(dest="ruler_command", metavar="ACTION", required=True)
     g = sub.add_parser("generate", help="run RULER's generators and write token ids (see minference.app.ruler)")
-    g.add_argument("--out", required=True, help="prompt set folder (resumed when it holds the same settings)")
+    g.add_argument("--out", dest="out_folder", required=True,
+                   help="prompt set folder (resumed when it holds the same settings)")
     g.add_argument("--model", choices=(*QWEN_MODELS, *MODEL_ALIASES), default="qwen1.5b",
                    help="whose tokenizer (default qwen1.5b; the 0.5B's is the same)")
     g.add_argument("--model-path", default=None, help="the model's GGUF file (default: minference.app.models)")
@@ -581,12 +582,12 @@ def _generate_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     try:
         folder = args.tokenizer if args.tokenizer is not None else tokenizer_folder(args.model, path=args.model_path)
-        manifest = generate(args.out, folder, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
+        manifest = generate(args.out_folder, folder, lengths=args.lengths, tasks=args.tasks, samples=args.samples,
                             seed=args.seed, headroom=args.headroom, log=out)
     except (RulerError, ModelNotAvailable, OSError) as err:
         print(f"minference ruler generate: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {len(manifest['files'])} (task, length) files", file=out)
+    print(f"wrote {args.out_folder}: {len(manifest['files'])} (task, length) files", file=out)
     return 0
 
 

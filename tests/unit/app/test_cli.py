@@ -449,7 +449,7 @@ def test_every_file_a_search_template_makes_is_checked_before_the_search(tmp_pat
 
 
 def test_output_checks(tmp_path, monkeypatch):
-    """C3: one helper for every file an option writes (not a folder; its folder exists and is
+    """One helper for every file an option writes (not a folder; its folder exists and is
     writable), and the folder check of ruler generate's --out (a prompt set folder, resumed)."""
     assert cli.check_output_file(str(tmp_path / "r.json")) == str(tmp_path / "r.json")
     with pytest.raises(ValueError, match="is a folder; give a file name"):

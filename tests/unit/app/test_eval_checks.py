@@ -209,5 +209,6 @@ def test_eval_config_of_another_model_is_refused_before_loading_by_its_shape(mon
     assert main(["eval", "--no-progress", "--model", "qwen", "--lengths", "512", "--tasks", "single_needle",
                  "--config", "dense", str(DEFAULT_CONFIG)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"minference eval: error: {DEFAULT_CONFIG}: ") and err.count("\n") == 1, err
+    assert err.startswith(f"minference eval: error: {DEFAULT_CONFIG} was made for another model: ") and \
+        err.count("\n") == 1, err
     assert "num_layers" in err, err
