@@ -600,8 +600,10 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
     One (config, length) may come from several reports when they ran disjoint samples (a RULER
     length split over calls with ``--tasks``, or a cut call continued with ``--continue``): its
     TTFTs are joined and their median taken again; the warm-up, the split, density and coverage
-    (and the quality guard's summary) are the first report's. ``names`` name the reports in errors
-    (default ``report 1``, ``report 2``...; the CLI passes the files).
+    (and the quality guard's summary) are the first report's, or the first that has them: runs
+    that differ only in ``--no-profile`` / ``--no-coverage`` (untimed extra prefills) merge.
+    ``names`` name the reports in errors (default ``report 1``, ``report 2``...; the CLI passes
+    the files).
 
     Raises:
         EvalError: a different model, dtype, GPU or settings (the differing keys named), a config
@@ -626,7 +628,7 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         if rep.machine.get("gpu") != first.machine.get("gpu"):
             raise EvalError(f"reports from different machines cannot be merged ({name}: GPU "
                             f"{rep.machine.get('gpu')!r}, {names[0]}: {first.machine.get('gpu')!r})")
-        differ = _settings_diff(first.settings, rep.settings)
+        differ = _settings_diff(first.settings, rep.settings, skip=_extras_skip(first.settings, rep.settings))
         if differ:
             raise EvalError(f"reports with different settings cannot be merged ({names[0]} vs {name}: {differ})")
         for c in rep.configs:
@@ -652,6 +654,7 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
                 merged = runs[key]
                 merged.ttft_s = merged.ttft_s + r.ttft_s
                 merged.ttft_median_s = float(statistics.median(merged.ttft_s)) if merged.ttft_s else None
+                _fill_extras(merged, r)
                 seen[key] |= mine
                 continue
             runs[key] = copy.deepcopy(r)
@@ -660,9 +663,35 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         tasks += [t for t in rep.tasks if t not in tasks]
         records += rep.records
     _check_dense_in_each(reports, names, configs)
-    return EvalReport(model=first.model, machine=first.machine, settings=first.settings, configs=list(configs.values()),
+    settings = dict(first.settings)
+    for key in _EXTRA_SETTINGS:  # a measurement any report made is in the merged one
+        if key in settings:
+            settings[key] = any(rep.settings.get(key) for rep in reports)
+    return EvalReport(model=first.model, machine=first.machine, settings=settings, configs=list(configs.values()),
                       lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
                       wall_s=sum(r.wall_s for r in reports), cuda_graph_stats=graph_stats)
+
+
+# Settings that add an untimed prefill per (config, length) and change no timed or scored value:
+# reports that differ only in them merge (each run keeps the first report's extra that has it).
+_EXTRA_SETTINGS = ("profile", "coverage")
+
+
+def _extras_skip(ours: dict, theirs: dict) -> tuple[str, ...]:
+    """The settings a merge need not compare: :data:`_EXTRA_SETTINGS`, and the coverage's sample
+    rows unless both reports measured coverage (then their figures must be of one kind)."""
+    both_coverage = bool(ours.get("coverage")) and bool(theirs.get("coverage"))
+    return _EXTRA_SETTINGS + (() if both_coverage else ("coverage_rows",))
+
+
+def _fill_extras(merged: RunStats, other: RunStats) -> None:
+    """Give ``merged`` the profile split and the density / coverage figures of ``other`` where it
+    has none (a (config, length) profiled in one call of a split RULER length but not another)."""
+    if merged.split is None:
+        merged.split = copy.deepcopy(other.split)
+    if merged.density is None and merged.coverage is None:
+        for name in ("density", "physical_density", "coverage", "layer_density", "layer_physical", "layer_coverage"):
+            setattr(merged, name, copy.deepcopy(getattr(other, name)))
 
 
 def _settings_diff(ours: dict, theirs: dict, skip: Sequence[str] = ()) -> str:

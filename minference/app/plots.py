@@ -544,11 +544,13 @@ def plot_search_frontier(summary: dict, path: str | os.PathLike, *, dpi: int = D
 def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = None, ship: str | None = None,
                        dpi: int = DEFAULT_DPI, nll: dict[str, float] | None = None) -> Path:
     """Draw an eval report at one ``length`` (default the longest): per config its median TTFT
-    (marker) with a whisker to its worst TTFT, against accuracy (``EvalReport.common_scores``) and, when
-    the perplexity task ran, NLL. Dense is a black star, the frontier family blue circles joined
-    in TTFT order, uniform rules orange squares, other configs green diamonds; ``ship`` (a config
-    name) is ringed. TTFT from :func:`minference.app.frontier.ttft_stats`. ``nll`` (config name ->
-    NLL at that length) stands in for a report without the perplexity task. Returns ``path``."""
+    (marker) with a whisker to its worst TTFT, against accuracy (``EvalReport.common_scores``; no
+    such panel when only the perplexity task ran) and, when the perplexity task ran, NLL. Dense
+    is a black star, the frontier family blue circles joined in TTFT order, uniform rules orange
+    squares, other configs green diamonds; ``ship`` (a config name) is ringed. TTFT from
+    :func:`minference.app.frontier.ttft_stats`. ``nll`` (config name -> NLL at that length)
+    stands in for a report without the perplexity task. Returns ``path``."""
+    from minference.app.evals import PERPLEXITY_TASK
     from minference.app.frontier import ttft_stats
 
     out = _check_path(path)
@@ -564,7 +566,9 @@ def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = 
     acc_label = f"{what} on the {shared} prompts every config ran" if shared else f"{what} (no prompt every config ran)"
     if nll is None:
         nll = {p["config"]: p["nll"] for p in report.perplexity() if p["n_tokens"] == n}
-    panels = [(accuracy, acc_label)] + ([(nll, "mean next-token NLL (nats)")] if nll else [])
+    generation = any(t != PERPLEXITY_TASK for t in report.tasks)  # an NLL-only run has no accuracy panel
+    panels = ([(accuracy, acc_label)] if generation or not nll else []) + (
+        [(nll, "mean next-token NLL (nats)")] if nll else [])
     fig = Figure(figsize=(6.5 * len(panels), 4.8), dpi=dpi, layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (values, ylabel) in zip(axes, panels):

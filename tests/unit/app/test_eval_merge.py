@@ -13,7 +13,7 @@ import pytest
 from minference.app import evaluate as E
 from minference.app.cli import main
 
-from .test_evaluate import LAYERS, UNIFORM, _timed_report
+from .test_evaluate import LAYERS, UNIFORM, N, _timed_report
 
 
 def _named(report: E.EvalReport, old: str, config: E.EvalConfig) -> E.EvalReport:
@@ -133,3 +133,25 @@ def test_a_malformed_report_is_one_line_error(content, message, tmp_path, capsys
     good["runs"][0] = ["not", "an", "object"]
     with pytest.raises(ValueError, match="^malformed eval report: "):
         E.EvalReport.from_dict(good)
+
+
+def test_runs_that_differ_only_in_untimed_extras_merge():
+    """``--no-profile`` / ``--no-coverage`` only skip an untimed prefill: a RULER length split over
+    calls with and without them merges, each (config, length) keeping the split and coverage of
+    the report that measured them, and the merged settings say they were measured. Coverage of
+    different sample rows is two kinds of figure: refused."""
+    a = _timed_report({"dense": {("a", 0): 1.0}, "fast": {("a", 0): 0.5}})
+    b = _timed_report({"dense": {("b", 0): 1.0}, "fast": {("b", 0): 0.5}})
+    a.settings.update(profile=False, coverage=False)
+    b.settings.update(profile=True, coverage=True)
+    split = E.TimeSplit(attention_ms=3.0, index_ms=1.0, other_ms=2.0, total_ms=6.0)
+    b.run("fast", N).split, b.run("fast", N).coverage = split, 0.9
+    merged = E.merge_reports([a, b])
+    assert merged.run("fast", N).split == split and merged.run("fast", N).coverage == 0.9
+    assert merged.settings["profile"] is True and merged.settings["coverage"] is True
+    assert a.run("fast", N).split is None and a.settings["profile"] is False  # the inputs are not changed
+    assert merged.run("fast", N).ttft_s == [0.5, 0.5]
+    a.settings["coverage"] = True
+    b.settings["coverage_rows"] = a.settings.get("coverage_rows", 512) + 1
+    with pytest.raises(E.EvalError, match=r"different settings cannot be merged \(report 1 vs report 2: coverage_rows"):
+        E.merge_reports([a, b])

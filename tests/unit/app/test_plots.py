@@ -229,6 +229,22 @@ def test_plot_eval_frontier(tmp_path) -> None:
         P.plot_eval_frontier(report, tmp_path / "x.png", length=5)
 
 
+def test_an_nll_only_report_draws_the_nll_panel_alone(tmp_path) -> None:
+    """A perplexity-only run (the frontier's NLL calls) has no accuracy to draw: one panel, not an
+    empty one beside it; with a generation task, two."""
+    import struct
+
+    def width(path) -> int:  # the PNG header's IHDR width
+        return struct.unpack(">I", path.read_bytes()[16:20])[0]
+
+    report = _eval_report()
+    both = P.plot_eval_frontier(report, tmp_path / "both.png", dpi=50)
+    report.tasks = ["perplexity"]
+    report.records = [r for r in report.records if r.task == "perplexity"]
+    alone = P.plot_eval_frontier(report, tmp_path / "nll.png", dpi=50)
+    assert (width(both), width(alone)) == (650, 325)
+
+
 def test_show_frontier_cli_prints_the_ship_decision(tmp_path, capsys) -> None:
     import json
 
