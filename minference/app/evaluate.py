@@ -664,9 +664,9 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         records += rep.records
     _check_dense_in_each(reports, names, configs)
     settings = dict(first.settings)
-    for key in _EXTRA_SETTINGS:  # a measurement any report made is in the merged one
-        if key in settings:
-            settings[key] = any(rep.settings.get(key) for rep in reports)
+    for extra in _EXTRA_SETTINGS:  # a measurement any report made is in the merged one
+        if extra in settings:
+            settings[extra] = any(rep.settings.get(extra) for rep in reports)
     return EvalReport(model=first.model, machine=first.machine, settings=settings, configs=list(configs.values()),
                       lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
                       wall_s=sum(r.wall_s for r in reports), cuda_graph_stats=graph_stats)
