@@ -5,7 +5,9 @@
 #              carried wheels in .whl (jsonschema and its dependencies; see README)
 #   tests:P    the GPU test tier under hypothesis profile P (ci or gpu): every gpu- or
 #              interpret-marked test in $TEST_FILES (default tests/unit), on CUDA (T_TESTS
-#              seconds, XDIST workers)
+#              seconds, XDIST workers), longest first, with the 40 slowest tests and the compile
+#              report in the log; every test's time to $OUT/gpu_durations_P.json (a cold run's
+#              is the next tests/gpu_durations.json)
 #   sanitize   compute-sanitizer memcheck over benchmarks/sanitize_fuzz.py (all three kernels)
 #   bench      benchmarks/bench_kernels.py $BENCH_ARGS   (kernels vs cuDNN / FlexAttention)
 #   bench2     benchmarks/bench_kernels.py $BENCH_ARGS2
@@ -53,7 +55,8 @@ install() {
 tests() {  # hypothesis profile
     log "gpu test tier (hypothesis profile $1)"
     MINFERENCE_HYPOTHESIS_PROFILE=$1 timeout -s INT -k 20 "${T_TESTS:-300}" python -m pytest ${TEST_FILES:-tests/unit} -m "gpu or triton" \
-        -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" --longest-first tests/gpu_durations.json 2>&1 | tee "$OUT/tests_$1.log" | tail -25
+        -v --tb=short -rfE --continue-on-collection-errors -p no:cacheprovider -W ignore::UserWarning -n "${XDIST:-16}" --longest-first tests/gpu_durations.json \
+        --durations=40 --compile-report --save-durations "$OUT/gpu_durations_$1.json" 2>&1 | tee "$OUT/tests_$1.log" | tail -25
     local rc=$?  # pytest's (pipefail)
     log "tests rc=$rc"
     return $rc

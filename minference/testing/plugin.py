@@ -11,7 +11,8 @@ What changes a run is opt-in, so that an installed minference leaves other proje
 alone: the hypothesis profile, the marker skips and the xdist workers' thread share apply only
 where the ini option ``minference_testing = true`` is set (this project's ``pyproject.toml`` sets
 it; a project testing with :mod:`minference.testing` sets it to get them). Markers are always
-registered; ``--compile-report`` and ``--longest-first`` act whenever they are given.
+registered; ``--compile-report``, ``--longest-first`` and ``--save-durations`` act whenever they
+are given.
 
 Hypothesis profiles: ``ci`` (bounded, CPU, 25 examples, no shrink phase: a failing example is
 reported as drawn, in the seconds one interpreted example takes, instead of after minutes of
@@ -25,7 +26,8 @@ kernel (xdist workers included). Under xdist each worker's torch gets its share 
 (unless ``OMP_NUM_THREADS`` is set). ``--longest-first FILE`` (a JSON ``{"seconds": {nodeid:
 seconds}}``, e.g. from a cold run's ``--durations``) hands the listed tests to xdist's workers
 first, longest first, so the longest ones do not start last while the other workers idle (for
-xdist's default ``--dist load``; see :func:`schedule_order`).
+xdist's default ``--dist load``; see :func:`schedule_order`); ``--save-durations FILE`` writes
+such a file from the session's own test times (every test, setup + call + teardown).
 
 This plugin never imports triton at configure time: ``TRITON_INTERPRET`` must be decided (by the
 caller's environment or a ``conftest.py``) before triton's first import.
@@ -180,6 +182,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("minference").addoption(
         "--longest-first", default=None, metavar="FILE",
         help="under xdist, hand out the tests FILE lists (JSON {'seconds': {node id: s}}) first, longest first")
+    parser.getgroup("minference").addoption(
+        "--save-durations", default=None, metavar="FILE",
+        help="write every test's seconds (setup + call + teardown) as a --longest-first file")
     parser.addini("minference_testing", type="bool", default=False,
                   help="apply minference's hypothesis profile, marker skips and xdist thread share")
 
@@ -281,10 +286,36 @@ def compile_report(reports, top: int = 20) -> list[str]:
     return lines
 
 
+def test_seconds(reports) -> dict[str, float]:
+    """Each test's seconds (setup + call + teardown) from its reports, longest first, to 0.01 s."""
+    seconds: defaultdict[str, float] = defaultdict(float)
+    for r in reports:
+        seconds[r.nodeid] += r.duration
+    return {k: round(v, 2) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+
+
+def save_durations(path: str, reports) -> None:
+    """Write ``reports``' :func:`test_seconds` as a ``--longest-first`` file (what
+    :func:`load_durations` reads), with the date and the test count as its ``source``."""
+    import json
+    from datetime import date
+    from pathlib import Path
+
+    seconds = test_seconds(reports)
+    source = f"--save-durations of a pytest session on {date.today()} ({len(seconds)} tests)"
+    Path(path).write_text(json.dumps({"source": source, "seconds": seconds}, indent=1) + "\n", encoding="utf-8")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if not config.getoption("compile_report", False) or hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):
         return
     reports = [r for rs in terminalreporter.stats.values() for r in rs if isinstance(r, pytest.TestReport)]
+    path = config.getoption("save_durations", None)
+    if path:
+        save_durations(path, reports)
+        terminalreporter.write_line(f"test durations written to {path} (a --longest-first file)")
+    if not config.getoption("compile_report", False):
+        return
     terminalreporter.write_sep("=", "Triton compiles per test file and kernel (--compile-report)")
     for line in compile_report(reports):
         terminalreporter.write_line(line)

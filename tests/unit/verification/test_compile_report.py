@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from minference.testing.plugin import COMPILE_PROPERTY, compile_report, longest_first, schedule_order
+from minference.testing.plugin import COMPILE_PROPERTY, compile_report, load_durations, longest_first, schedule_order
 
 
 def _report(nodeid: str, when: str, duration: float, compiles=None) -> pytest.TestReport:
@@ -149,3 +149,30 @@ def test_longest_first_refuses_a_bad_file_before_collecting(tmp_path):
     for name in ("bad.json", "missing.json"):
         run = _collect(tmp_path, "--longest-first", name, "test_w.py")
         assert run.returncode == 4 and f"--longest-first {name}: expected a JSON object" in run.stderr, run.stderr
+
+
+def test_save_durations_under_xdist_writes_a_longest_first_file(tmp_path):
+    """``--save-durations`` in a real ``-n 2`` session: every test once, its setup, call and
+    teardown summed (a test slow in its fixture's teardown counts whole), longest first; the file
+    is what ``--longest-first`` reads."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_d.py").write_text(
+        "import time, pytest\n"
+        "@pytest.fixture\ndef slow_teardown():\n    yield\n    time.sleep(0.4)\n"
+        "def test_fast():\n    pass\n"
+        "def test_torn(slow_teardown):\n    pass\n"
+        "@pytest.mark.parametrize('i', [1, 2])\ndef test_p(i):\n    pass\n")
+    env = dict(os.environ, MINFERENCE_HYPOTHESIS_PROFILE="ci")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "2",
+                          "--save-durations", "d.json", "test_d.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "test durations written to d.json" in run.stdout
+    data = json.loads((tmp_path / "d.json").read_text())
+    seconds = data["seconds"]
+    assert sorted(seconds) == ["test_d.py::test_fast", "test_d.py::test_p[1]", "test_d.py::test_p[2]",
+                               "test_d.py::test_torn"]
+    assert next(iter(seconds)) == "test_d.py::test_torn" and seconds["test_d.py::test_torn"] >= 0.4
+    assert list(seconds.values()) == sorted(seconds.values(), reverse=True)
+    assert "4 tests" in data["source"]
+    assert load_durations(str(tmp_path / "d.json")) == seconds
