@@ -1326,6 +1326,8 @@ def run_eval(
                 "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
                 "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "suite": suite,
                 **({"ruler": _ruler_settings(ruler_set)} if ruler_set is not None else {})}
+    if guard is not None and guard.settings:  # the command line's guard overrides: a run with them
+        settings["guard"] = dict(guard.settings)  # neither continues nor merges one without (absent: none)
     if done is not None:
         _check_continued(done, model_name, settings)
 

@@ -117,6 +117,13 @@ def test_eval_runs_one_guard_per_sparse_config_and_length(tmp_path, byte_tokeniz
     E._write_outputs(report, args, out)
     assert "quality guard [a @ 2048]: mode observe" in out.getvalue()
     assert E.EvalReport.from_dict(json.loads(report.to_json())).run("a", 2048).guard == sparse.guard
+    # the command line's overrides are settings: a guarded run does not merge with an unguarded one
+    assert report.settings["guard"] == {"mode": "observe", "sample_rate": 1.0}
+    plain = E.EvalReport.from_dict(json.loads(report.to_json()))
+    del plain.settings["guard"]
+    with pytest.raises(E.EvalError, match=r"different settings cannot be merged \(report 1 vs report 2: guard: "
+                                          r"\{'mode': 'observe'"):
+        E.merge_reports([report, plain])
 
 
 def test_run_passes_the_options_and_prints_the_summary(monkeypatch) -> None:
