@@ -34,6 +34,11 @@
 # would be under 30 s (eval past CALL_END) is skipped and counts as failed.
 # With no STAGES every stage runs: name the stages of each device call.
 set -o pipefail
+if [ $# -gt 0 ]; then  # it takes no arguments: print this header (a stray --help once ran every stage)
+    sed -n '2,/^set -o pipefail/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    [ "$1" = -h ] || [ "$1" = --help ]
+    exit
+fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

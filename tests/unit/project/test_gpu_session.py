@@ -41,3 +41,15 @@ def test_a_failing_stage_fails_the_call(tmp_path):
 def test_eval_past_the_calls_bound_is_skipped(tmp_path):
     run = _run(tmp_path, 0, STAGES="eval", CALL_END="0", EVAL_ARGS="")
     assert run.returncode != 0 and "skipped" in run.stdout and "stub" not in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_an_argument_prints_the_stages_and_runs_none(tmp_path):
+    """The script takes its stages from the environment: ``--help`` prints the header and runs
+    nothing (no install, no tests), any other argument does the same and fails."""
+    for arg, rc in (("--help", 0), ("-h", 0), ("tests:ci", 1)):
+        run = subprocess.run(["bash", str(SCRIPT), arg], cwd=tmp_path, env=dict(os.environ, OUT=str(tmp_path / "out")),
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == rc, (arg, run.stdout, run.stderr)
+        assert "Stages run in the order STAGES lists them" in run.stdout and "set -o" not in run.stdout
+        assert not (tmp_path / "out").exists()
