@@ -744,7 +744,7 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
         if candidates is not None:
             cands = list(candidates)
         elif args.candidates == "frontier":
-            cands = S.frontier_candidates(n)
+            cands = S.frontier_candidates(n, vs_caps=S.parse_vs_caps(getattr(args, "vs_caps", None)))
         elif args.candidates == "adaptive":
             cands = S.adaptive_candidates()
         else:

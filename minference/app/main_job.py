@@ -508,6 +508,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--candidates", choices=("budgeted", "adaptive", "frontier"), default="budgeted",
                         help="budgeted: fixed budgets at --target-density; adaptive: the budget rules of "
                              "minference.app.search.adaptive_candidates; frontier: frontier_candidates (with caps)")
+    search.add_argument("--vs-caps", nargs="+", default=None, metavar="V/S",
+                        help="frontier: the vertical-slash candidates' caps, COLUMNS/DIAGONALS each, one candidate "
+                             "per (threshold, cap) (default: 2048/8192)")
     search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
@@ -622,6 +625,16 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
     if args.proxy != "mass" and args.frontier is None:
         raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
+    if args.vs_caps is not None:
+        if args.candidates != "frontier" or args.from_measurements is not None:
+            raise ValueError("--vs-caps sets the candidates of a --candidates frontier search (a saved search "
+                             "keeps its own)")
+        from minference.app.search import parse_vs_caps
+
+        try:
+            parse_vs_caps(args.vs_caps)
+        except ValueError as err:
+            raise ValueError(f"argument --vs-caps: {err}") from None
     measured = None
     args.select_note = None
     if args.from_measurements is not None:
@@ -703,7 +716,7 @@ def _candidates(args: argparse.Namespace):
     if args.candidates == "adaptive":
         return S.adaptive_candidates()
     if args.candidates == "frontier":
-        return S.frontier_candidates(args.tokens)
+        return S.frontier_candidates(args.tokens, vs_caps=S.parse_vs_caps(args.vs_caps))
     return None
 
 

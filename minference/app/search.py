@@ -83,6 +83,7 @@ __all__ = [
     "tile_density",
     "flat_tiles",
     "frontier_candidates",
+    "parse_vs_caps",
     "is_adaptive",
     "SELECTIONS",
     "default_selection",
@@ -223,6 +224,27 @@ FRONTIER_ASHAPES = ((64, 1024), (128, 4096), (128, 16384))
 #: input (every block passes the rule) costs at most that many (:func:`flat_tiles`). The cap is part
 #: of the candidate: the search scores each (α, cap) pair with the cap in place.
 FRONTIER_CAP_FRACTIONS = (1 / 32, 1 / 8, 1 / 2)
+#: Caps (columns, diagonals) of the frontier's vertical-slash candidates, one candidate per (γ, cap)
+#: pair: by default the adaptive ones alone (``minference search --vs-caps`` adds smaller ones).
+FRONTIER_VS_CAPS = ((ADAPTIVE_MAX_VERTICAL, ADAPTIVE_MAX_SLASH),)
+
+
+def parse_vs_caps(values: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
+    """``--vs-caps`` values, each ``"V/S"`` (columns / diagonals, positive ints), as ``((V, S),
+    ...)``; ``None``: :data:`FRONTIER_VS_CAPS`.
+
+    Raises:
+        ValueError: a value that is not two positive ints joined by ``/`` (named).
+    """
+    if values is None:
+        return FRONTIER_VS_CAPS
+    caps = []
+    for text in values:
+        parts = text.split("/")
+        if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"a vertical-slash cap is COLUMNS/DIAGONALS, two positive ints, got {text!r}")
+        caps.append((int(parts[0]), int(parts[1])))
+    return tuple(caps)
 
 
 def frontier_candidates(
@@ -233,11 +255,12 @@ def frontier_candidates(
     ashapes: Sequence[tuple[int, int]] = FRONTIER_ASHAPES,
     cap_fractions: Sequence[float] = FRONTIER_CAP_FRACTIONS,
     block: int = ADAPTIVE_BLOCK,
+    vs_caps: Sequence[tuple[int, int]] = FRONTIER_VS_CAPS,
 ) -> list[Pattern]:
     """Candidates of the cost-aware frontier search for an ``n``-token target length: A-shapes,
     block-sparse with the query-aware score under the relative rule for every (α, cap) pair,
-    vertical-slash under the mass rule (each γ, the adaptive caps), and :class:`Dense` (no error,
-    the most expensive choice). Candidates equal after the caps are rounded appear once."""
+    vertical-slash under the mass rule for every (γ, ``vs_caps`` entry) pair, and :class:`Dense`
+    (no error, the most expensive choice). Candidates equal after the caps are rounded appear once."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     for f in cap_fractions:
@@ -249,9 +272,11 @@ def frontier_candidates(
         for f in cap_fractions:
             cap = min(nb, max(2, math.ceil(f * n / block)))
             out.append(BlockSparse(top_k=cap, block=block, rule="relative", threshold=alpha, estimate="query"))
+    if not vs_caps:
+        raise ValueError("vs_caps needs at least one (columns, diagonals) cap")
     for gamma in gammas:
-        out.append(VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass",
-                                 threshold=gamma))
+        for vertical, slash in vs_caps:
+            out.append(VerticalSlash(vertical=vertical, slash=slash, rule="mass", threshold=gamma))
     out.append(Dense())
     return list(dict.fromkeys(out))
 

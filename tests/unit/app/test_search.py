@@ -361,6 +361,34 @@ def test_frontier_candidates():
     assert len(short) == len(S.ADAPTIVE_ALPHAS) and {c.top_k for c in short} == {2}
     with pytest.raises(ValueError, match="cap fractions"):
         S.frontier_candidates(1000, cap_fractions=(0.0,))
+    # smaller vertical-slash caps: one candidate per (threshold, cap), the adaptive cap by default
+    assert S.parse_vs_caps(None) == S.FRONTIER_VS_CAPS == ((S.ADAPTIVE_MAX_VERTICAL, S.ADAPTIVE_MAX_SLASH),)
+    caps = S.parse_vs_caps(["2048/8192", "512/2048"])
+    vs = [c for c in S.frontier_candidates(n, vs_caps=caps) if isinstance(c, VerticalSlash)]
+    assert [(c.vertical, c.slash, c.threshold) for c in vs] == [
+        (v, sl, g) for g in S.ADAPTIVE_GAMMAS for v, sl in ((2048, 8192), (512, 2048))]
+    assert all(c.rule == "mass" for c in vs)
+    with pytest.raises(ValueError, match="at least one"):
+        S.frontier_candidates(n, vs_caps=())
+    for bad in ("512x2048", "0/2048", "512/", "1/2/3", "a/b"):
+        with pytest.raises(ValueError, match=f"COLUMNS/DIAGONALS, two positive ints, got '{bad}'"):
+            S.parse_vs_caps(["1024/4096", bad])
+
+
+def test_search_cli_checks_vs_caps_before_any_work(capsys, monkeypatch):
+    """``--vs-caps`` is refused in one line before any model loads: a malformed cap, or caps
+    without ``--candidates frontier`` (or with a saved search, which keeps its own candidates)."""
+    from minference.app import models
+    from minference.app.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    malformed = "argument --vs-caps: a vertical-slash cap is COLUMNS/DIAGONALS, two positive ints, got '512x2048'"
+    cases = [(["--candidates", "frontier", "--vs-caps", "512x2048"], malformed),
+             (["--vs-caps", "512/2048"], "--vs-caps sets the candidates of a --candidates frontier search")]
+    for extra, message in cases:
+        assert main(["search", "--out", "c.json", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("minference search: error: ") and message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("n", [640, 1000])
