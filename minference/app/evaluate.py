@@ -621,6 +621,8 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
     tasks: list[str] = []
     records: list[SampleRecord] = []
     seen: dict[tuple, set[tuple]] = {}  # (config, length) -> (task, seed, index) of the samples merged so far
+    # the coverage figures of every report must be of one kind: compared with the first that has them
+    coverage_ref = next(((n, r) for n, r in zip(names, reports) if r.settings.get("coverage")), None)
     graph_stats: dict[str, dict[str, int]] = {}
     for name, rep in zip(names, reports):
         if any(rep.model.get(k) != first.model.get(k) for k in keys):
@@ -628,9 +630,12 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         if rep.machine.get("gpu") != first.machine.get("gpu"):
             raise EvalError(f"reports from different machines cannot be merged ({name}: GPU "
                             f"{rep.machine.get('gpu')!r}, {names[0]}: {first.machine.get('gpu')!r})")
-        differ = _settings_diff(first.settings, rep.settings, skip=_extras_skip(first.settings, rep.settings))
+        differ = _settings_conflict(first.settings, rep.settings)
         if differ:
             raise EvalError(f"reports with different settings cannot be merged ({names[0]} vs {name}: {differ})")
+        if coverage_ref is not None and _rows_conflict(coverage_ref[1].settings, rep.settings):
+            raise EvalError(f"reports with different settings cannot be merged ({coverage_ref[0]} vs {name}: "
+                            f"{_rows_conflict(coverage_ref[1].settings, rep.settings)})")
         for c in rep.configs:
             known = configs.get(c.name)
             if known is not None and known.spec != c.spec:
@@ -664,24 +669,35 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         records += rep.records
     _check_dense_in_each(reports, names, configs)
     settings = dict(first.settings)
-    for extra in _EXTRA_SETTINGS:  # a measurement any report made is in the merged one
+    for extra in ("profile", "coverage"):  # a measurement any report made is in the merged one
         if extra in settings:
             settings[extra] = any(rep.settings.get(extra) for rep in reports)
+    if coverage_ref is not None and "coverage_rows" in coverage_ref[1].settings:
+        settings["coverage_rows"] = coverage_ref[1].settings["coverage_rows"]
     return EvalReport(model=first.model, machine=first.machine, settings=settings, configs=list(configs.values()),
                       lengths=lengths, tasks=tasks, records=records, runs=list(runs.values()), started=first.started,
                       wall_s=sum(r.wall_s for r in reports), cuda_graph_stats=graph_stats)
 
 
-# Settings that add an untimed prefill per (config, length) and change no timed or scored value:
-# reports that differ only in them merge (each run keeps the first report's extra that has it).
-_EXTRA_SETTINGS = ("profile", "coverage")
+# Settings that add an untimed prefill per (config, length) and change no scored value: reports
+# that differ only in them merge (each run keeps the first report's extra that has it). That they
+# leave the timed prefills alone is assumed: a settling prefill follows them on CUDA (``settle_s``;
+# whether it absorbs their effect on the next timed prefill is still to be shown, docs/testbed.md).
+_EXTRA_SETTINGS = ("profile", "coverage", "coverage_rows")
 
 
-def _extras_skip(ours: dict, theirs: dict) -> tuple[str, ...]:
-    """The settings a merge need not compare: :data:`_EXTRA_SETTINGS`, and the coverage's sample
-    rows unless both reports measured coverage (then their figures must be of one kind)."""
-    both_coverage = bool(ours.get("coverage")) and bool(theirs.get("coverage"))
-    return _EXTRA_SETTINGS + (() if both_coverage else ("coverage_rows",))
+def _settings_conflict(ours: dict, theirs: dict, skip: Sequence[str] = ()) -> str:
+    """:func:`_settings_diff` without :data:`_EXTRA_SETTINGS` (nor ``skip``): what keeps two runs
+    apart (``""``: nothing); :func:`_rows_conflict` compares the coverage of runs that measured it."""
+    return _settings_diff(ours, theirs, skip=(*skip, *_EXTRA_SETTINGS))
+
+
+def _rows_conflict(ours: dict, theirs: dict) -> str:
+    """``coverage_rows: a vs b`` when both runs measured coverage on different numbers of sample
+    rows (figures of two kinds), else ``""``."""
+    if ours.get("coverage") and theirs.get("coverage") and ours.get("coverage_rows") != theirs.get("coverage_rows"):
+        return f"coverage_rows: {ours.get('coverage_rows')!r} vs {theirs.get('coverage_rows')!r}"
+    return ""
 
 
 def _fill_extras(merged: RunStats, other: RunStats) -> None:
@@ -1326,8 +1342,10 @@ def run_eval(
                 "allow_mismatch": allow_mismatch, "force_length": force_length, "dense_tail": dense_tail,
                 "cuda_graphs": cuda_graphs, "prefill_chunk": prefill_chunk, "suite": suite,
                 **({"ruler": _ruler_settings(ruler_set)} if ruler_set is not None else {})}
-    if guard is not None and guard.settings:  # the command line's guard overrides: a run with them
-        settings["guard"] = dict(guard.settings)  # neither continues nor merges one without (absent: none)
+    # the command line's guard overrides: a run with them neither continues nor merges one without
+    # (absent: no overrides, or a report written before the key)
+    if guard is not None and guard.settings:
+        settings["guard"] = dict(guard.settings)
     if done is not None:
         _check_continued(done, model_name, settings)
 
@@ -1564,7 +1582,7 @@ def _check_continued(done: EvalReport, model_name: str, settings: dict) -> None:
     if theirs != ours:
         raise EvalError(f"--continue: that report ran another prompt set (manifest sha256 {str(theirs)[:12]}…, "
                         f"this set {ours[:12]}…)")
-    differ = _settings_diff(done.settings, settings, skip=("device",))
+    differ = _settings_conflict(done.settings, settings, skip=("device",)) or _rows_conflict(done.settings, settings)
     if differ:
         raise EvalError(f"--continue: that report ran other settings ({differ}); continue it with its options")
 

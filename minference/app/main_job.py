@@ -492,6 +492,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     guard_options.add_arguments(run)
     run.set_defaults(func=_run_cmd, check=_check_run)
 
+    from minference.app.search import FRONTIER_VS_CAPS
+
     search = subparsers.add_parser(
         "search", help="offline per-head pattern search on calibration prompts; writes a PatternConfig",
         description=SEARCH_DESCRIPTION,
@@ -510,7 +512,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                              "minference.app.search.adaptive_candidates; frontier: frontier_candidates (with caps)")
     search.add_argument("--vs-caps", nargs="+", default=None, metavar="V/S",
                         help="frontier: the vertical-slash candidates' caps, COLUMNS/DIAGONALS each, one candidate "
-                             "per (threshold, cap) (default: 2048/8192)")
+                             "per (threshold, cap) (default: "
+                             + " ".join(f"{v}/{sl}" for v, sl in FRONTIER_VS_CAPS) + ")")
     search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")

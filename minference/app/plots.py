@@ -566,7 +566,8 @@ def plot_eval_frontier(report, path: str | os.PathLike, *, length: int | None = 
     acc_label = f"{what} on the {shared} prompts every config ran" if shared else f"{what} (no prompt every config ran)"
     if nll is None:
         nll = {p["config"]: p["nll"] for p in report.perplexity() if p["n_tokens"] == n}
-    generation = any(t != PERPLEXITY_TASK for t in report.tasks)  # an NLL-only run has no accuracy panel
+    # no accuracy panel where only the perplexity task ran at this length
+    generation = any(r.task != PERPLEXITY_TASK and r.n_tokens == n for r in report.records)
     panels = ([(accuracy, acc_label)] if generation or not nll else []) + (
         [(nll, "mean next-token NLL (nats)")] if nll else [])
     fig = Figure(figsize=(6.5 * len(panels), 4.8), dpi=dpi, layout="constrained")

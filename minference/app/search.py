@@ -241,7 +241,7 @@ def parse_vs_caps(values: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
     caps = []
     for text in values:
         parts = text.split("/")
-        if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"a vertical-slash cap is COLUMNS/DIAGONALS, two positive ints, got {text!r}")
         caps.append((int(parts[0]), int(parts[1])))
     return tuple(caps)

@@ -76,6 +76,13 @@ def _enabled(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    saved = config.getoption("save_durations", None)
+    if saved and not hasattr(config, "workerinput"):  # a file that cannot be written fails before any test runs
+        from pathlib import Path
+
+        folder = Path(saved).resolve().parent
+        if not folder.is_dir():
+            raise pytest.UsageError(f"--save-durations {saved}: no folder {folder}")
     if config.getoption("longest_first", None):  # a bad file fails here, before collection
         config.stash[_LONGEST_FIRST] = load_durations(config.getoption("longest_first"))
         # xdist's load scheduler hands each worker a first chunk of consecutive items (at least
@@ -264,7 +271,6 @@ def compile_report(reports, top: int = 20) -> list[str]:
         f = files[r.nodeid.split("::")[0]]
         f.ids.add(r.nodeid)
         f.seconds += r.duration
-        tests[r.nodeid].seconds += r.duration
         for name, value in r.user_properties:
             if name == COMPILE_PROPERTY:
                 for kernel, seconds in value:
@@ -277,6 +283,8 @@ def compile_report(reports, top: int = 20) -> list[str]:
     lines.append(f"{'all':<48} {sum(len(t.ids) for t in files.values()):>5} "
                  f"{sum(t.seconds for t in files.values()):>8.1f} {sum(t.compiles for t in files.values()):>8} "
                  f"{sum(t.compile_seconds for t in files.values()):>9.1f}")
+    for nodeid, seconds in seconds_per_test(reports).items():
+        tests[nodeid].seconds = seconds
     lines.append(f"{f'test (the {top} longest)':<48} {'':>5} {'test s':>8} {'compiles':>8} {'compile s':>9}")
     for nodeid, t in sorted(tests.items(), key=lambda kv: -kv[1].seconds)[:top]:
         lines.append(f"{nodeid:<48} {'':>5} {t.seconds:>8.1f} {t.compiles:>8} {t.compile_seconds:>9.1f}")
@@ -286,22 +294,22 @@ def compile_report(reports, top: int = 20) -> list[str]:
     return lines
 
 
-def test_seconds(reports) -> dict[str, float]:
-    """Each test's seconds (setup + call + teardown) from its reports, longest first, to 0.01 s."""
+def seconds_per_test(reports) -> dict[str, float]:
+    """Each test's seconds (setup + call + teardown) from its reports, longest first."""
     seconds: defaultdict[str, float] = defaultdict(float)
     for r in reports:
         seconds[r.nodeid] += r.duration
-    return {k: round(v, 2) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
 
 
 def save_durations(path: str, reports) -> None:
-    """Write ``reports``' :func:`test_seconds` as a ``--longest-first`` file (what
+    """Write ``reports``' :func:`seconds_per_test` (to 0.01 s) as a ``--longest-first`` file (what
     :func:`load_durations` reads), with the date and the test count as its ``source``."""
     import json
     from datetime import date
     from pathlib import Path
 
-    seconds = test_seconds(reports)
+    seconds = {k: round(v, 2) for k, v in seconds_per_test(reports).items()}
     source = f"--save-durations of a pytest session on {date.today()} ({len(seconds)} tests)"
     Path(path).write_text(json.dumps({"source": source, "seconds": seconds}, indent=1) + "\n", encoding="utf-8")
 
@@ -310,12 +318,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if hasattr(config, "workerinput"):
         return
     reports = [r for rs in terminalreporter.stats.values() for r in rs if isinstance(r, pytest.TestReport)]
+    if config.getoption("compile_report", False):
+        terminalreporter.write_sep("=", "Triton compiles per test file and kernel (--compile-report)")
+        for line in compile_report(reports):
+            terminalreporter.write_line(line)
     path = config.getoption("save_durations", None)
-    if path:
-        save_durations(path, reports)
-        terminalreporter.write_line(f"test durations written to {path} (a --longest-first file)")
-    if not config.getoption("compile_report", False):
+    if not path:
         return
-    terminalreporter.write_sep("=", "Triton compiles per test file and kernel (--compile-report)")
-    for line in compile_report(reports):
-        terminalreporter.write_line(line)
+    # only a session that ran every test it collected: a cut one would list its longest tests as short
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        terminalreporter.write_line(f"test durations not written to {path}: the session did not run to its end "
+                                    f"(exit status {int(exitstatus)})")
+        return
+    try:
+        save_durations(path, reports)
+    except OSError as err:
+        terminalreporter.write_line(f"test durations not written to {path}: {err}")
+        return
+    terminalreporter.write_line(f"test durations written to {path} (a --longest-first file)")

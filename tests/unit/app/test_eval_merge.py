@@ -138,20 +138,32 @@ def test_a_malformed_report_is_one_line_error(content, message, tmp_path, capsys
 def test_runs_that_differ_only_in_untimed_extras_merge():
     """``--no-profile`` / ``--no-coverage`` only skip an untimed prefill: a RULER length split over
     calls with and without them merges, each (config, length) keeping the split and coverage of
-    the report that measured them, and the merged settings say they were measured. Coverage of
-    different sample rows is two kinds of figure: refused."""
-    a = _timed_report({"dense": {("a", 0): 1.0}, "fast": {("a", 0): 0.5}})
-    b = _timed_report({"dense": {("b", 0): 1.0}, "fast": {("b", 0): 0.5}})
-    a.settings.update(profile=False, coverage=False)
-    b.settings.update(profile=True, coverage=True)
-    split = E.TimeSplit(attention_ms=3.0, index_ms=1.0, other_ms=2.0, total_ms=6.0)
-    b.run("fast", N).split, b.run("fast", N).coverage = split, 0.9
+    the first report that measured them (never overwritten by a later one), and the merged
+    settings say they were measured. Coverage on different numbers of sample rows is two kinds of
+    figure: refused in any order, while a report that measured no coverage may hold another."""
+    def report(key, profile, coverage, rows=512, split=None, cover=None):
+        r = _timed_report({"dense": {(key, 0): 1.0}, "fast": {(key, 0): 0.5}})
+        r.settings.update(profile=profile, coverage=coverage, coverage_rows=rows)
+        r.run("fast", N).split, r.run("fast", N).coverage = split, cover
+        return r
+
+    one = E.TimeSplit(attention_ms=3.0, index_ms=1.0, other_ms=2.0, total_ms=6.0)
+    two = E.TimeSplit(attention_ms=9.0, index_ms=9.0, other_ms=9.0, total_ms=27.0)
+    a, b = report("a", False, False, rows=256), report("b", True, True, split=one, cover=0.9)
     merged = E.merge_reports([a, b])
-    assert merged.run("fast", N).split == split and merged.run("fast", N).coverage == 0.9
+    assert merged.run("fast", N).split == one and merged.run("fast", N).coverage == 0.9
     assert merged.settings["profile"] is True and merged.settings["coverage"] is True
+    assert merged.settings["coverage_rows"] == 512  # the rows of the coverage it holds
     assert a.run("fast", N).split is None and a.settings["profile"] is False  # the inputs are not changed
     assert merged.run("fast", N).ttft_s == [0.5, 0.5]
-    a.settings["coverage"] = True
-    b.settings["coverage_rows"] = a.settings.get("coverage_rows", 512) + 1
-    with pytest.raises(E.EvalError, match=r"different settings cannot be merged \(report 1 vs report 2: coverage_rows"):
-        E.merge_reports([a, b])
+    # the first report's own figures stay; profile-only then coverage-only fills each from its report
+    kept = E.merge_reports([b, report("c", True, True, split=two, cover=0.5)])
+    assert kept.run("fast", N).split == one and kept.run("fast", N).coverage == 0.9
+    crossed = E.merge_reports([report("d", True, False, split=one), report("e", False, True, cover=0.7)])
+    assert crossed.run("fast", N).split == one and crossed.run("fast", N).coverage == 0.7
+    # coverage of 512 and 1024 rows: refused whichever report comes first, naming the two
+    c = report("f", True, True, rows=1024, cover=0.8)
+    for order in ([a, b, c], [b, a, c], [c, a, b]):
+        with pytest.raises(E.EvalError, match=r"different settings cannot be merged \(report \d vs report \d: "
+                                              r"coverage_rows: (512 vs 1024|1024 vs 512)\)"):
+            E.merge_reports(order)

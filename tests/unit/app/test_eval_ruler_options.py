@@ -95,6 +95,12 @@ def test_continue_with_other_settings_fails_before_loading_and_names_them(small,
     assert main(["eval", "--no-progress", "--suite", "ruler", "--prompts", str(ruler_set), "--config", "dense",
                  UNIFORM, "--no-coverage", "--continue", str(tmp_path / "done.json")]) == 2
     assert "that report ran other settings (dense_threshold: 0 vs None)" in capsys.readouterr().err
+    # the untimed extras do not keep a continuation apart (as in a merge); coverage rows of another kind do
+    settings = dict(done.settings, coverage=True, profile=True)
+    E._check_continued(done, "smollm2", settings)
+    with pytest.raises(E.EvalError, match=r"other settings \(coverage_rows: 512 vs 256\)"):
+        E._check_continued(E.EvalReport.from_dict(dict(done.to_dict(), settings=dict(done.settings, coverage=True))),
+                           "smollm2", dict(settings, coverage_rows=256))
     with pytest.raises(E.EvalError, match="that report ran the model 'smollm2', this run 'qwen0.5b'"):
         E.run_eval("qwen", suite="ruler", prompts=ruler_set, configs=["dense", UNIFORM], dense_threshold=0,
                    coverage=False, progress=False, done=done)

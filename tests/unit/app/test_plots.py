@@ -243,6 +243,13 @@ def test_an_nll_only_report_draws_the_nll_panel_alone(tmp_path) -> None:
     report.records = [r for r in report.records if r.task == "perplexity"]
     alone = P.plot_eval_frontier(report, tmp_path / "nll.png", dpi=50)
     assert (width(both), width(alone)) == (650, 325)
+    # decided per length: generation tasks at another length leave this length's panel alone
+    from minference.app.evaluate import SampleRecord
+
+    report.tasks = ["single_needle", "perplexity"]
+    report.lengths = [500, 1000]
+    report.records.append(SampleRecord("dense", "single_needle", 500, 0, 0, None, ["1"], True, "", None))
+    assert width(P.plot_eval_frontier(report, tmp_path / "mixed.png", length=1000, dpi=50)) == 325
 
 
 def test_show_frontier_cli_prints_the_ship_decision(tmp_path, capsys) -> None:

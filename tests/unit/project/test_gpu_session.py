@@ -53,3 +53,14 @@ def test_an_argument_prints_the_stages_and_runs_none(tmp_path):
         assert run.returncode == rc, (arg, run.stdout, run.stderr)
         assert "Stages run in the order STAGES lists them" in run.stdout and "set -o" not in run.stdout
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_the_tests_stage_saves_its_durations_and_compile_report(tmp_path):
+    """The GPU tier's command: longest first, and every run leaves what refreshes the durations
+    file (``--save-durations`` into ``$OUT``) and says where the time went."""
+    run = _run(tmp_path, 0, STAGES="tests:ci")
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = next(x for x in run.stdout.splitlines() if x.startswith("stub -m pytest"))
+    assert "--longest-first tests/gpu_durations.json" in line and "--compile-report" in line
+    assert f"--save-durations {tmp_path / 'out' / 'gpu_durations_ci.json'}" in line and "--durations=40" in line

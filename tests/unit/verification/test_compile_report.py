@@ -176,3 +176,23 @@ def test_save_durations_under_xdist_writes_a_longest_first_file(tmp_path):
     assert list(seconds.values()) == sorted(seconds.values(), reverse=True)
     assert "4 tests" in data["source"]
     assert load_durations(str(tmp_path / "d.json")) == seconds
+
+
+def test_save_durations_only_for_a_whole_session_and_a_folder_that_exists(tmp_path):
+    """A session cut short (here by ^C in its second test) writes no file: its longest tests would
+    read as short. A path in a missing folder is a usage error before any test runs."""
+    (tmp_path / "test_i.py").write_text("def test_a():\n    pass\n"
+                                        "def test_b():\n    raise KeyboardInterrupt\n"
+                                        "def test_c():\n    pass\n")
+    env = dict(os.environ, MINFERENCE_HYPOTHESIS_PROFILE="ci")
+
+    def pytest_run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    cut = pytest_run("--save-durations", "d.json", "test_i.py")
+    assert cut.returncode == 2 and not (tmp_path / "d.json").exists(), cut.stdout[-2000:]
+    assert "test durations not written to d.json: the session did not run to its end (exit status 2)" in cut.stdout
+    missing = pytest_run("--save-durations", "nodir/d.json", "test_i.py")
+    assert missing.returncode == 4 and "test_a" not in missing.stdout, missing.stdout[-2000:]
+    assert f"--save-durations nodir/d.json: no folder {tmp_path / 'nodir'}" in missing.stderr
