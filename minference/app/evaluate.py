@@ -633,9 +633,11 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
         differ = _settings_conflict(first.settings, rep.settings)
         if differ:
             raise EvalError(f"reports with different settings cannot be merged ({names[0]} vs {name}: {differ})")
-        if coverage_ref is not None and _rows_conflict(coverage_ref[1].settings, rep.settings):
-            raise EvalError(f"reports with different settings cannot be merged ({coverage_ref[0]} vs {name}: "
-                            f"{_rows_conflict(coverage_ref[1].settings, rep.settings)})")
+        if coverage_ref is not None:
+            ref_name, ref = coverage_ref
+            rows = _rows_conflict(ref.settings, rep.settings)
+            if rows:
+                raise EvalError(f"reports with different settings cannot be merged ({ref_name} vs {name}: {rows})")
         for c in rep.configs:
             known = configs.get(c.name)
             if known is not None and known.spec != c.spec:

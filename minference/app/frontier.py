@@ -719,8 +719,9 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
     """What is wrong with ``minference search --frontier`` arguments (``None``: nothing), checked
     before the slow work: budgets, ``{budget}`` in ``--out``, the ratio, ``--fixed-ms`` without a
     cost table, and the cost table itself (readable, covering the candidates at ``--tokens``;
-    with the model's ``signature`` also its head dim and head count). ``candidates`` and
-    ``n_tokens``: those of saved measurements (``--from-measurements``) instead of the arguments'."""
+    with the model's ``signature`` also its head dim and head count). ``candidates``: the search's
+    (``--candidates``; ``None``: its budgeted default), or those of saved measurements
+    (``--from-measurements``, with their ``n_tokens`` instead of ``--tokens``)."""
     from minference.app import search as S
 
     if "{budget}" not in args.out:
@@ -743,11 +744,7 @@ def check_family_args(args, signature=None, *, candidates: Sequence[Pattern] | N
         n = args.tokens if n_tokens is None else n_tokens
         if candidates is not None:
             cands = list(candidates)
-        elif args.candidates == "frontier":
-            cands = S.frontier_candidates(n, vs_caps=S.parse_vs_caps(getattr(args, "vs_caps", None)))
-        elif args.candidates == "adaptive":
-            cands = S.adaptive_candidates()
-        else:
+        else:  # the search's own default: budgeted candidates at the target density
             cands = S.candidate_patterns(n, args.target_density or S.DEFAULT_TARGET_DENSITY)
         cands = [*cands, Dense()]
         if signature is None:

@@ -661,7 +661,7 @@ def _check_search(args: argparse.Namespace) -> None:
                 raise ValueError(f"{args.from_measurements}: {err}") from None
 
         # a search's model shape is checked against the cost table after the load; measurements carry theirs
-        problem = check_family_args(args) if measured is None else check_family_args(
+        problem = check_family_args(args, candidates=_candidates(args)) if measured is None else check_family_args(
             args, measured.config.model, candidates=measured.candidates, n_tokens=measured.n_tokens)
         if problem:
             raise ValueError(problem)
@@ -775,7 +775,7 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
         from minference.app.frontier import check_family_args
         from minference.config import model_signature
 
-        problem = check_family_args(args, model_signature(model, fingerprint=False))
+        problem = check_family_args(args, model_signature(model, fingerprint=False), candidates=_candidates(args))
         if problem:
             raise ValueError(problem)
     if is_qwen(args.model):
