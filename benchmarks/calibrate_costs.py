@@ -75,14 +75,17 @@ BLOCKS = (128, 64)
 
 def index_patterns(n: int) -> list:
     """One pattern per index key the searches use: the adaptive and frontier candidates'
-    vertical-slash mass rule and block-sparse query-aware relative rule, the top-k forms of both,
-    and the pooled top-k routing of the budgeted candidates."""
+    vertical-slash mass rule and block-sparse query-aware relative and mass rules (at each block
+    of :data:`BLOCKS`: ``minference search --bs-blocks``, ``--bs-gammas``), the top-k forms of
+    both, and the pooled top-k routing of the budgeted candidates."""
     nb128, nb64 = -(-n // 128), -(-n // 64)
+    routed = [BlockSparse(top_k=max(2, -(-n // b) // 2), block=b, rule=rule, threshold=t, estimate="query")
+              for b in BLOCKS for rule, t in (("relative", 0.1), ("mass", 0.9))]
     return [
         VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass", threshold=0.9),
         VerticalSlash(vertical=1000, slash=6096),
         VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="relative", threshold=0.1),
-        BlockSparse(top_k=max(2, nb128 // 2), block=128, rule="relative", threshold=0.1, estimate="query"),
+        *routed,
         BlockSparse(top_k=max(2, nb128 // 8), block=128, estimate="query"),
         BlockSparse(top_k=max(2, nb64 // 8), block=64),
     ]

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     model, tokenizer = load_smollm2()
     prompts = calibration_prompts(tokenizer, args.tokens, args.prompts, seed=0)
-    cands = S.frontier_candidates(args.tokens, block=BLOCK)
+    cands = S.frontier_candidates(args.tokens, blocks=(BLOCK,))
     result = S.search(model, prompts, candidates=cands, select="cheapest", min_mass=0.9, row_stride=args.row_stride,
                       progress=False)
     sig = result.config.model

@@ -492,7 +492,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     guard_options.add_arguments(run)
     run.set_defaults(func=_run_cmd, check=_check_run)
 
-    from minference.app.search import FRONTIER_VS_CAPS
+    from minference.app.search import FRONTIER_BS_BLOCKS, FRONTIER_VS_CAPS
 
     search = subparsers.add_parser(
         "search", help="offline per-head pattern search on calibration prompts; writes a PatternConfig",
@@ -514,6 +514,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="frontier: the vertical-slash candidates' caps, COLUMNS/DIAGONALS each, one candidate "
                              "per (threshold, cap) (default: "
                              + " ".join(f"{v}/{sl}" for v, sl in FRONTIER_VS_CAPS) + ")")
+    search.add_argument("--bs-blocks", nargs="+", type=int, default=None, metavar="BLOCK",
+                        help="frontier: the block-sparse candidates' routing blocks, one set of candidates each "
+                             "(default: " + " ".join(map(str, FRONTIER_BS_BLOCKS)) + ")")
+    search.add_argument("--bs-gammas", nargs="+", type=float, default=None, metavar="GAMMA",
+                        help="frontier: block-sparse candidates under the mass rule at these thresholds too, "
+                             "one per (threshold, cap, block) (default: none, the relative rule alone)")
     search.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration prompt length")
     search.add_argument("--prompts", type=int, default=2, help="number of calibration prompts")
     search.add_argument("--seed", type=int, default=0, help="calibration prompt seed")
@@ -628,16 +634,10 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
     if args.proxy != "mass" and args.frontier is None:
         raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
-    if args.vs_caps is not None:
-        if args.candidates != "frontier" or args.from_measurements is not None:
-            raise ValueError("--vs-caps sets the candidates of a --candidates frontier search (a saved search "
-                             "keeps its own)")
-        from minference.app.search import parse_vs_caps
-
-        try:
-            parse_vs_caps(args.vs_caps)
-        except ValueError as err:
-            raise ValueError(f"argument --vs-caps: {err}") from None
+    for flag in ("vs_caps", "bs_blocks", "bs_gammas"):
+        if getattr(args, flag) is not None and (args.candidates != "frontier" or args.from_measurements is not None):
+            raise ValueError(f"--{flag.replace('_', '-')} sets the candidates of a --candidates frontier search (a "
+                             "saved search keeps its own)")
     measured = None
     args.select_note = None
     if args.from_measurements is not None:
@@ -649,6 +649,18 @@ def _check_search(args: argparse.Namespace) -> None:
         _check_measured_select(args, measured)
     else:
         _check_context(args.model, args.tokens, f"calibration prompts of {args.tokens} tokens")
+        if args.vs_caps is not None:
+            from minference.app.search import parse_vs_caps
+
+            try:
+                parse_vs_caps(args.vs_caps)
+            except ValueError as err:
+                raise ValueError(f"argument --vs-caps: {err}") from None
+        if args.candidates == "frontier":
+            try:
+                _candidates(args)  # a routing block or mass threshold the patterns refuse
+            except ValueError as err:
+                raise ValueError(f"the frontier candidates: {err}") from None
         _check_select(args)
     args.measurements = measured  # read once: _search_cmd makes the configs from it
     if args.frontier is not None:
@@ -719,7 +731,9 @@ def _candidates(args: argparse.Namespace):
     if args.candidates == "adaptive":
         return S.adaptive_candidates()
     if args.candidates == "frontier":
-        return S.frontier_candidates(args.tokens, vs_caps=S.parse_vs_caps(args.vs_caps))
+        extra = {} if args.bs_blocks is None else {"blocks": args.bs_blocks}
+        return S.frontier_candidates(args.tokens, vs_caps=S.parse_vs_caps(args.vs_caps), bs_gammas=args.bs_gammas or (),
+                                     **extra)
     return None
 
 

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -227,6 +227,10 @@ FRONTIER_CAP_FRACTIONS = (1 / 32, 1 / 8, 1 / 2)
 #: Caps (columns, diagonals) of the frontier's vertical-slash candidates, one candidate per (γ, cap)
 #: pair: by default the adaptive ones alone (``minference search --vs-caps`` adds smaller ones).
 FRONTIER_VS_CAPS = ((ADAPTIVE_MAX_VERTICAL, ADAPTIVE_MAX_SLASH),)
+#: Routing blocks of the frontier's block-sparse candidates (``--bs-blocks``): one set of (rule,
+#: threshold, cap) candidates per block. 64 keeps fewer unused keys per kept block at about four
+#: times the query-aware scoring work.
+FRONTIER_BS_BLOCKS = (ADAPTIVE_BLOCK,)
 
 
 def parse_vs_caps(values: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
@@ -254,24 +258,35 @@ def frontier_candidates(
     alphas: Sequence[float] = ADAPTIVE_ALPHAS,
     ashapes: Sequence[tuple[int, int]] = FRONTIER_ASHAPES,
     cap_fractions: Sequence[float] = FRONTIER_CAP_FRACTIONS,
-    block: int = ADAPTIVE_BLOCK,
+    blocks: Sequence[int] = FRONTIER_BS_BLOCKS,
+    bs_gammas: Sequence[float] = (),
     vs_caps: Sequence[tuple[int, int]] = FRONTIER_VS_CAPS,
 ) -> list[Pattern]:
     """Candidates of the cost-aware frontier search for an ``n``-token target length: A-shapes,
-    block-sparse with the query-aware score under the relative rule for every (α, cap) pair,
-    vertical-slash under the mass rule for every (γ, ``vs_caps`` entry) pair, and :class:`Dense`
-    (no error, the most expensive choice). Candidates equal after the caps are rounded appear once."""
+    block-sparse with the query-aware score for every routing block in ``blocks`` and every cap,
+    under the relative rule (each α) and under the mass rule (each of ``bs_gammas``, none by
+    default), vertical-slash under the mass rule for every (γ, ``vs_caps`` entry) pair, and
+    :class:`Dense` (no error, the most expensive choice). Candidates equal after the caps are
+    rounded appear once."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     for f in cap_fractions:
         if not 0 < f <= 1:
             raise ValueError(f"cap fractions must lie in (0, 1], got {f!r}")
+    if not blocks:
+        raise ValueError("blocks needs at least one block-sparse routing block")
+    for block in blocks:
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"a block-sparse routing block must be a positive int, got {block!r}")
     out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
-    nb = -(-n // block)
-    for alpha in alphas:
-        for f in cap_fractions:
-            cap = min(nb, max(2, math.ceil(f * n / block)))
-            out.append(BlockSparse(top_k=cap, block=block, rule="relative", threshold=alpha, estimate="query"))
+    rules: list[tuple[Literal["relative", "mass"], float]] = [("relative", a) for a in alphas]
+    rules += [("mass", g) for g in bs_gammas]
+    for block in blocks:
+        nb = -(-n // block)
+        for rule, threshold in rules:
+            for f in cap_fractions:
+                cap = min(nb, max(2, math.ceil(f * n / block)))
+                out.append(BlockSparse(top_k=cap, block=block, rule=rule, threshold=threshold, estimate="query"))
     if not vs_caps:
         raise ValueError("vs_caps needs at least one (columns, diagonals) cap")
     for gamma in gammas:

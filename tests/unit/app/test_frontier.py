@@ -406,7 +406,7 @@ def test_a_search_without_its_length_or_head_dim_is_refused_before_the_proxy(tmp
 def test_family_files_load_and_record_their_prediction(tmp_path, tiny_llama):
     pytest.importorskip("matplotlib")
     model, prompts = tiny_llama(512)
-    cands = S.frontier_candidates(512, block=64)
+    cands = S.frontier_candidates(512, blocks=(64,))
     res = S.search(model, prompts, candidates=cands, select="cheapest", min_mass=0.9, progress=False, row_stride=8)
     budgets = [0.0, 0.05, 0.2, 0.5]
     points, summary = F.write_family(res, budgets, str(tmp_path / "fam_{budget}.json"))
@@ -619,7 +619,8 @@ def test_calibrate_costs_runs_at_a_tiny_length_in_the_interpreter(tmp_path, caps
     assert prov["interpreted"] is True and prov["torch"] == torch.__version__ and prov["created"]
     model = F.CostModel.load(out)
     # the table covers every candidate of the frontier search and the adaptive one at its length
-    model.check([*S.frontier_candidates(n), *S.adaptive_candidates()], head_dim=16, num_heads=2, n_tokens=n)
+    model.check([*S.frontier_candidates(n, blocks=(128, 64), bs_gammas=(0.9,)), *S.adaptive_candidates()],
+                head_dim=16, num_heads=2, n_tokens=n)
     assert "wrote" in capsys.readouterr().out
 
 

@@ -373,18 +373,36 @@ def test_frontier_candidates():
     for bad in ("512x2048", "0/2048", "512/", "1/2/3", "a/b"):
         with pytest.raises(ValueError, match=f"COLUMNS/DIAGONALS, two positive ints, got '{bad}'"):
             S.parse_vs_caps(["1024/4096", bad])
+    # block-sparse at more routing blocks and under the mass rule: one candidate per (block, rule, cap)
+    more = [c for c in S.frontier_candidates(n, blocks=(128, 64), bs_gammas=(0.9,)) if isinstance(c, BlockSparse)]
+    per_block = (len(S.ADAPTIVE_ALPHAS) + 1) * len(S.FRONTIER_CAP_FRACTIONS)
+    assert len(more) == 2 * per_block and all(c.estimate == "query" for c in more)
+    assert {c.top_k for c in more if c.block == 64} == {-(-int(f * n) // 64) for f in S.FRONTIER_CAP_FRACTIONS}
+    assert [(c.block, c.threshold, c.top_k) for c in more if c.rule == "mass"] == [
+        (b, 0.9, -(-int(f * n) // b)) for b in (128, 64) for f in S.FRONTIER_CAP_FRACTIONS]
+    assert more[:len(bs)] == bs  # block 128's relative candidates first, as by default
+    with pytest.raises(ValueError, match="at least one block-sparse routing block"):
+        S.frontier_candidates(n, blocks=())
 
 
 def test_search_cli_checks_vs_caps_before_any_work(capsys, monkeypatch):
-    """``--vs-caps`` is refused in one line before any model loads: a malformed cap, or caps
-    without ``--candidates frontier`` (or with a saved search, which keeps its own candidates)."""
+    """``--vs-caps``, ``--bs-blocks`` and ``--bs-gammas`` are refused in one line before any model
+    loads: a malformed cap, a block or threshold the patterns refuse, or any of them without
+    ``--candidates frontier`` (or with a saved search, which keeps its own candidates)."""
     from minference.app import models
     from minference.app.cli import main
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     malformed = "argument --vs-caps: a vertical-slash cap is COLUMNS/DIAGONALS, two positive ints, got '512x2048'"
-    cases = [(["--candidates", "frontier", "--vs-caps", "512x2048"], malformed),
-             (["--vs-caps", "512/2048"], "--vs-caps sets the candidates of a --candidates frontier search")]
+    frontier = ["--candidates", "frontier"]
+    cases = [([*frontier, "--vs-caps", "512x2048"], malformed),
+             (["--vs-caps", "512/2048"], "--vs-caps sets the candidates of a --candidates frontier search"),
+             (["--bs-gammas", "0.9"], "--bs-gammas sets the candidates of a --candidates frontier search"),
+             (["--bs-blocks", "64"], "--bs-blocks sets the candidates of a --candidates frontier search"),
+             ([*frontier, "--bs-gammas", "1.5"], "the frontier candidates: BlockSparse.threshold must be finite and "
+                                                   "in (0, 1], got 1.5"),
+             ([*frontier, "--bs-blocks", "0"], "the frontier candidates: a block-sparse routing block must be a "
+                                                 "positive int, got 0")]
     for extra, message in cases:
         assert main(["search", "--out", "c.json", *extra]) == 2
         err = capsys.readouterr().err
@@ -496,7 +514,7 @@ def test_saved_measurements_make_the_same_configs_without_the_model(tmp_path, ca
     from minference.app.cli import main
 
     model, prompts = tiny_llama(512)
-    res = S.search(model, prompts, candidates=S.frontier_candidates(512, block=64), select="cheapest",
+    res = S.search(model, prompts, candidates=S.frontier_candidates(512, blocks=(64,)), select="cheapest",
                    min_mass=0.9, progress=False, row_stride=8)
     path = tmp_path / "m.json"
     res.save(path)
@@ -553,7 +571,7 @@ def test_measurements_without_the_output_error_load_and_the_output_proxy_needs_i
     from minference.app.cli import main
 
     model, prompts = tiny_llama(256)
-    res = S.search(model, prompts, candidates=S.frontier_candidates(256, block=64), select="cheapest",
+    res = S.search(model, prompts, candidates=S.frontier_candidates(256, blocks=(64,)), select="cheapest",
                    min_mass=0.9, progress=False, row_stride=8)
     old = {k: v for k, v in res.to_dict().items() if k not in ("out_error", "worst_out_error")}
     assert old["version"] == 1
@@ -625,7 +643,7 @@ def test_the_selection_rule_follows_the_candidates(monkeypatch, capsys, tiny_lla
     assert S.default_selection(S.frontier_candidates(512)) == "cheapest"
     assert S.default_selection([AShape(), Dense()]) == "cheapest"
     model, prompts = tiny_llama(256)
-    res = S.search(model, prompts, candidates=S.frontier_candidates(256, block=64), min_mass=0.5, progress=False,
+    res = S.search(model, prompts, candidates=S.frontier_candidates(256, blocks=(64,)), min_mass=0.5, progress=False,
                    row_stride=8)
     assert res.select == "cheapest" and "selection cheapest" in res.config.provenance.notes
     assert res.config.layers == res.rechoose(0.5, "cheapest").layers
