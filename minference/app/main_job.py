@@ -514,9 +514,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="frontier: the vertical-slash candidates' caps, COLUMNS/DIAGONALS each, one candidate "
                              "per (threshold, cap) (default: "
                              + " ".join(f"{v}/{sl}" for v, sl in FRONTIER_VS_CAPS) + ")")
-    search.add_argument("--bs-blocks", nargs="+", type=int, default=None, metavar="BLOCK",
-                        help="frontier: the block-sparse candidates' routing blocks, one set of candidates each "
-                             "(default: " + " ".join(map(str, FRONTIER_BS_BLOCKS)) + ")")
+    search.add_argument("--bs-blocks", nargs="+", type=int, default=None, metavar="BLOCK", choices=KERNEL_BLOCKS,
+                        help="frontier: the block-sparse candidates' routing blocks, one set of candidates each, "
+                             "replacing the default (" + " ".join(map(str, FRONTIER_BS_BLOCKS)) + "); any of "
+                             + ", ".join(map(str, KERNEL_BLOCKS)) + " (the Triton kernels' block sizes)")
     search.add_argument("--bs-gammas", nargs="+", type=float, default=None, metavar="GAMMA",
                         help="frontier: block-sparse candidates under the mass rule at these thresholds too, "
                              "one per (threshold, cap, block) (default: none, the relative rule alone)")
@@ -622,6 +623,11 @@ def _output_paths(args: argparse.Namespace) -> list[str]:
     saved = getattr(args, "measurements", None)
     masses = args.min_mass or [saved.min_mass if saved is not None else DEFAULT_MIN_MASS]
     return [args.out.replace("{min_mass}", f"{m:g}") for m in masses]
+
+
+#: ``minference.kernels.BLOCK_SIZES`` without importing Triton at every command line's start (a test
+#: keeps them equal): the routing blocks ``--bs-blocks`` takes.
+KERNEL_BLOCKS = (16, 32, 64, 128)
 
 
 def _check_search(args: argparse.Namespace) -> None:

@@ -270,6 +270,34 @@ def _touched_tiles(mask: torch.Tensor) -> torch.Tensor:
     return pad.view(H, nt, 64, nt, 64).any(-1).any(2).sum((1, 2)).double() / (nt * (nt + 1) // 2)
 
 
+def test_search_cli_candidate_options_reach_the_candidates():
+    """``--vs-caps``, ``--bs-blocks`` and ``--bs-gammas`` become the frontier search's candidates
+    (``main_job._candidates``): at 130K, the 19 default ones plus two vertical-slash caps (× 3 γ),
+    block 64's relative set (4 α × 3 caps) and the mass rule at both blocks (3 caps each); the
+    blocks ``--bs-blocks`` takes are the kernels' own."""
+    from minference import kernels
+    from minference.app import main_job
+    from minference.app.cli import build_parser
+
+    assert main_job.KERNEL_BLOCKS == kernels.BLOCK_SIZES
+    args = build_parser().parse_args(["search", "--out", "c.json", "--candidates", "frontier", "--tokens", "130000",
+                                      "--vs-caps", "2048/8192", "1024/4096", "512/2048", "--bs-blocks", "128", "64",
+                                      "--bs-gammas", "0.9"])
+    cands = main_job._candidates(args)
+    assert len(S.frontier_candidates(130000)) == 19 and len(cands) == 19 + 6 + 12 + 6
+    bs = [c for c in cands if isinstance(c, BlockSparse)]
+    assert {(c.block, c.rule) for c in bs} == {(b, r) for b in (128, 64) for r in ("relative", "mass")}
+    assert {c.threshold for c in bs if c.rule == "mass"} == {0.9}
+    vs = [c for c in cands if isinstance(c, VerticalSlash)]
+    assert {(c.vertical, c.slash) for c in vs} == {(2048, 8192), (1024, 4096), (512, 2048)}
+    # --bs-blocks replaces the default block; without the options, the defaults
+    only64 = main_job._candidates(build_parser().parse_args(["search", "--out", "c.json", "--candidates", "frontier",
+                                                             "--tokens", "130000", "--bs-blocks", "64"]))
+    assert {c.block for c in only64 if isinstance(c, BlockSparse)} == {64}
+    plain = build_parser().parse_args(["search", "--out", "c.json", "--candidates", "frontier", "--tokens", "130000"])
+    assert main_job._candidates(plain) == S.frontier_candidates(130000)
+
+
 @pytest.mark.parametrize("n", [640, 1000])
 @pytest.mark.parametrize("pattern", [AShape(sink=64, window=200), AShape(sink=10, window=1), AShape(sink=0, window=700),
                                      BlockSparse(top_k=4, block=64), BlockSparse(top_k=3, block=32), Dense()])
@@ -401,10 +429,14 @@ def test_search_cli_checks_vs_caps_before_any_work(capsys, monkeypatch):
              (["--bs-blocks", "64"], "--bs-blocks sets the candidates of a --candidates frontier search"),
              ([*frontier, "--bs-gammas", "1.5"], "the frontier candidates: BlockSparse.threshold must be finite and "
                                                    "in (0, 1], got 1.5"),
-             ([*frontier, "--bs-blocks", "0"], "the frontier candidates: a block-sparse routing block must be a "
-                                                 "positive int, got 0")]
+             ([*frontier, "--bs-blocks", "48"], "argument --bs-blocks: invalid choice: 48 (choose from 16, 32, 64, "
+                                                  "128)")]
     for extra, message in cases:
-        assert main(["search", "--out", "c.json", *extra]) == 2
+        try:
+            rc = main(["search", "--out", "c.json", *extra])
+        except SystemExit as exit_:  # argparse's own checks (--bs-blocks' choices) exit
+            rc = exit_.code
+        assert rc == 2
         err = capsys.readouterr().err
         assert err.startswith("minference search: error: ") and message in err and err.count("\n") == 1, err
 
