@@ -644,7 +644,7 @@ def _check_search(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None and (args.candidates != "frontier" or args.from_measurements is not None):
             raise ValueError(f"--{flag.replace('_', '-')} sets the candidates of a --candidates frontier search (a "
                              "saved search keeps its own)")
-    measured = None
+    measured = candidates = None
     args.select_note = None
     if args.from_measurements is not None:
         from minference.app.search import SearchResult
@@ -662,12 +662,11 @@ def _check_search(args: argparse.Namespace) -> None:
                 parse_vs_caps(args.vs_caps)
             except ValueError as err:
                 raise ValueError(f"argument --vs-caps: {err}") from None
-        if args.candidates == "frontier":
-            try:
-                _candidates(args)  # a routing block or mass threshold the patterns refuse
-            except ValueError as err:
-                raise ValueError(f"the frontier candidates: {err}") from None
-        _check_select(args)
+        try:
+            candidates = _candidates(args)  # a routing block or mass threshold the patterns refuse
+        except ValueError as err:
+            raise ValueError(f"the frontier candidates: {err}") from None
+        _check_select(args, candidates)
     args.measurements = measured  # read once: _search_cmd makes the configs from it
     if args.frontier is not None:
         from minference.app.frontier import FrontierError, check_family_args, check_proxy
@@ -679,7 +678,7 @@ def _check_search(args: argparse.Namespace) -> None:
                 raise ValueError(f"{args.from_measurements}: {err}") from None
 
         # a search's model shape is checked against the cost table after the load; measurements carry theirs
-        problem = check_family_args(args, candidates=_candidates(args)) if measured is None else check_family_args(
+        problem = check_family_args(args, candidates=candidates) if measured is None else check_family_args(
             args, measured.config.model, candidates=measured.candidates, n_tokens=measured.n_tokens)
         if problem:
             raise ValueError(problem)
@@ -694,13 +693,13 @@ def _check_search(args: argparse.Namespace) -> None:
 _BEST_MASS_OVER_DENSE = "picks Dense for every head (Dense is among the candidates and captures all the mass)"
 
 
-def _check_select(args: argparse.Namespace) -> None:
+def _check_select(args: argparse.Namespace, candidates) -> None:
     """A fresh search's ``--select``: ``None`` becomes the rule that suits ``--candidates``
-    (:func:`minference.app.search.default_selection`); ``best_mass`` over the frontier candidates
-    (Dense among them) is refused unless ``--frontier`` (which does not select by it)."""
+    (``candidates``: :func:`_candidates`; :func:`minference.app.search.default_selection`);
+    ``best_mass`` over the frontier candidates (Dense among them) is refused unless ``--frontier``
+    (which does not select by it)."""
     from minference.app import search as S
 
-    candidates = _candidates(args)
     if args.select is None:
         args.select = S.default_selection(candidates if candidates is not None else [])
     elif args.select == "best_mass" and args.frontier is None and any(c.kind == "dense" for c in candidates or ()):
@@ -791,17 +790,18 @@ def _search_cmd(args: argparse.Namespace, out: TextIO | None = None) -> int:
     prompts = calibration_prompts(load_tokenizer(args.model, path=args.model_path), args.tokens, args.prompts,
                                   args.seed)
     model = load_model(args.model, path=args.model_path, device=args.device)[0]
+    candidates = _candidates(args)
     if args.frontier is not None:  # the cost table against the model's head dim and heads, before the search
         from minference.app.frontier import check_family_args
         from minference.config import model_signature
 
-        problem = check_family_args(args, model_signature(model, fingerprint=False), candidates=_candidates(args))
+        problem = check_family_args(args, model_signature(model, fingerprint=False), candidates=candidates)
         if problem:
             raise ValueError(problem)
     if is_qwen(args.model):
         set_context_length(model, args.tokens)
     kwargs = {name: value for name, value in (("target_density", args.target_density), ("min_mass", masses[0]),
-                                              ("row_stride", args.row_stride), ("candidates", _candidates(args)))
+                                              ("row_stride", args.row_stride), ("candidates", candidates))
               if value is not None}
     result = S.search(model, prompts, seed=args.seed, progress=not args.no_progress, select=args.select,
                       model_id=QWEN_MODELS[canonical_model(args.model)].model_id if is_qwen(args.model)

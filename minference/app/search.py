@@ -278,6 +278,8 @@ def frontier_candidates(
     for block in blocks:
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"a block-sparse routing block must be a positive int, got {block!r}")
+    if not vs_caps:
+        raise ValueError("vs_caps needs at least one (columns, diagonals) cap")
     out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
     rules: list[tuple[Literal["relative", "mass"], float]] = [("relative", a) for a in alphas]
     rules += [("mass", g) for g in bs_gammas]
@@ -287,8 +289,6 @@ def frontier_candidates(
             for f in cap_fractions:
                 cap = min(nb, max(2, math.ceil(f * n / block)))
                 out.append(BlockSparse(top_k=cap, block=block, rule=rule, threshold=threshold, estimate="query"))
-    if not vs_caps:
-        raise ValueError("vs_caps needs at least one (columns, diagonals) cap")
     for gamma in gammas:
         for vertical, slash in vs_caps:
             out.append(VerticalSlash(vertical=vertical, slash=slash, rule="mass", threshold=gamma))
