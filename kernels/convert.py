@@ -245,7 +245,9 @@ def _split(s, prev, nxt, valid, gap, n, lo_ptr, hi_ptr):
     return start, end, group, tl.sum(start.to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["n", "merge", "fill"])  # merge and fill are clipped to n
+# merge and fill are clipped to n; NS, NV and R are the budgets clipped to n (they follow the length where a
+# budget exceeds the prompt), and the slash offsets can be a view that starts Hg clipped rows into a buffer
+@triton.jit(do_not_specialize=["n", "merge", "fill", "NS", "NV", "R"], do_not_specialize_on_alignment=["slash_ptr"])
 def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
                      run_start_ptr, run_end_ptr, run_count_ptr, run_solid_ptr, cols_ptr, col_mask_ptr, work_ptr,
                      NSP: tl.constexpr, NVP: tl.constexpr):
@@ -317,7 +319,7 @@ def _vs_diag_kernel(work_ptr, diag_mask_ptr, diag_bits_ptr, n, NW, W,
     tl.store(diag_mask_ptr + bh * n + x, member.to(tl.int8), mask=inside)
 
 
-@triton.jit(do_not_specialize=["nqb"])
+@triton.jit(do_not_specialize=["nqb", "NV", "R"])  # NV, R: budgets clipped to the length, as in _vs_lists_kernel
 def _block_columns_kernel(c_ptr, run_start_ptr, run_end_ptr, run_count_ptr, idx_ptr, count_ptr, before_ptr,
                           lead_ptr, NV, R, nqb, block_m, NVP: tl.constexpr):
     """One program per (query block ``I``, batch row x head): keep the distinct columns that are

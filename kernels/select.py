@@ -109,7 +109,9 @@ def _radix_take(ptr, end, lim, forced_arg, need, out, width, FORCE_DIAG: tl.cons
         tl.store(out + c0 + offs, tl.full([CHUNK], -1, tl.int32), mask=c0 + offs < width)
 
 
-@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["diag_ptr"])  # as _vs_scores_kernel
+# the widths are the budgets clipped to the length: they follow it where a budget exceeds the prompt; diag_ptr
+# as in _vs_scores_kernel
+@triton.jit(do_not_specialize=["N", "width_v", "width_s"], do_not_specialize_on_alignment=["diag_ptr"])
 def _select_kernel(col_ptr, diag_ptr, lens_ptr, sinks_ptr, locs_ptr, nv_ptr, ns_ptr, vout_ptr, sout_ptr,
                    N, Hg, BHg, width_v, width_s, CHUNK: tl.constexpr):
     """One program per (kind, batch row, head): the ``min(budget, width)`` highest scores of one
@@ -174,7 +176,9 @@ def _block_candidates(row, pos, I, sinks, FORCE_DIAG: tl.constexpr):
     return tl.where(finite, raw, float("-inf")), finite | forced, forced
 
 
-@triton.jit(do_not_specialize=["NQB", "NS"])
+# width: top_k clipped to the key blocks, so it follows the length below top_k x block tokens (on the H100 a
+# 63,468-token prompt, the first with 496 blocks of 128, compiled a variant at its first token: 1995 ms, not 750)
+@triton.jit(do_not_specialize=["NQB", "NS", "width"])
 def _block_select_kernel(s_ptr, lens_ptr, qlens_ptr, sinks_ptr, tops_ptr, code_ptr, alpha_ptr, mins_ptr, out_ptr,
                          Hg, NQB, NS, block, width, FORCE_DIAG: tl.constexpr, CHUNK: tl.constexpr):
     """One program per (batch row, head, slot): query block ``I = q_lo // block + slot`` (``q_lo =

@@ -46,7 +46,11 @@ CHUNKS = (64, 37)
 #: block-sparse block): vertical-slash with budgets alone (the one-launch selection), the mass
 #: rule with extra rows and max aggregation, the relative rule (both the torch selection),
 #: A-shape, block-sparse pooled (top-k) and query-aware (the one-launch relative rule, and the
-#: mass rule), dense heads. 8 query heads, 2 kv heads.
+#: mass rule), dense heads; and budgets above the length at both lengths (a block-sparse top-k
+#: over more blocks than the prompt has, a vertical-slash budget over more columns and diagonals),
+#: which clip to it, so every width and stride made from a clipped budget follows the length (a
+#: 63,468-token RULER prompt under a top-k of 512 blocks of 128 compiled a new variant at 496
+#: blocks on the H100). 10 query heads, 2 kv heads.
 PLAN = [
     VerticalSlash(vertical=16, slash=32, last_q=16, sink_columns=2, local_diagonals=3),
     VerticalSlash(vertical=16, slash=32, last_q=16, rule="mass", threshold=0.9, min_vertical=2, min_slash=3,
@@ -57,6 +61,8 @@ PLAN = [
     BlockSparse(top_k=4, block=32, rule="mass", threshold=0.9, min_blocks=2, estimate="query"),
     VerticalSlash(vertical=8, slash=16, last_q=32, rule="relative", threshold=0.05),
     Dense(),
+    BlockSparse(top_k=64, block=16, rule="relative", threshold=0.1, estimate="query"),
+    VerticalSlash(vertical=1024, slash=2048, last_q=16),
 ]
 D = 16
 
@@ -326,6 +332,8 @@ GPU_PLAN = [
     BlockSparse(top_k=8, block=64, sink_blocks=1),
     BlockSparse(top_k=8, block=128, rule="relative", threshold=0.1, estimate="query"),
     Dense(),
+    BlockSparse(top_k=128, block=64, rule="relative", threshold=0.1, estimate="query"),  # clipped to 64 / 62 blocks
+    VerticalSlash(vertical=8192, slash=8192, last_q=64),  # clipped to the length
 ]
 
 
