@@ -33,3 +33,17 @@ def test_main_job_reports_both_runs(report):
     assert report.density < 1
     for needle in ("dense  answer", "sparse answer", "prefill", "density           :", "coverage", "layer  density"):
         assert needle in text
+    assert report.dense.warmup_s is None and "untimed" not in text  # on a CPU no warm-up by default
+
+
+def test_warm_up_runs_before_each_timed_prefill_and_is_reported(smollm2):
+    """With ``warmup`` (the default on a GPU) each timed prefill follows an untimed one of the same
+    prompt: both times are reported, the attention calls and the answers are the timed run's."""
+    r = run_main_job(n_tokens=CI_TOKENS, progress=False, loaded=smollm2, coverage=False, warmup=True)
+    text = format_report(r)
+    assert r.dense.warmup_s is not None and r.dense.warmup_s > 0
+    assert r.sparse.warmup_s is not None and r.sparse.warmup_s > 0
+    assert r.call_counts["sparse"] == 30, r.call_counts  # one prefill's 30 layers: the warm-up is not counted
+    assert r.sparse.text.strip().startswith(r.key), text
+    assert text.count("after an untimed first prefill of") == 2, text
+    assert "Triton compiles" in text.splitlines()[6], text
