@@ -1733,13 +1733,16 @@ def _apply(model, config, dense_threshold, backend: str, allow_mismatch: bool, d
 
 
 def warmup_lengths(n: int, device: torch.device) -> list[int]:
-    """The prompt lengths a sparse config's untimed warm-up prefills at, for a timed length ``n``.
+    """The prompt lengths a config's untimed warm-up prefills at, for a timed length ``n``.
 
     On a GPU, Triton specialises integer kernel arguments on divisibility by 16, so a kernel whose
     arguments derive from the prompt length compiles a second variant the first time a prompt of
     the other class arrives: a recompile inside a timed prefill (the 1.5B at 130K, 2026-12-05: one
-    17.0 s TTFT against a 2.6 s median). So the warm-up also prefills the prompt cut to a length of
-    the other class. On the CPU the interpreter compiles nothing: ``[n]``."""
+    17.0 s TTFT against a 2.6 s median). Dense pays a first use too: at 32K on an H100 its first
+    prompt of a length divisible by 16 took 840 ms against a 385 ms median (session 26; the
+    libraries' kernels for aligned shapes, loaded on first use). So the warm-up also prefills the
+    prompt cut to a length of the other class, for every config. On the CPU the interpreter
+    compiles nothing: ``[n]``."""
     if device.type != "cuda" or n < 17:
         return [n]
     return [n, n - 1 if n % 16 == 0 else n - n % 16]
@@ -1747,7 +1750,7 @@ def warmup_lengths(n: int, device: torch.device) -> list[int]:
 
 def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats: RunStats, dev: torch.device, *,
                      coverage: bool, profile: bool, physical: bool, chunk: int = 0) -> None:
-    """Warm-up prefill (untimed; a sparse config's at every :func:`warmup_lengths`), the profiled
+    """Warm-up prefill (untimed; at every :func:`warmup_lengths`), the profiled
     prefill (CUDA), the coverage prefill and, after either on CUDA, one more untimed prefill
     (``settle_s``), on the first prompt ``prompt [n]`` of this (config, length)."""
     import minference.integration as integ
@@ -1758,8 +1761,8 @@ def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats
     stats.warmup_s = _prefill(model, ids, chunk)[0]
     if config is not None:
         stats.calls = {k: v for k, v in integ.call_counts(model).items() if v}
-        for m in warmup_lengths(ids.shape[-1], dev)[1:]:
-            _prefill(model, ids[:m], chunk)
+    for m in warmup_lengths(ids.shape[-1], dev)[1:]:
+        _prefill(model, ids[:m], chunk)
     if profile and dev.type == "cuda":
         stats.split = _profiled_split(model, ids, chunk)
     if config is None:

@@ -85,6 +85,26 @@ def test_warmup_covers_both_divisibility_classes_on_a_gpu():
     assert E.warmup_lengths(130000, cpu) == [130000] and E.warmup_lengths(16, cuda) == [16]
 
 
+def test_dense_and_sparse_configs_warm_up_at_every_warmup_length(monkeypatch):
+    # dense pays a first use at the other divisibility class too (an H100, 32K: 840 ms against a
+    # 385 ms median), so every config's warm-up prefills each of warmup_lengths, untimed
+    seen = []
+    monkeypatch.setattr(E, "warmup_lengths", lambda n, dev: [n, n - 3])
+    monkeypatch.setattr(E, "_prefill", lambda model, ids, chunk=0: seen.append(ids.shape[-1]) or (0.5, None, None))
+    model = torch.nn.Linear(1, 1)
+    for spec in ("dense", '{"kind": "a_shape", "sink": 4, "window": 16}'):
+        seen.clear()
+        config = None if spec == "dense" else object()
+        monkeypatch.setattr("minference.integration.reset_counts", lambda m: None)
+        monkeypatch.setattr("minference.integration.call_counts", lambda m: {})
+        monkeypatch.setattr("minference.integration.attention_modules", lambda m: {0: m})
+        stats = E.RunStats(spec, 40)
+        E._once_per_length(model, None, config, torch.zeros(40, dtype=torch.long), stats, torch.device("cpu"),
+                           coverage=False, profile=False, physical=False)
+        assert seen == [40, 37], (spec, seen)
+        assert stats.warmup_s == 0.5
+
+
 def test_generation_records_are_scored_with_evals_score(tiny_run, small):
     report, calls = tiny_run
     generated = [r for r in report.records if r.correct is not None]
