@@ -91,7 +91,8 @@ RUN_DESCRIPTION = (
     "Load SmolLM2-135M-Instruct (bundled GGUF; on a GPU: Qwen2.5-Coder-0.5B-Instruct at 120K tokens), build a "
     "long passkey prompt from bundled prose, and run "
     "dense prefill then sparse prefill (bundled pattern config) of the same prompt, each followed by greedy "
-    "decoding. Prints both answers next to the key, both prefill times, the density (fraction of causal "
+    "decoding (on a GPU each timed prefill follows an untimed one of the same prompt, which compiles the "
+    "kernels). Prints both answers next to the key, both prefill times, the density (fraction of causal "
     "query-key pairs computed, per layer), the per-layer coverage (dense attention mass the sparse index "
     "captures) and which attention path each call took. A few minutes on a 2-core CPU."
 )
