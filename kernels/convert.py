@@ -246,7 +246,8 @@ def _split(s, prev, nxt, valid, gap, n, lo_ptr, hi_ptr):
 
 
 # merge and fill are clipped to n; NS, NV and R are the budgets clipped to n (they follow the length where a
-# budget exceeds the prompt), and the slash offsets can be a view that starts Hg clipped rows into a buffer
+# budget exceeds the prompt), and the slash offsets can be a view that starts Hg clipped rows into a buffer.
+# W = 5 NSP + NVP + 1 (powers of two) is never 1 nor a multiple of 16: one key whatever the budgets
 @triton.jit(do_not_specialize=["n", "merge", "fill", "NS", "NV", "R"], do_not_specialize_on_alignment=["slash_ptr"])
 def _vs_lists_kernel(slash_ptr, vert_ptr, NS, NV, n, merge, fill, R, W,
                      run_start_ptr, run_end_ptr, run_count_ptr, run_solid_ptr, cols_ptr, col_mask_ptr, work_ptr,

@@ -46,4 +46,4 @@ def test_warm_up_runs_before_each_timed_prefill_and_is_reported(smollm2):
     assert r.call_counts["sparse"] == 30, r.call_counts  # one prefill's 30 layers: the warm-up is not counted
     assert r.sparse.text.strip().startswith(r.key), text
     assert text.count("after an untimed first prefill of") == 2, text
-    assert "Triton compiles" in text.splitlines()[6], text
+    assert "Triton compiles" not in text, text  # the compile note is a GPU's (the CPU backend compiles nothing)
