@@ -297,9 +297,13 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
         layer_bar.reset()
         stages.set_postfix_str("sparse prefill")
         sparse_warmup = None
-        if warmup:  # patched without the guard: it judges the timed prefill only
+        if warmup:  # a throwaway guard of the same settings (no log): its first use is warmed, its summary dropped
+            from minference.guard import QualityGuard
+
+            real = (guard or guard_options.GuardOptions()).make(config, "sparse")
+            spare = None if real is None else QualityGuard(real.settings, name="sparse warm-up")
             integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
-                        check_fingerprint=False, dense_tail=dense_tail, guard=guard_options.OFF)
+                        check_fingerprint=False, dense_tail=dense_tail, guard=spare or guard_options.OFF)
             try:
                 sparse_warmup = _warm_up(model, ids)
             finally:

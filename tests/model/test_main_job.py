@@ -36,11 +36,18 @@ def test_main_job_reports_both_runs(report):
     assert report.dense.warmup_s is None and "untimed" not in text  # on a CPU no warm-up by default
 
 
-def test_warm_up_runs_before_each_timed_prefill_and_is_reported(smollm2):
+def test_warm_up_runs_before_each_timed_prefill_and_is_reported(smollm2, tmp_path):
     """With ``warmup`` (the default on a GPU) each timed prefill follows an untimed one of the same
-    prompt: both times are reported, the attention calls and the answers are the timed run's."""
-    r = run_main_job(n_tokens=CI_TOKENS, progress=False, loaded=smollm2, coverage=False, warmup=True)
+    prompt: both times are reported; the attention calls, the answers and the quality guard's
+    summary and log are the timed run's (the warm-up runs a throwaway guard of the same settings)."""
+    from minference.app.guard_options import GuardOptions
+
+    log = tmp_path / "guard.jsonl"
+    guard = GuardOptions(settings={"mode": "observe", "sample_rate": 1.0}, jsonl=str(log))
+    r = run_main_job(n_tokens=CI_TOKENS, progress=False, loaded=smollm2, coverage=False, warmup=True, guard=guard)
     text = format_report(r)
+    assert r.guard["calls"] == r.guard["checked_calls"] == 1, r.guard  # one prefill checked: the timed one
+    assert len(log.read_text().splitlines()) == 1
     assert r.dense.warmup_s is not None and r.dense.warmup_s > 0
     assert r.sparse.warmup_s is not None and r.sparse.warmup_s > 0
     assert r.call_counts["sparse"] == 30, r.call_counts  # one prefill's 30 layers: the warm-up is not counted
