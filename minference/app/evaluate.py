@@ -361,6 +361,9 @@ class SampleRecord:
         decode_s: wall time of the greedy decode after the timed prefill (RULER suite), else ``None``.
         stop: why decoding stopped (RULER suite): ``"eos"``, ``"max"`` (the task's RULER
             ``max_new_tokens``) or ``"settled"`` (the score is already 1; more text cannot change it).
+        compiles: ``[kernel name, seconds]`` of every Triton kernel variant compiled while this
+            record's timed prefill (and, RULER suite, its decode) ran (:class:`minference.compiles.
+            CompileCounter`): a TTFT that holds a compile says so. Empty on the CPU's interpreter.
     """
 
     config: str
@@ -380,6 +383,7 @@ class SampleRecord:
     prompt_tokens: int | None = None
     decode_s: float | None = None
     stop: str | None = None
+    compiles: list = field(default_factory=list)
 
 
 @dataclass
@@ -1427,11 +1431,12 @@ def run_eval(
     else:
         left = len(lengths) * samples * len(resolved)
     bar = tqdm(total=left, desc="eval", unit="run", disable=not progress)
+    compiles = _compile_counter(dev)
     try:
         if ruler_set is not None:
             _ruler_rounds(model, tokenizer, report, resolved, pattern_configs, ruler_prompts, eos, dev, bar,
                           apply=apply, guard_for=guard_for, coverage=coverage, profile=profile, physical=physical,
-                          chunk=prefill_chunk, checkpoint=checkpoint, t_start=t_start, skip=skip)
+                          chunk=prefill_chunk, checkpoint=checkpoint, t_start=t_start, skip=skip, compiles=compiles)
         else:
             assert seed is not None  # the procedural suite's seed, 0 by default (set above)
             for n in lengths:
@@ -1464,7 +1469,9 @@ def run_eval(
                             # every task's prompt (all n tokens) in one batch, one greedy decode loop
                             guard_options.set_prompt(run_guard, f"{gen_tasks[0]}/{n}/{index}")
                             gen = round_prompts.samples
+                            _take(compiles)  # the warm-ups' compiles are not this prompt's
                             ttft = _prefill(model, gen[gen_tasks[0]].ids.to(dev), prefill_chunk)[0]
+                            timed_compiles = _take(compiles)
                             stats.ttft_s.append(ttft)
                             batch = torch.stack([gen[t].ids for t in gen_tasks]).to(dev)
                             guard_options.set_prompt(run_guard, [f"{t}/{n}/{index}" for t in gen_tasks])
@@ -1480,19 +1487,22 @@ def run_eval(
                                 report.records.append(SampleRecord(
                                     cfg.name, task, n, index, int(sample.seed), sample.depth, list(sample.answers),
                                     bool(evals.score(sample, text)), text, ttft if task == gen_tasks[0] else None,
-                                    len(tokens), found=float(evals.score_fraction(sample, text))))
+                                    len(tokens), found=float(evals.score_fraction(sample, text)),
+                                    compiles=timed_compiles if task == gen_tasks[0] else []))
                         if round_prompts.perplexity is not None:  # the perplexity task (with_ppl)
                             ids = round_prompts.perplexity.to(dev)
                             guard_options.set_prompt(run_guard, f"{evals.PERPLEXITY_TASK}/{n}/{index}")
-                            ttft = None
+                            ttft, timed_compiles = None, []
                             if not gen_tasks:  # nothing else is timed: time this prompt's prefill
+                                _take(compiles)
                                 ttft = _prefill(model, ids, prefill_chunk)[0]
+                                timed_compiles = _take(compiles)
                                 stats.ttft_s.append(ttft)
                             nll = sequence_nll(model, ids, prefill_chunk=prefill_chunk)
                             buckets = [float(b) for b in evals.position_buckets(nll, NLL_BUCKETS)]
                             report.records.append(SampleRecord(
                                 cfg.name, evals.PERPLEXITY_TASK, n, index, seed, None, [], None, None, ttft,
-                                nll=float(nll.mean()), nll_buckets=buckets))
+                                nll=float(nll.mean()), nll_buckets=buckets, compiles=timed_compiles))
                         stats.ttft_median_s = float(statistics.median(stats.ttft_s))
                         bar.update(1)
                     if checkpoint is not None:
@@ -1500,6 +1510,8 @@ def run_eval(
                         checkpoint(report)
     finally:
         bar.close()
+        if compiles is not None:
+            compiles.close()
         if integ.is_patched(model):
             integ.unpatch(model)
         set_context_length(model, 1)  # the model's own rotary embedding again
@@ -1623,14 +1635,15 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                   apply: Callable[[str, QualityGuard | None], None],
                   guard_for: Callable[[str, int], QualityGuard | None], coverage: bool, profile: bool,
                   physical: bool, chunk: int, checkpoint, t_start: float,
-                  skip: frozenset[tuple] | set[tuple] = frozenset()) -> None:
+                  skip: frozenset[tuple] | set[tuple] = frozenset(), compiles=None) -> None:
     """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
     prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
     ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`).
     The once-per-length prefills (warm-up...) run on the first prompt a config is timed on at a
     length. ``apply(config, guard)`` patches the model with ``guard_for(config, length)``, the
     quality guard of that (config, length). A ``(config, task, length, index)`` in ``skip`` is not
-    run (measured by a continued report)."""
+    run (measured by a continued report). ``compiles``: the run's :class:`~minference.compiles.
+    CompileCounter` (``None``: none), read around each timed prompt."""
     from minference.app import ruler
     from minference.app.models import set_context_length
 
@@ -1654,7 +1667,9 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 def check(tokens: list[int], s=sample) -> bool:
                     return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
 
+                _take(compiles)  # the warm-ups' compiles are not this prompt's
                 ttft, tokens, decode_s, stop = _answer(model, ids, sample.max_new_tokens, eos, check, chunk)
+                timed_compiles = _take(compiles)
                 stats.ttft_s.append(ttft)
                 stats.ttft_median_s = float(statistics.median(stats.ttft_s))
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -1662,7 +1677,7 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 report.records.append(SampleRecord(
                     cfg.name, sample.task, n, sample.index, int(report.settings["ruler"]["seed"]), None,
                     list(sample.answers), value >= 1.0, text, ttft, len(tokens), found=value,
-                    prompt_tokens=sample.n_tokens, decode_s=decode_s, stop=stop))
+                    prompt_tokens=sample.n_tokens, decode_s=decode_s, stop=stop, compiles=timed_compiles))
                 bar.update(1)
             if checkpoint is not None:
                 report.wall_s = time.perf_counter() - t_start
@@ -1748,6 +1763,21 @@ def warmup_lengths(n: int, device: torch.device) -> list[int]:
     return [n, n - 1 if n % 16 == 0 else n - n % 16]
 
 
+def _compile_counter(dev: torch.device):
+    """A :class:`~minference.compiles.CompileCounter` for a run on ``dev``: on a GPU (the CPU's
+    interpreter compiles nothing), ``None`` elsewhere."""
+    if dev.type != "cuda":
+        return None
+    from minference.compiles import CompileCounter
+
+    return CompileCounter()
+
+
+def _take(counter) -> list[list]:
+    """``counter``'s compiles since the last take, as ``[name, seconds]`` (``[]`` without a counter)."""
+    return [] if counter is None else [[name, round(seconds, 4)] for name, seconds in counter.take()]
+
+
 def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats: RunStats, dev: torch.device, *,
                      coverage: bool, profile: bool, physical: bool, chunk: int = 0) -> None:
     """Warm-up prefill (untimed; at every :func:`warmup_lengths`), the profiled
@@ -1777,6 +1807,21 @@ def _once_per_length(model, cfg: EvalConfig, config, prompt: torch.Tensor, stats
 
 # ---------------------------------------------------------------------------------------------
 # Table and plot.
+
+
+def _compile_lines(report: EvalReport) -> list[str]:
+    """The markdown's note on Triton compiles inside timed prompts (records' ``compiles``): one line
+    per prompt that held any, "none" for a GPU run without; nothing on the CPU (no compiles)."""
+    held = [r for r in report.records if r.compiles]
+    if not held:
+        gpu = str(report.settings.get("device", "")).startswith("cuda")
+        return ["", "Kernels compiled inside timed prompts: none"] if gpu else []
+    lines = ["", "Kernels compiled inside timed prompts (the prefill, for RULER also its decode):", ""]
+    for r in held:
+        what = ", ".join(f"`{name}` {seconds:.2f} s" for name, seconds in r.compiles)
+        ttft = "" if r.ttft_s is None else f" (TTFT {r.ttft_s * 1000:.1f} ms)"
+        lines.append(f"- {r.config} @ {r.n_tokens}, {r.task} #{r.index}{ttft}: {what}")
+    return lines
 
 
 def _threshold_text(value: int | None) -> str:
@@ -1916,6 +1961,7 @@ def format_report(report: EvalReport) -> str:
                     row.append(cell)
                 if len(row) > 2 and any(x != "-" for x in row[2:]):
                     lines.append("| " + " | ".join(row) + " |")
+    lines += _compile_lines(report)
     if ppl:
         buckets = max(len(p["buckets"]) for p in ppl.values())
         head = ["length", "config"] + [f"b{i + 1}" for i in range(buckets)] + ["all"]

@@ -36,12 +36,13 @@ caller's environment or a ``conftest.py``) before triton's first import.
 from __future__ import annotations
 
 import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from minference.compiles import CompileCounter
 
 MARKERS = {
     "gpu": "needs a CUDA GPU; skipped when none is present",
@@ -201,31 +202,8 @@ def worker_threads(cores: int, workers: int) -> int:
     return max(1, cores // max(1, workers))
 
 
-class _CompileCounter:
-    """Triton's JIT hooks around each compile of this process (synchronous compiles follow each other)."""
-
-    def __init__(self) -> None:
-        from triton import knobs
-
-        self.compiles: list[tuple[str, float]] = []
-        self._started: float | None = None
-        self._prev = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
-
-    def _before(self, **kwargs) -> bool:
-        self._started = time.perf_counter()
-        return bool(self._prev[0] and self._prev[0](**kwargs))  # False: compile as usual
-
-    def _after(self, **kwargs) -> None:
-        if self._started is not None:
-            self.compiles.append((kwargs["fn"].name, time.perf_counter() - self._started))
-        self._started = None
-        if self._prev[1]:
-            self._prev[1](**kwargs)
-
-
 #: The session's compile counter (``--compile-report``), in the pytest config's stash.
-_COMPILES = pytest.StashKey[_CompileCounter]()
+_COMPILES = pytest.StashKey[CompileCounter]()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -239,15 +217,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         torch.set_num_threads(worker_threads(os.cpu_count() or 1, int(workers)))
     # after the conftests chose TRITON_INTERPRET; the interpreter compiles nothing
     if session.config.getoption("compile_report", False):
-        session.config.stash[_COMPILES] = _CompileCounter()
+        session.config.stash[_COMPILES] = CompileCounter()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     counter = item.config.stash.get(_COMPILES, None)
     if counter is not None and call.when == "teardown":  # the teardown report carries the whole test's compiles
-        item.user_properties.append((COMPILE_PROPERTY, counter.compiles))
-        counter.compiles = []
+        item.user_properties.append((COMPILE_PROPERTY, counter.take()))
     yield
 
 

@@ -115,3 +115,51 @@ def test_continue_refuses_a_sparse_config_whose_dense_prompts_are_done(small, ru
     with pytest.raises(E.EvalError, match=r"^--continue: BS\(top3,b64\) has niah_single_1 sample 0 at 512 tokens "
                                           r"left, which dense does not run in this call"):
         _run(small, ruler_set, configs=["dense", UNIFORM, other], done=done)
+
+
+def _compile(counter_hooks, name: str) -> None:
+    """What Triton does around one compile: its two JIT hooks, with the kernel as ``fn``."""
+    from types import SimpleNamespace
+
+    before, after = counter_hooks()
+    before(fn=SimpleNamespace(name=name))
+    after(fn=SimpleNamespace(name=name))
+
+
+def test_ruler_records_the_kernels_compiled_inside_each_timed_prompt(small, ruler_set, monkeypatch):
+    """A compile inside a timed prompt (a TTFT that holds a Triton compile, as on the H100 at 64K)
+    is recorded on that prompt's record and listed under the table; the warm-ups' compiles are not
+    any prompt's. The CPU's interpreter compiles nothing, so the hooks are fired by hand here."""
+    from triton import knobs
+
+    from minference.compiles import CompileCounter
+
+    hooks = lambda: (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)  # noqa: E731
+    monkeypatch.setattr(E, "_compile_counter", lambda dev: CompileCounter())
+    real_once, real_answer = E._once_per_length, E._answer
+    answered = []
+
+    def once(*a, **kw):
+        _compile(hooks, "_warm_kernel")
+        return real_once(*a, **kw)
+
+    def answer(model, ids, *a, **kw):
+        answered.append(1)
+        if len(answered) == 4:  # the sparse config's second prompt
+            _compile(hooks, "_block_select_kernel")
+        return real_answer(model, ids, *a, **kw)
+
+    monkeypatch.setattr(E, "_once_per_length", once)
+    monkeypatch.setattr(E, "_answer", answer)
+    saved = hooks()
+    report = _run(small, ruler_set)
+    assert hooks() == saved  # the run put the hooks back
+    held = [r for r in report.records if r.compiles]
+    assert len(held) == 1 and held[0].config != "dense" and held[0].index == 1, [(r.config, r.index) for r in held]
+    ((name, seconds),) = held[0].compiles
+    assert name == "_block_select_kernel" and seconds >= 0
+    again = E.EvalReport.from_dict(json.loads(report.to_json()))
+    assert [r.compiles for r in again.records] == [r.compiles for r in report.records]
+    text = E.format_report(report)
+    assert "Kernels compiled inside timed prompts" in text and "`_block_select_kernel`" in text
+    assert "_warm_kernel" not in text

@@ -343,9 +343,7 @@ def test_no_compile_at_a_second_length():
     keys, a chunk after a cache) at one length, then at a length of other divisibility classes:
     the second compiles no kernel (Triton's JIT hooks, as ``--compile-report`` counts them). The
     first call compiles every variant the plan needs (about a minute when Triton's cache is cold)."""
-    from triton import knobs
-
-    from minference.testing.plugin import _CompileCounter
+    from minference.compiles import CompileCounter
 
     dtype = torch.bfloat16
 
@@ -354,21 +352,20 @@ def test_no_compile_at_a_second_length():
         "dense tail split": lambda n, c: _split_tail(n, "cuda", dtype, key_split=None),
         "query rows": lambda n, c: _chunk(n, c, "cuda", dtype, GPU_PLAN),
     }
-    saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
-    counter = _CompileCounter()
+    counter = CompileCounter()
     failures = []
     try:
         for what, call in calls.items():
             call(GPU_LENGTHS[0], GPU_CHUNKS[0])
             torch.cuda.synchronize()
-            counter.compiles = []
+            counter.take()
             call(GPU_LENGTHS[1], GPU_CHUNKS[1])
             torch.cuda.synchronize()
-            compiled = [name for name, _ in counter.compiles]
+            compiled = [name for name, _ in counter.take()]
             if compiled:
                 failures.append(f"{what}: n={GPU_LENGTHS[1]} after n={GPU_LENGTHS[0]} compiled {compiled}")
     finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+        counter.close()
     assert not failures, "; ".join(failures) + " (an argument derived from the length is specialised)"
 
 
