@@ -1755,9 +1755,8 @@ def warmup_lengths(n: int, device: torch.device) -> list[int]:
     the other class arrives: a recompile inside a timed prefill (the 1.5B at 130K, 2026-12-05: one
     17.0 s TTFT against a 2.6 s median). Dense seems to pay a first use too: at 32K on an H100 its
     first prompt of a length divisible by 16 took 840 ms against a 385 ms median (session 26; cause
-    not profiled). So the warm-up also prefills the
-    prompt cut to a length of the other class, for every config. On the CPU the interpreter
-    compiles nothing: ``[n]``."""
+    not profiled). So the warm-up also prefills the prompt cut to a length of the other class, for
+    every config. On the CPU the interpreter compiles nothing: ``[n]``."""
     if device.type != "cuda" or n < 17:
         return [n]
     return [n, n - 1 if n % 16 == 0 else n - n % 16]

@@ -156,24 +156,20 @@ class MainJobReport:
         return sum(self.layer_coverage) / len(self.layer_coverage) if self.layer_coverage else float("nan")
 
 
-def _warm_up(model, ids: torch.Tensor) -> float:
-    """One untimed prefill of ``ids`` (no decode); returns its wall time in seconds."""
+def _prefill(model, ids: torch.Tensor):
+    """One prefill of ``ids`` (last position's logits only), synchronised: ``(seconds, output)``."""
     synchronize(ids.device)
     start = time.perf_counter()
     with torch.no_grad():
-        model(ids[None], use_cache=True, logits_to_keep=1)
+        out = model(ids[None], use_cache=True, logits_to_keep=1)
     synchronize(ids.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out
 
 
 def _prefill_and_decode(model, ids: torch.Tensor, steps: int, tokenizer, bar=None, observer_time=None) -> RunResult:
     device = ids.device
-    synchronize(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model(ids[None], use_cache=True, logits_to_keep=1)
-    synchronize(device)
-    prefill = time.perf_counter() - start - (observer_time[0] if observer_time else 0.0)
+    prefill, out = _prefill(model, ids)
+    prefill -= observer_time[0] if observer_time else 0.0
     tokens, margins = [], []
     cache, logits = output_cache(out), out.logits[0, -1]
     with torch.no_grad():
@@ -288,7 +284,7 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
     hooks = [m.register_forward_hook(tick, with_kwargs=True) for m in modules.values()]
     try:
         stages.set_postfix_str("dense prefill")
-        dense_warmup = _warm_up(model, ids) if warmup else None
+        dense_warmup = _prefill(model, ids)[0] if warmup else None
         layer_bar.reset()
         dense = _prefill_and_decode(model, ids, steps, tokenizer)
         dense.warmup_s = dense_warmup
@@ -296,24 +292,25 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
 
         layer_bar.reset()
         stages.set_postfix_str("sparse prefill")
+        run_guard = (guard or guard_options.GuardOptions()).make(config, "sparse")  # the quality guard, or None
+        if run_guard is not None:
+            run_guard.prompt_id = f"passkey/{n_tokens}/{seed}"
+
+        def patch(with_guard) -> None:
+            integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
+                        check_fingerprint=False, dense_tail=dense_tail, guard=with_guard or guard_options.OFF)
+
         sparse_warmup = None
         if warmup:  # a throwaway guard of the same settings (no log): its first use is warmed, its summary dropped
             from minference.guard import QualityGuard
 
-            real = (guard or guard_options.GuardOptions()).make(config, "sparse")
-            spare = None if real is None else QualityGuard(real.settings, name="sparse warm-up")
-            integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
-                        check_fingerprint=False, dense_tail=dense_tail, guard=spare or guard_options.OFF)
+            patch(None if run_guard is None else QualityGuard(run_guard.settings, name="sparse warm-up"))
             try:
-                sparse_warmup = _warm_up(model, ids)
+                sparse_warmup = _prefill(model, ids)[0]
             finally:
                 integ.unpatch(model)
             layer_bar.reset()
-        run_guard = (guard or guard_options.GuardOptions()).make(config, "sparse")  # the quality guard, or None
-        if run_guard is not None:
-            run_guard.prompt_id = f"passkey/{n_tokens}/{seed}"
-        integ.patch(model, config, backend=backend, dense_threshold=dense_threshold, allow_mismatch=allow_mismatch,
-                    check_fingerprint=False, dense_tail=dense_tail, guard=run_guard or guard_options.OFF)
+        patch(run_guard)
         density = [float("nan")] * len(modules)
         cover = [float("nan")] * len(modules)
         spent = [0.0]
