@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, TextIO, cast
 import torch
 
 from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
-from minference.app.models import decode_step, forward_chunks, output_cache, synchronize
+from minference.app.models import concat_caches, decode_step, forward_chunks, output_cache, synchronize
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -1204,6 +1204,7 @@ def run_eval(
     prompts: str | os.PathLike | None = None,
     guard=None,
     done: EvalReport | None = None,
+    batch_decode: bool = False,
 ) -> EvalReport:
     """Evaluate ``configs`` on ``model_name`` (see the module docstring). ``checkpoint`` is called
     with the report so far after every (length, sample) round (the CLI saves it: a run cut short
@@ -1255,6 +1256,10 @@ def run_eval(
             every checkpoint) is that report merged with the new measurements
             (:func:`merge_reports`). A sparse config may not run a prompt whose dense TTFT is in
             that report (its ratio would mix runs): refused before any prompt runs.
+        batch_decode: RULER: each prompt's configs prefill one after another (each TTFT its own),
+            then decode as one batch from their joined caches (:func:`_ruler_rounds`): the decode's
+            host time (most of a RULER run's time on a GPU) is paid once per prompt, not once per
+            config. Recorded in the settings; refused for the procedural suite.
 
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range;
@@ -1302,6 +1307,10 @@ def run_eval(
     _check_int("prefill_chunk", prefill_chunk, 0)
     if not isinstance(cuda_graphs, bool):
         raise EvalError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+    if not isinstance(batch_decode, bool):
+        raise EvalError(f"batch_decode must be a bool, got {batch_decode!r}")
+    if batch_decode and ruler_set is None:
+        raise EvalError("--batch-decode is for --suite ruler (the procedural suite batches its own prompts)")
     if cuda_graphs and ruler_set is not None:
         from minference.graphs import DEFAULT_MAX_SHAPES
 
@@ -1352,6 +1361,8 @@ def run_eval(
     # (absent: no overrides, or a report written before the key)
     if guard is not None and guard.settings:
         settings["guard"] = dict(guard.settings)
+    if batch_decode:  # absent: each config decodes alone (every report written before the key)
+        settings["batch_decode"] = True
     if done is not None:
         _check_continued(done, model_name, settings)
 
@@ -1436,7 +1447,8 @@ def run_eval(
         if ruler_set is not None:
             _ruler_rounds(model, tokenizer, report, resolved, pattern_configs, ruler_prompts, eos, dev, bar,
                           apply=apply, guard_for=guard_for, coverage=coverage, profile=profile, physical=physical,
-                          chunk=prefill_chunk, checkpoint=checkpoint, t_start=t_start, skip=skip, compiles=compiles)
+                          chunk=prefill_chunk, checkpoint=checkpoint, t_start=t_start, skip=skip, compiles=compiles,
+                          batch_decode=batch_decode)
         else:
             assert seed is not None  # the procedural suite's seed, 0 by default (set above)
             for n in lengths:
@@ -1635,10 +1647,15 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                   apply: Callable[[str, QualityGuard | None], None],
                   guard_for: Callable[[str, int], QualityGuard | None], coverage: bool, profile: bool,
                   physical: bool, chunk: int, checkpoint, t_start: float,
-                  skip: frozenset[tuple] | set[tuple] = frozenset(), compiles=None) -> None:
+                  skip: frozenset[tuple] | set[tuple] = frozenset(), compiles=None,
+                  batch_decode: bool = False) -> None:
     """The RULER loop: length -> prompt -> config. Each prompt runs once per config: one timed
     prefill (the TTFT of that prompt) and the greedy decode from its cache, up to RULER's
     ``max_new_tokens`` of the task, stopping at EOS or once the score is 1 (:func:`ruler.settled`).
+    ``batch_decode``: the prompt's configs first prefill one after another (each timed alone), then
+    decode together as one batch (:func:`~minference.app.models.concat_caches`; every config
+    decodes dense, the ``dense_decode`` path, and the rows share no padding, so each row's tokens
+    are its own decode's up to kernel rounding); each record's ``decode_s`` is the batch's.
     The once-per-length prefills (warm-up...) run on the first prompt a config is timed on at a
     length. ``apply(config, guard)`` patches the model with ``guard_for(config, length)``, the
     quality guard of that (config, length). A ``(config, task, length, index)`` in ``skip`` is not
@@ -1651,6 +1668,24 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
         yarn = set_context_length(model, max(s.n_tokens + s.max_new_tokens for s in samples))
         for sample in samples:
             ids = sample.ids.to(dev)
+
+            def check(tokens: list[int], s=sample) -> bool:
+                return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
+
+            def record(name, stats, ttft, tokens, decode_s, stop, timed_compiles, s=sample, n=n) -> None:
+                stats.ttft_s.append(ttft)
+                stats.ttft_median_s = float(statistics.median(stats.ttft_s))
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                value = ruler.score(s.metric, text, s.answers)
+                report.records.append(SampleRecord(
+                    name, s.task, n, s.index, int(report.settings["ruler"]["seed"]), None,
+                    list(s.answers), value >= 1.0, text, ttft, len(tokens), found=value,
+                    prompt_tokens=s.n_tokens, decode_s=decode_s, stop=stop, compiles=timed_compiles))
+                bar.update(1)
+
+            pending: list[tuple] = []  # batch_decode: (config, stats, TTFT, compiles) of each prefill...
+            caches: list = []  # ...its KV cache...
+            firsts: list[torch.Tensor] = []  # ...and its first answer token
             for cfg in resolved:
                 if (cfg.name, sample.task, n, sample.index) in skip:
                     continue
@@ -1664,21 +1699,27 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                     report.runs.append(stats)
                     _once_per_length(model, cfg, pattern_configs[cfg.name], sample.ids, stats, dev,
                                      coverage=coverage, profile=profile, physical=physical, chunk=chunk)
-                def check(tokens: list[int], s=sample) -> bool:
-                    return ruler.settled(s.metric, tokenizer.decode(tokens, skip_special_tokens=True), s.answers)
-
                 _take(compiles)  # the warm-ups' compiles are not this prompt's
+                if batch_decode:
+                    ttft, cache, first = _prefill(model, ids, chunk)
+                    pending.append((cfg.name, stats, ttft, _take(compiles)))
+                    caches.append(cache)
+                    firsts.append(first)
+                    del cache
+                    continue
                 ttft, tokens, decode_s, stop = _answer(model, ids, sample.max_new_tokens, eos, check, chunk)
-                timed_compiles = _take(compiles)
-                stats.ttft_s.append(ttft)
-                stats.ttft_median_s = float(statistics.median(stats.ttft_s))
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                value = ruler.score(sample.metric, text, sample.answers)
-                report.records.append(SampleRecord(
-                    cfg.name, sample.task, n, sample.index, int(report.settings["ruler"]["seed"]), None,
-                    list(sample.answers), value >= 1.0, text, ttft, len(tokens), found=value,
-                    prompt_tokens=sample.n_tokens, decode_s=decode_s, stop=stop, compiles=timed_compiles))
-                bar.update(1)
+                record(cfg.name, stats, ttft, tokens, decode_s, stop, _take(compiles))
+            if pending:  # batch_decode: the prompt's configs decode as one batch
+                start = time.perf_counter()
+                with torch.no_grad():
+                    seqs, stops = _decode(model, concat_caches(caches), torch.stack(firsts),
+                                          [sample.max_new_tokens] * len(pending), eos, lambda b, tokens: check(tokens))
+                synchronize(dev)
+                decode_s = time.perf_counter() - start
+                caches.clear()
+                late = _take(compiles)
+                for (name, stats, ttft, timed), tokens, stop in zip(pending, seqs, stops):
+                    record(name, stats, ttft, tokens, decode_s, stop, timed + late)
             if checkpoint is not None:
                 report.wall_s = time.perf_counter() - t_start
                 checkpoint(report)
@@ -2097,6 +2138,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="sparse layers replay CUDA graphs captured by the warm-up prefill (CUDA, Triton backend, "
                         "procedural suite; docs/integration.md)")
+    p.add_argument("--batch-decode", action="store_true",
+                   help="RULER: each prompt's configs prefill one by one (each timed alone), then decode as one batch "
+                        "(the decode's host time once per prompt, not per config)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--plot", default=None, help="draw accuracy vs TTFT here (needs matplotlib)")
     p.add_argument("--no-coverage", action="store_true", help="skip density and coverage")
@@ -2140,7 +2184,7 @@ def _run_from_args(args: argparse.Namespace) -> EvalReport:
         backend=args.backend, coverage=not args.no_coverage, profile=not args.no_profile,
         allow_mismatch=args.allow_mismatch, force_length=args.force_length, progress=not args.no_progress,
         dense_tail=args.dense_tail, cuda_graphs=args.cuda_graphs, prefill_chunk=args.prefill_chunk,
-        suite=args.suite, prompts=args.prompt_set,
+        suite=args.suite, prompts=args.prompt_set, batch_decode=args.batch_decode,
         done=EvalReport.load(args.continue_from) if args.continue_from else None,
         checkpoint=(lambda partial: partial.save(args.out)) if args.out else None,
         guard=guard_options.from_args(args),  # the quality guard (docs/guard.md)

@@ -36,7 +36,7 @@ import hashlib
 import importlib.util
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -84,6 +84,7 @@ __all__ = [
     "set_context_length",
     "synchronize",
     "output_cache",
+    "concat_caches",
     "decode_step",
 ]
 
@@ -569,6 +570,31 @@ def output_cache(out):
     ``out.past_key_values`` (5.17, the H200's)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+def concat_caches(caches: Sequence):
+    """One KV cache whose batch rows are those of ``caches`` in order (transformers'
+    ``DynamicCache``s of the same model and prompt length, one prefill each), for one batched
+    decode. The first cache is extended in place and returned; the others' tensors are copied
+    and can be freed. Raises ``ValueError`` (one line) for a cache whose layers are not plain
+    dynamic layers (sliding-window or quantised layers keep state this does not join) or whose
+    lengths differ."""
+    from transformers.cache_utils import DynamicLayer
+
+    first = caches[0]
+    for c in caches:
+        if len(c.layers) != len(first.layers) or any(type(layer) is not DynamicLayer for layer in c.layers):
+            kinds = sorted({type(layer).__name__ for layer in c.layers})
+            raise ValueError(f"concat_caches joins caches of plain DynamicLayer layers, "
+                             f"{len(first.layers)} each; got {len(c.layers)} of {', '.join(kinds)}")
+        lengths = {layer.keys.shape[-2] for layer in c.layers} | {layer.keys.shape[-2] for layer in first.layers}
+        if len(lengths) != 1:
+            raise ValueError(f"concat_caches joins caches of one length; got lengths {sorted(lengths)}")
+    if len(caches) > 1:
+        for i, layer in enumerate(first.layers):
+            layer.keys = torch.cat([c.layers[i].keys for c in caches])
+            layer.values = torch.cat([c.layers[i].values for c in caches])
+    return first
 
 
 def cache_keyword(module) -> str:

@@ -163,3 +163,31 @@ def test_ruler_records_the_kernels_compiled_inside_each_timed_prompt(small, rule
     text = E.format_report(report)
     assert "Kernels compiled inside timed prompts" in text and "`_block_select_kernel`" in text
     assert "_warm_kernel" not in text
+
+
+def test_batch_decode_prefills_each_config_alone_then_decodes_them_as_one_batch(small, ruler_set, monkeypatch):
+    """--batch-decode: every prompt's configs prefill one by one (a TTFT each), then one decode of
+    a batch of both; the answers are those of separate decodes, the decode time is the batch's,
+    and the settings say so."""
+    alone = _run(small, ruler_set)
+    widths = []
+    real = E._decode
+    monkeypatch.setattr(E, "_decode", lambda model, cache, nxt, *a, **kw: (
+        widths.append(nxt.shape[0]), real(model, cache, nxt, *a, **kw))[1])
+    batched = _run(small, ruler_set, batch_decode=True)
+    assert widths == [2] * 4  # 2 tasks x 2 samples, each one decode of both configs
+    assert batched.settings["batch_decode"] is True and "batch_decode" not in alone.settings
+
+    def key(r):
+        return (r.config, r.task, r.index)
+
+    assert [key(r) for r in batched.records] == [key(r) for r in alone.records]
+    for x, y in zip(batched.records, alone.records):
+        assert (x.text, x.new_tokens, x.stop, x.found) == (y.text, y.new_tokens, y.stop, y.found)
+    for d, s in zip(batched.records[0::2], batched.records[1::2]):
+        assert d.decode_s == s.decode_s and d.ttft_s != s.ttft_s
+
+
+def test_batch_decode_is_refused_for_the_procedural_suite(small):
+    with pytest.raises(E.EvalError, match=r"^--batch-decode is for --suite ruler"):
+        E.run_eval("smollm2", configs=["dense"], loaded=small, progress=False, batch_decode=True)

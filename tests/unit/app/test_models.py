@@ -222,6 +222,29 @@ def test_decode_step_passes_the_cache_under_the_forwards_keyword():
     assert seen == [("cache", "c1", [[5]]), ("past_key_values", "p1", [[7]])]
 
 
+def test_joined_caches_decode_as_each_row_alone(smollm2):
+    """concat_caches: two prompts of one length, each prefilled alone, decode one step as a batch
+    with the logits each gets alone; caches of two lengths are refused in one line."""
+    model, tokenizer = smollm2
+    a, b = (torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"][:6]])
+            for t in ("The cat sat on the mat and slept", "Numbers: one two three four five six"))
+    nxt = torch.tensor([11, 12])
+    with torch.no_grad():
+        alone = [models.decode_step(model, nxt[i : i + 1], models.output_cache(model(ids, use_cache=True)), "cpu")
+                 .logits[0, -1] for i, ids in enumerate((a, b))]
+        caches = [models.output_cache(model(ids, use_cache=True)) for ids in (a, b)]
+        joined = models.concat_caches(caches)
+        both = models.decode_step(model, nxt, joined, "cpu").logits[:, -1]
+    assert joined.layers[0].keys.shape[0] == 2
+    torch.testing.assert_close(both, torch.stack(alone), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(alone[0], alone[1])  # the rows differ: a swap or a copy would fail
+    with torch.no_grad():
+        short = models.output_cache(model(a[:, :4], use_cache=True))
+        again = models.output_cache(model(a, use_cache=True))
+    with pytest.raises(ValueError, match=r"one length; got lengths \[4, 6\]"):
+        models.concat_caches([again, short])
+
+
 def test_the_15b_attention_shape_searches_and_runs_sparse():
     """The 1.5B's attention (12 query / 2 kv heads, head dim 128; GQA group 6) through the search,
     its config and both dispatcher backends, on a random 2-layer Qwen2 of that shape: the search
