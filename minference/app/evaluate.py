@@ -1909,6 +1909,7 @@ def format_report(report: EvalReport) -> str:
              f"dense threshold {_threshold_text(report.settings['dense_threshold'])}, "
              f"backend {report.settings['backend']}, dense tail {report.settings.get('dense_tail', 0)} tokens"
              + (", CUDA graphs" if report.settings.get("cuda_graphs") else "")
+             + (", each prompt's configs decoded as one batch" if report.settings.get("batch_decode") else "")
              + (f", prefill in chunks of {report.settings['prefill_chunk']} tokens"
                 if report.settings.get("prefill_chunk") else ""), ""]
     head = ["length", "config"] + gen_tasks + (["avg"] if is_ruler else []) + (["NLL"] if ppl else []) + [

@@ -177,6 +177,7 @@ def test_batch_decode_prefills_each_config_alone_then_decodes_them_as_one_batch(
     batched = _run(small, ruler_set, batch_decode=True)
     assert widths == [2] * 4  # 2 tasks x 2 samples, each one decode of both configs
     assert batched.settings["batch_decode"] is True and "batch_decode" not in alone.settings
+    assert "decoded as one batch" in E.format_report(batched) and "decoded as one batch" not in E.format_report(alone)
 
     def key(r):
         return (r.config, r.task, r.index)
