@@ -358,7 +358,9 @@ class SampleRecord:
         nll: mean next-token NLL (perplexity task), ``nll_buckets`` its mean per position bucket.
         prompt_tokens: the prompt's own length where it differs from ``n_tokens`` (RULER: ``n_tokens``
             is the set's RULER length, each prompt is shorter), else ``None``.
-        decode_s: wall time of the greedy decode after the timed prefill (RULER suite), else ``None``.
+        decode_s: wall time of the greedy decode after the timed prefill (RULER suite), else ``None``;
+            with ``batch_decode`` the time of the prompt's one batched decode, the same in each of
+            its configs' records (a sum over records counts it once per config).
         stop: why decoding stopped (RULER suite): ``"eos"``, ``"max"`` (the task's RULER
             ``max_new_tokens``) or ``"settled"`` (the score is already 1; more text cannot change it).
         compiles: ``[kernel name, seconds]`` of every Triton kernel variant compiled while this
@@ -1259,7 +1261,8 @@ def run_eval(
         batch_decode: RULER: each prompt's configs prefill one after another (each TTFT its own),
             then decode as one batch from their joined caches (:func:`_ruler_rounds`): the decode's
             host time (most of a RULER run's time on a GPU) is paid once per prompt, not once per
-            config. Recorded in the settings; refused for the procedural suite.
+            config. Recorded in the settings; refused for the procedural suite, and right after
+            loading for a model whose cache layers cannot be joined (sliding-window layers).
 
     Raises:
         EvalError: unknown task, config or model; lengths, samples or seeds out of range;
@@ -1385,6 +1388,13 @@ def run_eval(
                                                                     dtype=dtype)
     if integ.is_patched(model):
         raise EvalError("pass an unpatched model")
+    if batch_decode:
+        from minference.app.models import check_joinable
+
+        try:
+            check_joinable(model)
+        except ValueError as err:
+            raise EvalError(f"--batch-decode: {err}") from None
     dev = next(model.parameters()).device
     loaded_limit = _context_limit(model_name, _native_context(model), force_length)
     if loaded_limit[0] != limit:
@@ -1655,7 +1665,9 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
     ``batch_decode``: the prompt's configs first prefill one after another (each timed alone), then
     decode together as one batch (:func:`~minference.app.models.concat_caches`; every config
     decodes dense, the ``dense_decode`` path, and the rows share no padding, so each row's tokens
-    are its own decode's up to kernel rounding); each record's ``decode_s`` is the batch's.
+    are its own decode's up to kernel rounding); each record's ``decode_s`` is the batch's, and
+    compiles during that decode are booked on the last config's record. While the later configs
+    prefill, the earlier ones' caches stay in memory (one per config; joined, one copy in all).
     The once-per-length prefills (warm-up...) run on the first prompt a config is timed on at a
     length. ``apply(config, guard)`` patches the model with ``guard_for(config, length)``, the
     quality guard of that (config, length). A ``(config, task, length, index)`` in ``skip`` is not
@@ -1711,15 +1723,17 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 record(cfg.name, stats, ttft, tokens, decode_s, stop, _take(compiles))
             if pending:  # batch_decode: the prompt's configs decode as one batch
                 start = time.perf_counter()
+                joined = concat_caches(caches)  # empties the other caches: one copy in memory
+                caches.clear()
                 with torch.no_grad():
-                    seqs, stops = _decode(model, concat_caches(caches), torch.stack(firsts),
-                                          [sample.max_new_tokens] * len(pending), eos, lambda b, tokens: check(tokens))
+                    seqs, stops = _decode(model, joined, torch.stack(firsts), [sample.max_new_tokens] * len(pending),
+                                          eos, lambda b, tokens: check(tokens))
                 synchronize(dev)
                 decode_s = time.perf_counter() - start
-                caches.clear()
-                late = _take(compiles)
-                for (name, stats, ttft, timed), tokens, stop in zip(pending, seqs, stops):
-                    record(name, stats, ttft, tokens, decode_s, stop, timed + late)
+                del joined
+                late = _take(compiles)  # the shared decode's, booked once: on the last config (its patch ran it)
+                for k, ((name, stats, ttft, timed), tokens, stop) in enumerate(zip(pending, seqs, stops)):
+                    record(name, stats, ttft, tokens, decode_s, stop, timed + (late if k == len(pending) - 1 else []))
             if checkpoint is not None:
                 report.wall_s = time.perf_counter() - t_start
                 checkpoint(report)

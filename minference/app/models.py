@@ -85,6 +85,7 @@ __all__ = [
     "synchronize",
     "output_cache",
     "concat_caches",
+    "check_joinable",
     "decode_step",
 ]
 
@@ -572,21 +573,38 @@ def output_cache(out):
     return cache if cache is not None else out.past_key_values
 
 
+def _unjoinable(cache) -> list[str]:
+    """Names of ``cache``'s layer classes that :func:`concat_caches` cannot join (anything but a
+    plain ``DynamicLayer``: sliding-window and quantised layers keep state beyond keys and values)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+
+
+def check_joinable(model) -> None:
+    """Raises ``ValueError`` (one line) when ``model``'s KV cache (``DynamicCache(config=...)``, as
+    its forward makes it) has layers :func:`concat_caches` cannot join: before any prompt runs."""
+    from transformers.cache_utils import DynamicCache
+
+    bad = _unjoinable(DynamicCache(config=model.config))
+    if bad:
+        raise ValueError(f"this model's KV cache has {', '.join(bad)} layers, which a batched decode cannot join "
+                         f"(plain DynamicLayer only)")
+
+
 def concat_caches(caches: Sequence):
     """One KV cache whose batch rows are those of ``caches`` in order (transformers'
     ``DynamicCache``s of the same model and prompt length, one prefill each), for one batched
-    decode. The first cache is extended in place and returned; the others' tensors are copied
-    and can be freed. Raises ``ValueError`` (one line) for a cache whose layers are not plain
-    dynamic layers (sliding-window or quantised layers keep state this does not join) or whose
-    lengths differ."""
-    from transformers.cache_utils import DynamicLayer
-
+    decode. The first cache is extended in place and returned; every other cache's layers are
+    emptied as they are copied (keys and values ``None``), so that only the joined copy stays in
+    memory. Raises ``ValueError`` (one line), before changing anything, for a cache whose layers
+    are not plain dynamic layers (:func:`check_joinable`) or whose lengths differ."""
     first = caches[0]
     for c in caches:
-        if len(c.layers) != len(first.layers) or any(type(layer) is not DynamicLayer for layer in c.layers):
-            kinds = sorted({type(layer).__name__ for layer in c.layers})
-            raise ValueError(f"concat_caches joins caches of plain DynamicLayer layers, "
-                             f"{len(first.layers)} each; got {len(c.layers)} of {', '.join(kinds)}")
+        bad = _unjoinable(c)
+        if bad or len(c.layers) != len(first.layers):
+            raise ValueError(f"concat_caches joins caches of plain DynamicLayer layers, {len(first.layers)} each; "
+                             f"got {len(c.layers)} layers{' of ' + ', '.join(bad) if bad else ''}")
         lengths = {layer.keys.shape[-2] for layer in c.layers} | {layer.keys.shape[-2] for layer in first.layers}
         if len(lengths) != 1:
             raise ValueError(f"concat_caches joins caches of one length; got lengths {sorted(lengths)}")
@@ -594,6 +612,8 @@ def concat_caches(caches: Sequence):
         for i, layer in enumerate(first.layers):
             layer.keys = torch.cat([c.layers[i].keys for c in caches])
             layer.values = torch.cat([c.layers[i].values for c in caches])
+            for c in caches[1:]:
+                c.layers[i].keys = c.layers[i].values = None
     return first
 
 

@@ -165,16 +165,23 @@ def test_ruler_records_the_kernels_compiled_inside_each_timed_prompt(small, rule
     assert "_warm_kernel" not in text
 
 
-def test_batch_decode_prefills_each_config_alone_then_decodes_them_as_one_batch(small, ruler_set, monkeypatch):
+#: A config lossy enough that the whole SmolLM2 answers otherwise than dense on these prompts.
+LOSSY = '{"kind": "block_sparse", "top_k": 1, "block": 16, "sink_blocks": 0}'
+
+
+def test_batch_decode_prefills_each_config_alone_then_decodes_them_as_one_batch(smollm2, tmp_path, monkeypatch):
     """--batch-decode: every prompt's configs prefill one by one (a TTFT each), then one decode of
-    a batch of both; the answers are those of separate decodes, the decode time is the batch's,
-    and the settings say so."""
-    alone = _run(small, ruler_set)
+    a batch of both; each row's answer and stop are those of its own decode (the rows differ:
+    dense settles on the needle where the lossy config runs to the maximum), the decode time is
+    the batch's, and the settings and the table say so. The whole model: the truncated one
+    answers the same garbage under every config, which could not tell rows apart."""
+    folder = _write_set(tmp_path / "set", smollm2[1], _texts(2))
+    alone = _run(smollm2, folder, configs=["dense", LOSSY])
     widths = []
     real = E._decode
     monkeypatch.setattr(E, "_decode", lambda model, cache, nxt, *a, **kw: (
         widths.append(nxt.shape[0]), real(model, cache, nxt, *a, **kw))[1])
-    batched = _run(small, ruler_set, batch_decode=True)
+    batched = _run(smollm2, folder, configs=["dense", LOSSY], batch_decode=True)
     assert widths == [2] * 4  # 2 tasks x 2 samples, each one decode of both configs
     assert batched.settings["batch_decode"] is True and "batch_decode" not in alone.settings
     assert "decoded as one batch" in E.format_report(batched) and "decoded as one batch" not in E.format_report(alone)
@@ -185,8 +192,26 @@ def test_batch_decode_prefills_each_config_alone_then_decodes_them_as_one_batch(
     assert [key(r) for r in batched.records] == [key(r) for r in alone.records]
     for x, y in zip(batched.records, alone.records):
         assert (x.text, x.new_tokens, x.stop, x.found) == (y.text, y.new_tokens, y.stop, y.found)
-    for d, s in zip(batched.records[0::2], batched.records[1::2]):
-        assert d.decode_s == s.decode_s and d.ttft_s != s.ttft_s
+    pairs = list(zip(batched.records[0::2], batched.records[1::2]))  # (dense, lossy) of each prompt
+    assert any(d.text != s.text for d, s in pairs)  # a swapped or copied row would fail above
+    assert any(d.stop != s.stop for d, s in pairs)  # rows stop on their own
+    assert all(d.decode_s == s.decode_s for d, s in pairs)
+    with pytest.raises(E.EvalError, match="batch_decode: absent vs True"):
+        E.merge_reports([alone, batched])
+
+
+def test_batch_decode_refuses_a_cache_it_cannot_join_before_any_prompt(small, ruler_set, monkeypatch):
+    """A model with sliding-window layers (their cache layers keep a window, not only keys and
+    values) is refused in one line right after loading, before any prompt runs."""
+    import copy
+
+    model = copy.deepcopy(small[0])
+    model.config.sliding_window = 4
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    monkeypatch.setattr(E, "_prefill", lambda *a, **kw: pytest.fail("a prompt ran"))
+    with pytest.raises(E.EvalError, match=r"^--batch-decode: this model's KV cache has DynamicSlidingWindowLayer "
+                                          r"layers, which a batched decode cannot join"):
+        _run((model, small[1]), ruler_set, batch_decode=True)
 
 
 def test_batch_decode_is_refused_for_the_procedural_suite(small):

@@ -241,8 +241,10 @@ def test_joined_caches_decode_as_each_row_alone(smollm2):
     with torch.no_grad():
         short = models.output_cache(model(a[:, :4], use_cache=True))
         again = models.output_cache(model(a, use_cache=True))
+    assert all(layer.keys is None for layer in caches[1].layers)  # copied, then freed
     with pytest.raises(ValueError, match=r"one length; got lengths \[4, 6\]"):
         models.concat_caches([again, short])
+    models.check_joinable(model)  # plain layers: no error
 
 
 def test_the_15b_attention_shape_searches_and_runs_sparse():
