@@ -31,15 +31,6 @@ def _loadavg() -> float:
     return os.getloadavg()[0]
 
 
-def _prefill(model, ids) -> float:
-    import torch
-
-    start = time.perf_counter()
-    with torch.no_grad():
-        model(ids[None], use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=None, help="prompt length (default: the main job's, 4096)")
@@ -63,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         apply_threads(choice)
         import minference.integration as integ
         from minference.app.main_job import DEFAULT_CONFIG, DEFAULT_TOKENS
-        from minference.app.models import load_smollm2
+        from minference.app.models import load_smollm2, timed_prefill
         from minference.app.prompts import passkey_prompt
         from minference.config import load_config
 
@@ -75,19 +66,19 @@ def main(argv: list[str] | None = None) -> dict:
         def sparse() -> float:
             integ.patch(model, config, backend="torch", dense_threshold=0, check_fingerprint=False)
             try:
-                return _prefill(model, ids)
+                return timed_prefill(model, ids[None])[0]
             finally:
                 integ.unpatch(model)
 
         warm = ids[:256]
-        _prefill(model, warm)
+        timed_prefill(model, warm[None])
         integ.patch(model, config, backend="torch", dense_threshold=0, check_fingerprint=False)
-        _prefill(model, warm)
+        timed_prefill(model, warm[None])
         integ.unpatch(model)
         load_before = _loadavg()
         dense_s, sparse_s = [], []
         for _ in range(args.repeats):
-            dense_s.append(_prefill(model, ids))
+            dense_s.append(timed_prefill(model, ids[None])[0])
             sparse_s.append(sparse())
         load_after = _loadavg()
     finally:

@@ -62,7 +62,14 @@ from typing import TYPE_CHECKING, TextIO, cast
 import torch
 
 from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
-from minference.app.models import concat_caches, decode_step, forward_chunks, output_cache, synchronize
+from minference.app.models import (
+    concat_caches,
+    decode_step,
+    forward_chunks,
+    output_cache,
+    synchronize,
+    timed_prefill,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -781,15 +788,11 @@ def _samples_text(samples: set[tuple]) -> str:
 
 
 def _prefill(model, ids: torch.Tensor, chunk: int = 0):
-    """Whole-model prefill (in chunks of ``chunk`` tokens through the cache: chunked prefill);
-    returns ``(seconds, cache, first token id tensor)`` synchronised."""
-    synchronize(ids.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = forward_chunks(model, ids[None], chunk, logits_to_keep=1)
-        first = out.logits[0, -1].argmax()
-    synchronize(ids.device)
-    return time.perf_counter() - start, output_cache(out), first
+    """Whole-model prefill of one prompt ``ids [n]`` (in chunks of ``chunk`` tokens through the
+    cache: chunked prefill; :func:`~minference.app.models.timed_prefill`); returns ``(seconds,
+    cache, first token id tensor)`` synchronised."""
+    seconds, out, first = timed_prefill(model, ids[None], chunk)
+    return seconds, output_cache(out), first[0]
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -1725,9 +1728,8 @@ def _ruler_rounds(model, tokenizer, report: EvalReport, resolved, pattern_config
                 start = time.perf_counter()
                 joined = concat_caches(caches)  # empties the other caches: one copy in memory
                 caches.clear()
-                with torch.no_grad():
-                    seqs, stops = _decode(model, joined, torch.stack(firsts), [sample.max_new_tokens] * len(pending),
-                                          eos, lambda b, tokens: check(tokens))
+                seqs, stops = _decode(model, joined, torch.stack(firsts), [sample.max_new_tokens] * len(pending),
+                                      eos, lambda b, tokens: check(tokens))
                 synchronize(dev)
                 decode_s = time.perf_counter() - start
                 del joined

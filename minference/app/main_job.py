@@ -32,7 +32,7 @@ from typing import TextIO
 import torch
 
 from minference.app import guard_options  # the quality guard's options and summary (docs/guard.md)
-from minference.app.models import decode_step, output_cache, synchronize
+from minference.app.models import decode_step, output_cache, timed_prefill
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -156,19 +156,9 @@ class MainJobReport:
         return sum(self.layer_coverage) / len(self.layer_coverage) if self.layer_coverage else float("nan")
 
 
-def _prefill(model, ids: torch.Tensor):
-    """One prefill of ``ids`` (last position's logits only), synchronised: ``(seconds, output)``."""
-    synchronize(ids.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model(ids[None], use_cache=True, logits_to_keep=1)
-    synchronize(ids.device)
-    return time.perf_counter() - start, out
-
-
 def _prefill_and_decode(model, ids: torch.Tensor, steps: int, tokenizer, bar=None, observer_time=None) -> RunResult:
     device = ids.device
-    prefill, out = _prefill(model, ids)
+    prefill, out, _ = timed_prefill(model, ids[None])
     prefill -= observer_time[0] if observer_time else 0.0
     tokens, margins = [], []
     cache, logits = output_cache(out), out.logits[0, -1]
@@ -284,7 +274,7 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
     hooks = [m.register_forward_hook(tick, with_kwargs=True) for m in modules.values()]
     try:
         stages.set_postfix_str("dense prefill")
-        dense_warmup = _prefill(model, ids)[0] if warmup else None
+        dense_warmup = timed_prefill(model, ids[None])[0] if warmup else None
         layer_bar.reset()
         dense = _prefill_and_decode(model, ids, steps, tokenizer)
         dense.warmup_s = dense_warmup
@@ -306,7 +296,7 @@ def _run_main_job(config_path, n_tokens, depth, seed, backend, dense_threshold, 
 
             patch(None if run_guard is None else QualityGuard(run_guard.settings, name="sparse warm-up"))
             try:
-                sparse_warmup = _prefill(model, ids)[0]
+                sparse_warmup = timed_prefill(model, ids[None])[0]
             finally:
                 integ.unpatch(model)
             layer_bar.reset()

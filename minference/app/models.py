@@ -36,6 +36,7 @@ import hashlib
 import importlib.util
 import inspect
 import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ __all__ = [
     "load_model",
     "set_context_length",
     "synchronize",
+    "timed_prefill",
     "output_cache",
     "concat_caches",
     "check_joinable",
@@ -564,6 +566,20 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU): around timed regions."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_prefill(model, ids: torch.Tensor, chunk: int = 0):
+    """Whole-model prefill of ``ids [B, n]`` (the last position's logits only; in chunks of
+    ``chunk`` tokens through the KV cache, :func:`forward_chunks`), synchronised before and after.
+    Returns ``(seconds, output, first)``: ``first [B]`` the greedy next tokens, taken inside the
+    timed span (the time to the first token)."""
+    synchronize(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = forward_chunks(model, ids, chunk, logits_to_keep=1)
+        first = out.logits[:, -1].argmax(-1)
+    synchronize(ids.device)
+    return time.perf_counter() - start, out, first
 
 
 def output_cache(out):
