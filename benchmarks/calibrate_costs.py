@@ -71,16 +71,21 @@ VS_LOCAL = 100
 VS_CLUSTERS = 16
 #: Block sizes whose kernel is fitted apart.
 BLOCKS = (128, 64)
+#: Scoring rows of the cheaper query-aware estimate (``minference search --bs-score-rows``), timed
+#: beside the full score (0) for each block and rule.
+SCORE_ROWS = (32, 16)
 
 
 def index_patterns(n: int) -> list:
     """One pattern per index key the searches use: the adaptive and frontier candidates'
     vertical-slash mass rule and block-sparse query-aware relative and mass rules (at each block
-    of :data:`BLOCKS`: ``minference search --bs-blocks``, ``--bs-gammas``), the top-k forms of
+    of :data:`BLOCKS` and with each of :data:`SCORE_ROWS` scoring rows or all: ``minference search
+    --bs-blocks``, ``--bs-gammas``, ``--bs-score-rows``), the top-k forms of
     both, and the pooled top-k routing of the budgeted candidates."""
     nb128, nb64 = -(-n // 128), -(-n // 64)
-    routed = [BlockSparse(top_k=max(2, -(-n // b) // 2), block=b, rule=rule, threshold=t, estimate="query")
-              for b in BLOCKS for rule, t in (("relative", 0.1), ("mass", 0.9))]
+    routed = [BlockSparse(top_k=max(2, -(-n // b) // 2), block=b, rule=rule, threshold=t, estimate="query",
+                          score_rows=r)
+              for b in BLOCKS for rule, t in (("relative", 0.1), ("mass", 0.9)) for r in (0, *SCORE_ROWS)]
     return [
         VerticalSlash(vertical=ADAPTIVE_MAX_VERTICAL, slash=ADAPTIVE_MAX_SLASH, rule="mass", threshold=0.9),
         VerticalSlash(vertical=1000, slash=6096),
@@ -205,7 +210,7 @@ def calibrate(n: int, head_dim: int, heads: int, kv_heads: int, *, device: str |
         else:
             fn = lambda p=p: kernels.block_sparse_index(  # noqa: E731
                 q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
-                rule=p.rule, threshold=p.threshold, estimate=p.estimate, validate=False)
+                rule=p.rule, threshold=p.threshold, estimate=p.estimate, score_rows=p.score_rows, validate=False)
         ms = bench(fn)
         index[index_key(p)] = {"ms": ms, "pattern": repr(p)}
         if progress:

@@ -31,7 +31,7 @@ import triton.language as tl
 from minference.kernels._common import MIN_DOT, next_pow2
 from minference.kernels.select import select_query_blocks
 
-from minference._checks import check_qkv_rows, check_ragged, default_scale
+from minference._checks import check_int, check_qkv_rows, check_ragged, default_scale
 from minference.builders import blocks_from_slots, build_block_sparse_index, heads_tensor, scorer_rows
 from minference.patterns import DEFAULT_BLOCK_SIZE
 
@@ -120,6 +120,7 @@ def block_sparse_index(
     estimate: str = "pooled",
     q_seqlens=None,
     q_seqstarts: torch.Tensor | None = None,
+    score_rows: int = 0,
     checked: bool = False,
 ):
     """Block-sparse routing: mean-pooled Q/K per block (Triton), scaled block scores, block-causal
@@ -145,6 +146,8 @@ def block_sparse_index(
             positions; only those holding a query are scored and selected, from their query
             positions (pooled means, or the queries of ``estimate="query"``); the grids cover
             those blocks only (:meth:`minference.builders.QueryRows.slots`).
+        score_rows: ``estimate="query"``: the queries of a block that score it
+            (:func:`query_block_scores`; 0: all).
         checked: internal: the caller validated the arguments' form (see
             :func:`minference.kernels.vertical_slash_index`); the query-aware scores then skip
             their checks too.
@@ -160,7 +163,8 @@ def block_sparse_index(
         return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved,
         rule=rule, threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules,
         estimate=estimate, scorer=partial(query_block_scores, checked=True) if checked else query_block_scores,
-        selector=select_query_blocks, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, checked=checked)
+        selector=select_query_blocks, q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, score_rows=score_rows,
+        checked=checked)
 
 
 #: Block-mean keys per loop step of the query-aware block scores (:func:`_qbs_kernel`).
@@ -201,19 +205,23 @@ def _qbs_logits(qt, keys, lo_off, j, I, D, qk_scale,
     return tl.where(ok[None, :], s * qk_scale, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["NQB", "NS"])  # query blocks and slots; lo_off = P*B*Hkv*NQB*D stays (a multiple of D)
+# query blocks, slots and the scoring rows' spacing (1 for every row: no variant of its own); lo_off =
+# P*B*Hkv*NQB*D stays (a multiple of D)
+@triton.jit(do_not_specialize=["NQB", "NS", "rows", "step"])
 def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, out_ptr,
-                Hg, Hkv, group, NQB, NS, block, qk_scale, lo_off,
+                Hg, Hkv, group, NQB, NS, block, rows, step, qk_scale, lo_off,
                 sqb, sqh, sqn, sqd, D,
                 BM: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                 F32: tl.constexpr):
     """One program per (batch row, head, slot): ``score[I, :]`` of query block ``I = q_lo //
     block + slot`` from its query positions ``>= q_lo`` (``q_lo = n - qlens[b]``, position ``i``
     at q's row ``qstarts[b] - q_lo + i``; the ordinary call passes the key rows' lengths and
-    starts: ``q_lo = 0``, slot = block). Pass 1 keeps each row's running max and sum over the key
-    tiles (online log-sum-exp, base 2); pass 2 recomputes the logits, normalises them and takes
-    the max over the valid rows. Writes all ``NQB`` entries of its slot's row (``-inf`` for a
-    block past the row or a row without queries)."""
+    starts: ``q_lo = 0``, slot = block). Its rows are the block's scoring positions ``hi - 1 - r *
+    step``, ``r < rows``, at least ``max(I * block, q_lo)`` (``hi`` the block's end in the row;
+    every position for ``rows = block``, ``step = 1``). Pass 1 keeps each row's running max and
+    sum over the key tiles (online log-sum-exp, base 2); pass 2 recomputes the logits, normalises
+    them and takes the max over the valid rows. Writes all ``NQB`` entries of its slot's row
+    (``-inf`` for a block past the row or a row without queries)."""
     pid_bh = tl.program_id(0)
     slot = tl.program_id(1)
     b = pid_bh // Hg
@@ -225,8 +233,8 @@ def _qbs_kernel(q_ptr, keys_ptr, heads_ptr, lens_ptr, qlens_ptr, qstarts_ptr, ou
     r = tl.arange(0, BM)
     c = tl.arange(0, KT)
     d = tl.arange(0, BLOCK_D)
-    i = I * block + r  # [BM] logical query positions
-    row_ok = (r < block) & (i < n) & (i >= q_lo)
+    i = tl.minimum(I * block + block, n) - 1 - r * step  # [BM] logical query positions, descending
+    row_ok = (r < rows) & (i >= tl.maximum(I * block, q_lo))
     q_off = b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + (q_row0 + i).to(tl.int64)[:, None] * sqn + d[None, :] * sqd
     qt = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)  # [BM, BLOCK_D]
     if F32:
@@ -275,7 +283,7 @@ def _qbs_keys(k: torch.Tensor, block: int, lens: torch.Tensor, starts: torch.Ten
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
                        heads: torch.Tensor | None = None, q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
-                       slots=None, checked: bool = False) -> torch.Tensor:
+                       slots=None, score_rows: int = 0, checked: bool = False) -> torch.Tensor:
     """Query-aware block scores (the FlashPrefill routing score): every query against the
     block-mean keys, softmaxed over its block-causal key blocks, maxed over its block's rows
     (definition: :func:`minference.reference.estimators.query_block_scores`).
@@ -292,6 +300,10 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
             only the query blocks that hold a query are scored, from their query positions.
         slots: the builder's checked :class:`minference.builders.QueryRows` instead of ``q_seqlens``
             / ``q_seqstarts``; the result is then in their slot layout ``[B, Hg, S, NQB]``.
+        score_rows: the queries of a block that score it (0: all; else at most that many, spaced
+            ``max(1, block // score_rows)`` apart back from the block's last query): the program's
+            row tile shrinks to ``next_pow2(min(score_rows, block))`` (at least 16), and the logits
+            and ``exp2`` with it; the key-mean traffic stays.
         checked: internal: the caller (the builder of a checked call) validated the arguments'
             form and the row values; no check, and no host read of the rows.
 
@@ -329,6 +341,9 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= QBS_MAX_BLOCK:
         raise ValueError(f"block must be an int in [1, {QBS_MAX_BLOCK}], got {block!r}")
+    if not checked:
+        check_int("score_rows", score_rows, 0)
+    rows = block if score_rows == 0 else min(score_rows, block)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device, values=not checked)
     qr = scorer_rows(slots, q_seqlens, q_seqstarts, lens, starts, Nq, N, seqlens is not None or seqstarts is not None)
@@ -340,8 +355,8 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         keys, split = _qbs_keys(k, block, lens, starts, q.dtype)
         f32 = q.dtype not in (torch.float16, torch.bfloat16)
         _qbs_kernel[(B * Hg, S)](q, keys, hs, lens, q_lens, q_starts, out, Hg, Hkv, Hq // Hkv, nqb, S, block,
-                                 scale * _LOG2E, keys[0].numel(), *q.stride(), D,
-                                 BM=max(MIN_DOT, next_pow2(block)), KT=QBS_KEY_TILE,
+                                 rows, max(1, block // rows), scale * _LOG2E, keys[0].numel(), *q.stride(), D,
+                                 BM=max(MIN_DOT, next_pow2(rows)), KT=QBS_KEY_TILE,
                                  BLOCK_D=max(MIN_DOT, next_pow2(D)), SPLIT=split,
                                  F32=f32, num_warps=QBS_WARPS, num_stages=1 if f32 else QBS_STAGES)
     if qr is not None and slots is None:

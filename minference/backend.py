@@ -90,7 +90,8 @@ class IndexBuilders(Protocol):
 
     def block_sparse_index(
         self, q: torch.Tensor, k: torch.Tensor, top_k: int | torch.Tensor, *, block: int, force_diagonal: bool,
-        estimate: str, sink_blocks: int | torch.Tensor, min_blocks: int | torch.Tensor, top_k_width: int | None,
+        estimate: str, score_rows: int, sink_blocks: int | torch.Tensor, min_blocks: int | torch.Tensor,
+        top_k_width: int | None,
         scale: float | None, seqlens: torch.Tensor | None, seqstarts: torch.Tensor | None,
         heads: torch.Tensor | None, head_offset: int, validate: bool, resolved: tuple | None,
         resolved_rules: tuple | None, q_seqlens: int | torch.Tensor | None = None,

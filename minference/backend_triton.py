@@ -93,7 +93,7 @@ class TritonBackend:
                      group: DeviceGroup, *, out: torch.Tensor, guard: ValueGuard | None, rows: Rows) -> None:
         """:func:`minference.kernels.block_sparse_attention`; an index the one-launch selection wrote
         is ascending already (:func:`minference.kernels.block_index_ascending`: no sort in the launcher)."""
-        block, _, estimate = group.group.key
+        block, _, estimate, _ = group.group.key
         ascending = kernels.block_index_ascending(estimate, group.rules[0] if group.rules else None)
         kernels.block_sparse_attention(q, k, v, blocks, block=block, heads=group.heads, out=out, validate=False,
                                        ascending=ascending, value_guard=guard, checked=True, **rows)

@@ -55,6 +55,7 @@ __all__ = [
     "QueryRows",
     "query_rows",
     "scorer_rows",
+    "scoring_rows",
     "blocks_from_slots",
     "heads_tensor",
     "budget_tensor",
@@ -152,6 +153,19 @@ def scorer_rows(slots: QueryRows | None, q_seqlens, q_seqstarts, lens: torch.Ten
     if q_seqlens is not None or q_seqstarts is not None:
         raise ValueError("give query rows either as q_seqlens / q_seqstarts or as slots, not both")
     return slots
+
+
+def scoring_rows(ok: torch.Tensor, first: int, n: int, block: int, score_rows: int) -> torch.Tensor:
+    """``ok [C, block]`` (the valid query positions of query blocks ``first .. first + C - 1`` of a
+    row of length ``n``) narrowed to those that score their block under ``score_rows``: at most
+    that many, ``max(1, block // score_rows)`` apart, counted back from the block's last position
+    (:func:`minference.reference.estimators.scoring_positions`; 0: ``ok`` itself)."""
+    if score_rows == 0:
+        return ok
+    step = max(1, block // score_rows)
+    blocks = first + torch.arange(ok.shape[0], device=ok.device)[:, None]  # [C, 1]
+    back = (blocks * block + block).clamp(max=n) - 1 - (blocks * block + torch.arange(block, device=ok.device))
+    return ok & (back % step == 0) & (back < step * score_rows)
 
 
 def blocks_from_slots(x: torch.Tensor, key_lens: torch.Tensor, qrows: QueryRows, block: int, nqb: int,
@@ -635,13 +649,15 @@ def _check_rules(rules, count: int, heads: torch.Tensor) -> tuple[SelectionRule,
 def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_diagonal, scale, seqlens,
                              seqstarts, heads, head_offset, return_scores, top_k_width, validate, resolved=None,
                              rule="top_k", threshold=None, min_blocks=0, resolved_rules=None, estimate="pooled",
-                             scorer=None, selector=None, q_seqlens=None, q_seqstarts=None, checked=False):
+                             scorer=None, selector=None, q_seqlens=None, q_seqstarts=None, score_rows=0,
+                             checked=False):
     """Validation, pooled scores, masks and selection around ``pooler`` (which mean-pools blocks):
     shared by the Triton builders (:mod:`minference.kernels`) and :mod:`minference.torch_backend`.
     ``resolved``: :func:`block_sparse_budgets` of these budgets and heads, made ahead;
     ``resolved_rules``: :func:`block_sparse_rules` of ``rule``, ``threshold``, ``min_blocks``.
     ``estimate="query"`` routes by ``scorer`` (the builders' ``query_block_scores``, same
-    arguments) instead of the pooled logits; its scores are the selection weights. ``selector``
+    arguments, ``score_rows`` of them scoring each query block) instead of the pooled logits; its
+    scores are the selection weights. ``selector``
     (the Triton builder's ``select_query_blocks``) then takes the whole selection in one launch
     where the heads' rules allow (``None`` from it: the chunked :func:`select_top` runs).
 
@@ -679,8 +695,11 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     (rule_b,) = (resolved_rules if checked else _check_rules(resolved_rules, 1, hs)) or (None,)
     nqb = math.ceil(N / block)
     width = _width("top_k", top_k, tops, top_k_width, nqb)
-    if not checked and estimate not in BLOCK_ESTIMATES:
-        raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
+    if not checked:
+        if estimate not in BLOCK_ESTIMATES:
+            raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
+        if check_int("score_rows", score_rows, 0) and estimate != "query":
+            raise ValueError(f"score_rows={score_rows} needs estimate='query' (the pooled estimate reads every query)")
     query = estimate == "query"
     if validate and not capturing():
         _check_finite_inputs(q, k, hs, lens, starts,
@@ -689,9 +708,10 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
         return _block_sparse_query_rows(pooler, scorer, selector, q, k, qr, lens, starts, hs, tops, sinks, rule_b,
                                         block=block, force_diagonal=force_diagonal, scale=scale, seqlens=seqlens,
                                         seqstarts=seqstarts, nqb=nqb, width=width, query=query,
-                                        return_scores=return_scores)
+                                        return_scores=return_scores, score_rows=score_rows)
     if query:  # [B, Hg, NQB, NQB] weights, -inf where not a candidate
-        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs)
+        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs,
+                         score_rows=score_rows)
     else:
         qm = pooler(q, block, lens, starts, hs)  # [B, Hg, NQB, D]
         km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]
@@ -726,14 +746,16 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
 
 
 def _block_sparse_query_rows(pooler, scorer, selector, q, k, qr: QueryRows, lens, starts, hs, tops, sinks, rule_b, *,
-                             block, force_diagonal, scale, seqlens, seqstarts, nqb, width, query, return_scores):
+                             block, force_diagonal, scale, seqlens, seqstarts, nqb, width, query, return_scores,
+                             score_rows):
     """:func:`build_block_sparse_index` on query rows, in the slot layout (see there)."""
     B, Hq, Hkv = q.shape[0], q.shape[1], k.shape[1]
     Hg = hs.shape[0]
     S = qr.slots(block)
     dev = q.device
     if query:  # [B, Hg, S, NQB] weights, -inf where not a candidate
-        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs, slots=qr)
+        weights = scorer(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=hs, slots=qr,
+                         score_rows=score_rows)
     else:
         qm = pooler(q, block, lens, starts, hs, qr)  # [B, Hg, S, D]: the query positions' means
         km = pooler(k, block, lens, starts, None)[:, hs.long() // (Hq // Hkv)]  # [B, Hg, NQB, D]

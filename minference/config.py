@@ -224,7 +224,11 @@ _SCHEMA_TEXT = r"""{
           "type": ["number", "null"], "minimum": 0, "maximum": 1
         },
         "min_blocks": {"type": "integer", "minimum": 0, "maximum": 2147483647},
-        "estimate": {"enum": ["pooled", "query"]}
+        "estimate": {"enum": ["pooled", "query"]},
+        "score_rows": {
+          "description": "queries of a block that score it (estimate 'query'): 0 all, r: r of them, block // r apart.",
+          "type": "integer", "minimum": 0, "maximum": 2147483647
+        }
       }
     },
     "dense": {

@@ -164,7 +164,7 @@ def _key(pattern: Pattern) -> tuple:
     if isinstance(pattern, VerticalSlash):
         return (pattern.last_q, pattern.extra_rows, pattern.aggregation)
     if isinstance(pattern, BlockSparse):
-        return (pattern.block, pattern.force_diagonal, pattern.estimate)
+        return (pattern.block, pattern.force_diagonal, pattern.estimate, pattern.score_rows)
     return ()
 
 
@@ -296,9 +296,10 @@ def build_group_index(
             min_vertical=b["min_vertical"], min_slash=b["min_slash"], vertical_width=w["vertical_width"],
             slash_width=w["slash_width"], **common)
     if g.kind == "block_sparse":
-        block, force_diagonal, estimate = g.key
+        block, force_diagonal, estimate, score_rows = g.key
         return builders.block_sparse_index(
             q, k, top_k=b["top_k"], block=block, force_diagonal=force_diagonal, estimate=estimate,
+            score_rows=score_rows,
             sink_blocks=b["sink_blocks"], min_blocks=b["min_blocks"], top_k_width=w["top_k_width"], **common)
     raise ValueError(f"{g.kind} heads have no online index")
 

@@ -181,6 +181,10 @@ class BlockSparse:
             means, softmaxed per query over ``J <= I`` and maxed over the block's queries (the
             weights themselves; one query that needs a far block is not averaged away). Exact
             definitions in :mod:`minference.reference.estimators`.
+        score_rows: with ``estimate="query"``, how many of a block's queries score it: 0 all of
+            them, ``r`` at most ``r`` spaced ``block // r`` apart back from its last query (the
+            cheaper estimate: ``block / r`` times less score work; a needle only an unsampled
+            query reads is missed).
     """
 
     top_k: int = 100
@@ -191,6 +195,7 @@ class BlockSparse:
     threshold: float | None = None
     min_blocks: int = 0
     estimate: Literal["pooled", "query"] = "pooled"
+    score_rows: int = 0
     kind: Literal["block_sparse"] = "block_sparse"
 
     def __post_init__(self) -> None:
@@ -204,6 +209,9 @@ class BlockSparse:
         _check_minimum("BlockSparse", "min_blocks", self.min_blocks, "top_k", self.top_k)
         if self.estimate not in BLOCK_ESTIMATES:
             raise ValueError(f"BlockSparse.estimate must be one of {list(BLOCK_ESTIMATES)}, got {self.estimate!r}")
+        if check_int("BlockSparse.score_rows", self.score_rows, 0) and self.estimate != "query":
+            raise ValueError(f"BlockSparse.score_rows={self.score_rows} needs estimate='query' (the pooled estimate "
+                             "reads every query)")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ from minference._checks import (
     check_finite_kv,
     check_finite_rows,
     check_index,
+    check_int,
     check_out,
     check_qkv_rows,
     check_query_rows,
@@ -74,6 +75,7 @@ from minference._checks import (
     check_tensor,
     default_scale,
 )
+from minference.builders import scoring_rows
 from minference.index import blocks_from_slots, build_block_sparse_index, build_vertical_slash_index, scorer_rows
 from minference.index_sets import check_fill_gaps, head_ids, per_head_budget, scatter_set, slash_set
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q
@@ -1047,7 +1049,7 @@ def block_sparse_index(
     top_k_width: int | None = None, validate: bool = True, resolved: tuple | None = None,
     rule: str | torch.Tensor = "top_k", threshold: float | torch.Tensor | None = None,
     min_blocks: int | torch.Tensor = 0, resolved_rules: tuple | None = None, estimate: str = "pooled",
-    q_seqlens=None, q_seqstarts: torch.Tensor | None = None, checked: bool = False,
+    q_seqlens=None, q_seqstarts: torch.Tensor | None = None, score_rows: int = 0, checked: bool = False,
 ):
     """Block-sparse routing in plain PyTorch; same arguments (query rows ``q_seqlens``,
     ``q_seqstarts`` and the internal ``checked`` included) and result as
@@ -1059,18 +1061,18 @@ def block_sparse_index(
             return_scores=return_scores, top_k_width=top_k_width, validate=validate, resolved=resolved, rule=rule,
             threshold=threshold, min_blocks=min_blocks, resolved_rules=resolved_rules, estimate=estimate,
             scorer=functools.partial(query_block_scores, checked=True) if checked else query_block_scores,
-            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, checked=checked)
+            q_seqlens=q_seqlens, q_seqstarts=q_seqstarts, score_rows=score_rows, checked=checked)
 
 
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
                        heads: torch.Tensor | None = None, q_seqlens=None, q_seqstarts: torch.Tensor | None = None,
-                       slots=None, checked: bool = False) -> torch.Tensor:
+                       slots=None, score_rows: int = 0, checked: bool = False) -> torch.Tensor:
     """Query-aware block scores in plain PyTorch (float32): every query against the block-mean
     keys, softmaxed over its block-causal key blocks, maxed over the query block's rows. Same
     arguments and result as :func:`minference.kernels.estimate_bs.query_block_scores` (definition:
     :func:`minference.reference.estimators.query_block_scores`; query rows ``q_seqlens``,
-    ``q_seqstarts`` or the builder's ``slots`` included).
+    ``q_seqstarts``, the builder's ``slots`` and ``score_rows`` included).
 
     ``q [B, Hq, N, D]``, ``k [B, Hkv, N, D]`` -> ``scores [B, Hg, NQB, NQB]`` float32 (``-inf``
     above the diagonal and outside the row). Query blocks are taken in chunks so that one
@@ -1083,13 +1085,14 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         B, Hq, Hkv, Nq, N, D = check_qkv_rows(q, k, k)
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block must be a positive int, got {block!r}")
+        check_int("score_rows", score_rows, 0)
     scale = default_scale(D, scale)
     lens, starts = check_ragged(seqlens, seqstarts, B, N, q.device)
     qr = scorer_rows(slots, q_seqlens, q_seqstarts, lens, starts, Nq, N, seqlens is not None or seqstarts is not None)
     ids = _ids(heads, Hq, checked)
     nqb = -(-N // block)
     if qr is not None:
-        out = _query_block_scores_rows(q, k, block, scale, lens, starts, ids, qr)
+        out = _query_block_scores_rows(q, k, block, scale, lens, starts, ids, qr, score_rows)
         return out if slots is not None else blocks_from_slots(out, lens, qr, block, nqb, float("-inf"))
     out = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float32, device=q.device)
     if not ids:
@@ -1104,7 +1107,8 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
         qb = F.pad(_take_heads(q[b, :, s : s + n], ids, torch.float32), (0, 0, 0, nb * block - n))
         qb = qb.view(len(ids), nb, block, D)
-        row_ok = (torch.arange(nb * block, device=q.device) < n).view(nb, block)
+        row_ok = scoring_rows((torch.arange(nb * block, device=q.device) < n).view(nb, block), 0, n, block,
+                              score_rows)
         J = torch.arange(nb, device=q.device)
         chunk = max(1, CHUNK_ELEMENTS // (len(ids) * block * nb))
         for lo in range(0, nb, chunk):
@@ -1117,7 +1121,8 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
     return out
 
 
-def _query_block_scores_rows(q, k, block: int, scale: float, lens, starts, ids: list[int], qr) -> torch.Tensor:
+def _query_block_scores_rows(q, k, block: int, scale: float, lens, starts, ids: list[int], qr,
+                             score_rows: int) -> torch.Tensor:
     """:func:`query_block_scores` on query rows ``qr``, in their slot layout ``[B, Hg, S, NQB]``
     (slot ``s`` = query block ``q_lo // block + s``): each query block from its query positions."""
     B, Hq, Hkv, N = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
@@ -1135,6 +1140,7 @@ def _query_block_scores_rows(q, k, block: int, scale: float, lens, starts, ids: 
         nb = first + count  # the row's blocks
         km = km_all[b, :, :nb].index_select(0, hk)  # [Hg, nb, D]
         qb, row_ok = _query_block_rows(q, b, hq, n, c, qs, block)  # [Hg, count, block, D], [count, block]
+        row_ok = scoring_rows(row_ok, first, n, block, score_rows)
         J = torch.arange(nb, device=q.device)
         chunk = max(1, CHUNK_ELEMENTS // (len(ids) * block * nb))
         for lo in range(0, count, chunk):

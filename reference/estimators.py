@@ -78,6 +78,13 @@ row of length ``n``, ``nb = ceil(n / block)`` valid blocks and a head:
 A single query that needs a far block (a needle) keeps that block's score high, where the mean
 of the block's queries dilutes it; the score lies in ``(0, 1]`` and is comparable across rows.
 
+Scoring rows (``score_rows = r``, the cheaper estimate; 0 = every row): the max runs over at most
+``r`` of the block's valid queries, spaced ``t = max(1, block // r)`` apart and counted back from
+its last valid query: positions ``hi - 1 - m * t`` for ``m = 0 .. r - 1`` that are at least
+``lo``, where ``lo .. hi - 1`` are the block's valid query positions (:func:`scoring_positions`).
+The block's last query always scores it; ``r >= block`` is every row. The score work falls by
+``block / r``; a needle read by an unsampled query only is missed.
+
 Query rows (``q_seqlens``, ``q_seqstarts``; docs/kernels.md, "query rows": a chunk after a
 cache, or a row's last tokens). ``q [B, Hq, Nq, D]`` holds, for row ``b`` of length ``n``, the
 queries of its last ``c = q_lens[b]`` positions ``q_lo = n - c .. n - 1``; position ``p`` is q's
@@ -111,7 +118,14 @@ import math
 
 import torch
 
-from minference._checks import check_qkv_rows, check_query_rows, check_ragged, check_row_sampling, default_scale
+from minference._checks import (
+    check_int,
+    check_qkv_rows,
+    check_query_rows,
+    check_ragged,
+    check_row_sampling,
+    default_scale,
+)
 from minference.index_sets import head_ids, per_head_budget
 from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule
 
@@ -140,6 +154,14 @@ def _sampled_rows(n: int, last_q: int, extra_rows: int, q_lo: int = 0) -> list[i
     e = min(extra_rows, m)  # any count >= m samples every earlier row: the same set, O(n) work
     extra = {q_lo + (k + 1) * m // (e + 1) for k in range(e)}
     return sorted(i for i in extra if i < q_lo + m) + list(range(max(n - last_q, q_lo), n))
+
+
+def scoring_positions(lo: int, hi: int, block: int, score_rows: int = 0) -> list[int]:
+    """The query positions of ``lo .. hi - 1`` (one query block's valid queries) that score it
+    under ``score_rows`` (module docstring), descending from ``hi - 1``."""
+    rows = block if score_rows == 0 else score_rows
+    step = max(1, block // rows)
+    return [p for p in range(hi - 1, lo - 1, -step)][:rows]
 
 
 def select_row(scores, forced, budget: int, *, rule: str = "top_k", threshold: float | None = None,
@@ -321,6 +343,7 @@ def block_sparse_index(
     estimate: str = "pooled",
     q_seqlens: int | torch.Tensor | None = None,
     q_seqstarts: torch.Tensor | None = None,
+    score_rows: int = 0,
 ):
     """Naive block-sparse routing by mean-pooled queries and keys (``estimate="pooled"``) or by
     :func:`query_block_scores` (``"query"``: those scores are the selection weights).
@@ -336,6 +359,7 @@ def block_sparse_index(
         min_blocks: the adaptive rules' minimum, per global head.
         q_seqlens, q_seqstarts: query rows (docs/kernels.md): only the query blocks holding a
             query are routed, by their query positions (module docstring).
+        score_rows: the queries that score a block (``estimate="query"`` only; 0: all of them).
 
     Returns:
         ``blocks [B, Hg, NQB, K]`` int32 on q's device, -1 padded; with ``return_scores`` also
@@ -357,8 +381,11 @@ def block_sparse_index(
     group = Hq // Hkv
     if estimate not in ("pooled", "query"):
         raise ValueError(f"estimate must be 'pooled' or 'query', got {estimate!r}")
+    if check_int("score_rows", score_rows, 0) and estimate != "query":
+        raise ValueError(f"score_rows={score_rows} needs estimate='query' (the pooled estimate reads every query)")
     query = query_block_scores(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads,
-                               q_seqlens=q_seqlens, q_seqstarts=q_seqstarts) if estimate == "query" else None
+                               q_seqlens=q_seqlens, q_seqstarts=q_seqstarts,
+                               score_rows=score_rows) if estimate == "query" else None
     scores = torch.full((B, len(ids), nqb, nqb), float("-inf"), dtype=torch.float64, device=q.device)
     out = torch.full((B, len(ids), nqb, width), -1, dtype=torch.int32)
     for b, s, n, q_lo, q_row0 in _rows(q, k, seqlens, seqstarts, q_seqlens, q_seqstarts):
@@ -388,7 +415,7 @@ def block_sparse_index(
 def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: float | None = None,
                        seqlens: torch.Tensor | None = None, seqstarts: torch.Tensor | None = None,
                        heads: torch.Tensor | None = None, q_seqlens: int | torch.Tensor | None = None,
-                       q_seqstarts: torch.Tensor | None = None) -> torch.Tensor:
+                       q_seqstarts: torch.Tensor | None = None, score_rows: int = 0) -> torch.Tensor:
     """Naive query-aware block scores (see the module docstring), every query row softmaxed on
     its own, in float64.
 
@@ -399,6 +426,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
         heads: local query heads to compute (``Hg`` of them); default all.
         q_seqlens, q_seqstarts: query rows (docs/kernels.md): only query blocks holding a query
             are scored, maxed over their query positions.
+        score_rows: the queries of a block that score it (module docstring); 0: all of them.
 
     Returns:
         ``scores [B, Hg, NQB, NQB]`` float64, ``NQB = ceil(N / block)``: in ``(0, 1]`` for
@@ -407,6 +435,7 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
     B, Hq, Hkv, _, N, D = check_qkv_rows(q, k, k)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
+    check_int("score_rows", score_rows, 0)
     scale = default_scale(D, scale)
     ids = head_ids(heads, Hq)
     nqb = math.ceil(N / block)
@@ -419,8 +448,10 @@ def query_block_scores(q: torch.Tensor, k: torch.Tensor, *, block: int, scale: f
             ks = k[b, h // group, s : s + n].double()  # [n, D]
             km = torch.stack([ks[J * block : (J + 1) * block].mean(0) for J in range(nb)]) if nb else None
             for I in range(first, nb):
-                # the block's query positions max(I * block, q_lo) .. min((I + 1) * block, n) - 1
-                qs = q[b, h, q_row0 + max(I * block, q_lo) : q_row0 + min((I + 1) * block, n)].double()  # [rows, D]
+                # the block's query positions max(I * block, q_lo) .. min((I + 1) * block, n) - 1, those
+                # of score_rows
+                pos = scoring_positions(max(I * block, q_lo), min((I + 1) * block, n), block, score_rows)
+                qs = q[b, h, [q_row0 + p for p in pos]].double()  # [rows, D]
                 probs = torch.softmax((qs @ km[: I + 1].T) * scale, dim=-1)  # [rows, I + 1]
                 scores[b, g, I, : I + 1] = probs.amax(0)
     return scores

@@ -144,11 +144,13 @@ def attention_key(pattern: Pattern) -> str:
 
 def index_key(pattern: Pattern) -> str | None:
     """Cost-table key of ``pattern``'s online index build (``None``: A-shape and dense build none):
-    ``vertical_slash:<rule>`` or ``block_sparse:<estimate>:<rule>@<block>``."""
+    ``vertical_slash:<rule>`` or ``block_sparse:<estimate>:<rule>@<block>``, the estimate written
+    ``query/<r>`` when ``r`` scoring rows (``score_rows``) score each block."""
     if isinstance(pattern, VerticalSlash):
         return f"vertical_slash:{pattern.rule}"
     if isinstance(pattern, BlockSparse):
-        return f"block_sparse:{pattern.estimate}:{pattern.rule}@{pattern.block}"
+        estimate = pattern.estimate + (f"/{pattern.score_rows}" if pattern.score_rows else "")
+        return f"block_sparse:{estimate}:{pattern.rule}@{pattern.block}"
     return None
 
 

@@ -549,6 +549,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="frontier: the block-sparse candidates' routing blocks, one set of candidates each, "
                              "replacing the default (" + " ".join(map(str, FRONTIER_BS_BLOCKS)) + "); any of "
                              + ", ".join(map(str, KERNEL_BLOCKS)) + " (the Triton kernels' block sizes)")
+    search.add_argument("--bs-score-rows", nargs="+", type=int, default=None, metavar="R",
+                        help="frontier: the block-sparse candidates' scoring rows, one set of candidates each, "
+                             "replacing the default (0: every query of a block scores it; R: R of them, the "
+                             "cheaper estimate)")
     search.add_argument("--bs-gammas", nargs="+", type=float, default=None, metavar="GAMMA",
                         help="frontier: block-sparse candidates under the mass rule at these thresholds too, "
                              "one per (threshold, cap, block) (default: none, the relative rule alone)")
@@ -671,7 +675,7 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
     if args.proxy != "mass" and args.frontier is None:
         raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
-    for flag in ("vs_caps", "bs_blocks", "bs_gammas"):
+    for flag in ("vs_caps", "bs_blocks", "bs_gammas", "bs_score_rows"):
         if getattr(args, flag) is not None and (args.candidates != "frontier" or args.from_measurements is not None):
             raise ValueError(f"--{flag.replace('_', '-')} sets the candidates of a --candidates frontier search (a "
                              "saved search keeps its own)")
@@ -768,6 +772,8 @@ def _candidates(args: argparse.Namespace):
         return S.adaptive_candidates()
     if args.candidates == "frontier":
         extra = {} if args.bs_blocks is None else {"blocks": args.bs_blocks}
+        if args.bs_score_rows is not None:
+            extra["score_rows"] = args.bs_score_rows
         return S.frontier_candidates(args.tokens, vs_caps=S.parse_vs_caps(args.vs_caps), bs_gammas=args.bs_gammas or (),
                                      **extra)
     return None

@@ -231,6 +231,10 @@ FRONTIER_VS_CAPS = ((ADAPTIVE_MAX_VERTICAL, ADAPTIVE_MAX_SLASH),)
 #: threshold, cap) candidates per block. 64 keeps fewer unused keys per kept block at about four
 #: times the query-aware scoring work.
 FRONTIER_BS_BLOCKS = (ADAPTIVE_BLOCK,)
+#: Scoring rows of the frontier's block-sparse candidates (``--bs-score-rows``): one set of (rule,
+#: threshold, cap) candidates per entry; 0 is every query of the block (the full query-aware score),
+#: ``r`` the cheaper estimate from ``r`` of them (:attr:`minference.patterns.BlockSparse.score_rows`).
+FRONTIER_BS_SCORE_ROWS = (0,)
 
 
 def parse_vs_caps(values: Sequence[str] | None) -> tuple[tuple[int, int], ...]:
@@ -261,13 +265,14 @@ def frontier_candidates(
     blocks: Sequence[int] = FRONTIER_BS_BLOCKS,
     bs_gammas: Sequence[float] = (),
     vs_caps: Sequence[tuple[int, int]] = FRONTIER_VS_CAPS,
+    score_rows: Sequence[int] = FRONTIER_BS_SCORE_ROWS,
 ) -> list[Pattern]:
     """Candidates of the cost-aware frontier search for an ``n``-token target length: A-shapes,
     block-sparse with the query-aware score for every routing block in ``blocks`` and every cap,
     under the relative rule (each α) and under the mass rule (each of ``bs_gammas``, none by
-    default), vertical-slash under the mass rule for every (γ, ``vs_caps`` entry) pair, and
-    :class:`Dense` (no error, the most expensive choice). Candidates equal after the caps are
-    rounded appear once."""
+    default), each scored with every entry of ``score_rows``; vertical-slash under the mass rule
+    for every (γ, ``vs_caps`` entry) pair, and :class:`Dense` (no error, the most expensive
+    choice). Candidates equal after the caps are rounded appear once."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     for f in cap_fractions:
@@ -280,6 +285,11 @@ def frontier_candidates(
             raise ValueError(f"a block-sparse routing block must be a positive int, got {block!r}")
     if not vs_caps:
         raise ValueError("vs_caps needs at least one (columns, diagonals) cap")
+    if not score_rows:
+        raise ValueError("score_rows needs at least one entry (0: every query of a block)")
+    for r in score_rows:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"a block-sparse scoring row count must be an int >= 0, got {r!r}")
     out: list[Pattern] = [AShape(sink=g, window=w) for g, w in ashapes]
     rules: list[tuple[Literal["relative", "mass"], float]] = [("relative", a) for a in alphas]
     rules += [("mass", g) for g in bs_gammas]
@@ -288,7 +298,8 @@ def frontier_candidates(
         for rule, threshold in rules:
             for f in cap_fractions:
                 cap = min(nb, max(2, math.ceil(f * n / block)))
-                out.append(BlockSparse(top_k=cap, block=block, rule=rule, threshold=threshold, estimate="query"))
+                out += [BlockSparse(top_k=cap, block=block, rule=rule, threshold=threshold, estimate="query",
+                                    score_rows=r) for r in score_rows]
     for gamma in gammas:
         for vertical, slash in vs_caps:
             out.append(VerticalSlash(vertical=vertical, slash=slash, rule="mass", threshold=gamma))
@@ -318,7 +329,8 @@ def _block_sets(q: torch.Tensor, k: torch.Tensor, p: BlockSparse, scale: float) 
     nb = -(-q.shape[1] // p.block)
     blocks = block_sparse_index(
         q[None], k[None], p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
-        scale=scale, rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate, validate=False)
+        scale=scale, rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate,
+        score_rows=p.score_rows, validate=False)
     return scatter_set(nb, blocks[0])
 
 

@@ -619,8 +619,8 @@ def test_calibrate_costs_runs_at_a_tiny_length_in_the_interpreter(tmp_path, caps
     assert prov["interpreted"] is True and prov["torch"] == torch.__version__ and prov["created"]
     model = F.CostModel.load(out)
     # the table covers every candidate of the frontier search and the adaptive one at its length
-    model.check([*S.frontier_candidates(n, blocks=(128, 64), bs_gammas=(0.9,)), *S.adaptive_candidates()],
-                head_dim=16, num_heads=2, n_tokens=n)
+    model.check([*S.frontier_candidates(n, blocks=(128, 64), bs_gammas=(0.9,), score_rows=(0, *script.SCORE_ROWS)),
+                 *S.adaptive_candidates()], head_dim=16, num_heads=2, n_tokens=n)
     assert "wrote" in capsys.readouterr().out
 
 

@@ -296,6 +296,13 @@ def test_search_cli_candidate_options_reach_the_candidates():
     assert {c.block for c in only64 if isinstance(c, BlockSparse)} == {64}
     plain = build_parser().parse_args(["search", "--out", "c.json", "--candidates", "frontier", "--tokens", "130000"])
     assert main_job._candidates(plain) == S.frontier_candidates(130000)
+    # --bs-score-rows: one block-sparse set per scoring-row count, the full score (0) only if named
+    rows = main_job._candidates(build_parser().parse_args(["search", "--out", "c.json", "--candidates", "frontier",
+                                                           "--tokens", "130000", "--bs-score-rows", "0", "32"]))
+    bs_rows = [c for c in rows if isinstance(c, BlockSparse)]
+    assert len(rows) == 19 + 12 and {c.score_rows for c in bs_rows} == {0, 32}
+    assert [c for c in bs_rows if c.score_rows == 0] == [c for c in S.frontier_candidates(130000)
+                                                        if isinstance(c, BlockSparse)]
 
 
 @pytest.mark.parametrize("n", [640, 1000])
@@ -430,7 +437,10 @@ def test_search_cli_checks_vs_caps_before_any_work(capsys, monkeypatch):
              ([*frontier, "--bs-gammas", "1.5"], "the frontier candidates: BlockSparse.threshold must be finite and "
                                                    "in (0, 1], got 1.5"),
              ([*frontier, "--bs-blocks", "48"], "argument --bs-blocks: invalid choice: 48 (choose from 16, 32, 64, "
-                                                  "128)")]
+                                                  "128)"),
+             (["--bs-score-rows", "32"], "--bs-score-rows sets the candidates of a --candidates frontier search"),
+             ([*frontier, "--bs-score-rows", "-1"], "the frontier candidates: a block-sparse scoring row count must be "
+                                                      "an int >= 0, got -1")]
     for extra, message in cases:
         try:
             rc = main(["search", "--out", "c.json", *extra])

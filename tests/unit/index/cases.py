@@ -99,6 +99,12 @@ def check_vertical_slash_rule(fast, q, k, vertical: int, slash: int, kw: dict, h
                     assert len(got) == min(budget, n)
 
 
+def draw_score_rows(data, estimate: str) -> int:
+    """``score_rows`` for a block-sparse call: the query-aware estimate draws every row (half the
+    time), one, or three (the pooled estimate takes only 0)."""
+    return data.draw(st.sampled_from((0, 0, 1, 3)), label="score rows") if estimate == "query" else 0
+
+
 def check_block_rule(fast, q, k, top_k: int, kw: dict, heads, offset: int, Hq: int, estimate: str,
                      rows=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fast.block_sparse_index`` against the float64 twin: the same finite scores, and per query

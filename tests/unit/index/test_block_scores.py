@@ -27,6 +27,9 @@ IMPLS = [pytest.param(triton_builders, id="triton", marks=pytest.mark.interpret)
 #: Blocks drawn on the CPU: the two routing sizes of record, small powers of two (several key
 #: tiles per row at these lengths) and odd sizes (query tiles with unused rows).
 BLOCKS = (64, 128, 16, 32, 7)
+#: Scoring rows drawn: every row (twice as likely), one, counts that do and do not divide the
+#: blocks, and more than any block.
+SCORE_ROWS = (0, 0, 1, 2, 3, 8, 200)
 CPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=3, max_n=260, head_dims=(16, 64, 128))
 GPU_SHAPES = attention_shapes(max_batch=2, max_kv_heads=2, max_group=4, max_n=700, head_dims=(64, 128))
 #: Relative error of the key means as the product sees them, per input dtype: float32 (tf32x3
@@ -104,7 +107,8 @@ def _case(data, dtype, shapes=CPU_SHAPES, device="cpu"):
             k[:, h, data.draw(st.integers(0, shape.N - 1))] *= 40
     kw = dict(block=data.draw(st.sampled_from(BLOCKS), label="block"),
               scale=data.draw(st.sampled_from((None, 0.3)), label="scale"),
-              seqlens=seqlens, seqstarts=seqstarts, heads=data.draw(head_subsets(shape.Hq), label="heads"))
+              seqlens=seqlens, seqstarts=seqstarts, heads=data.draw(head_subsets(shape.Hq), label="heads"),
+              score_rows=data.draw(st.sampled_from(SCORE_ROWS), label="score rows"))
     q, k = _poison_padding(q, seqlens, seqstarts), _poison_padding(k, seqlens, seqstarts)
     return shape, q, k, kw
 
@@ -184,6 +188,33 @@ def test_one_query_keeps_its_far_block(impl) -> None:
     assert int(last.argmax()) == 1 and float(last[1]) > 0.9
     _, pooled = portable.block_sparse_index(q, k, 1, block=block, scale=1.0, return_scores=True)
     assert int(pooled[0, 0, -1].argmax()) != 1
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, pytest.param(naive, id="naive")])
+def test_scoring_rows_from_the_definition(impl) -> None:
+    """``score_rows``, written out by hand: each query's softmax against the block means, maxed over
+    the block's last valid query alone (one row) or its last and the one 8 before it (two rows
+    of a 16-block; only the last in the partial block of 6 queries); counts at or past the block
+    are every row, and fewer rows never score higher."""
+    shape = AttnShape(B=2, Hq=2, Hkv=1, N=150, D=32)
+    q, k, _ = qkv(shape, torch.float32, "cpu", 5, sharpness=3.0)
+    seqlens = torch.tensor([150, 70], dtype=torch.int32)
+    full = impl.query_block_scores(q, k, block=16, seqlens=seqlens).double()
+    for rows, back in ((1, (0,)), (2, (0, 8))):
+        got = impl.query_block_scores(q, k, block=16, seqlens=seqlens, score_rows=rows).double()
+        for b, n in enumerate(seqlens.tolist()):
+            nb = math.ceil(n / 16)
+            km = torch.stack([k[b, 0, J * 16 : min((J + 1) * 16, n)].double().mean(0) for J in range(nb)])
+            for I in range(nb):
+                last = min((I + 1) * 16, n) - 1
+                probs = [torch.softmax(q[b, :, last - t].double() @ km[: I + 1].T / math.sqrt(32), dim=-1)
+                         for t in back if last - t >= I * 16]  # [Hq, I + 1] each
+                torch.testing.assert_close(got[b, :, I, : I + 1], torch.stack(probs).amax(0), rtol=1e-5, atol=1e-6)
+        fin = torch.isfinite(full)
+        assert torch.equal(torch.isfinite(got), fin) and bool((got[fin] <= full[fin] + 1e-6).all())
+    for rows in (16, 40):
+        torch.testing.assert_close(impl.query_block_scores(q, k, block=16, seqlens=seqlens, score_rows=rows).double(),
+                                   full, rtol=0, atol=0)
 
 
 @pytest.mark.interpret

@@ -35,7 +35,15 @@ from minference.index import (
 from minference.patterns import RULES, BlockSparse, VerticalSlash, pattern_from_dict, pattern_to_dict
 from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, attention_shapes, head_subsets, qkv, ragged_rows
-from tests.unit.index.cases import THRESHOLDS, _naive, _picked, check_block_rule, check_vertical_slash_rule, rule_kwargs
+from tests.unit.index.cases import (
+    THRESHOLDS,
+    _naive,
+    _picked,
+    check_block_rule,
+    check_vertical_slash_rule,
+    draw_score_rows,
+    rule_kwargs,
+)
 
 IMPLS = [pytest.param(triton_builders, id="triton", marks=pytest.mark.interpret), pytest.param(portable, id="torch")]
 #: The CPU suite's budget: the interpreted builders run a few examples, the selection many.
@@ -318,7 +326,8 @@ def test_block_sparse_builders_keep_the_rule(fast, estimate, data) -> None:
     block, top_k = data.draw(st.sampled_from((5, 8, 16))), data.draw(st.integers(1, 12))
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
               seqlens=seqlens, seqstarts=seqstarts, heads=heads, head_offset=offset, return_scores=True,
-              estimate=estimate, **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
+              estimate=estimate, score_rows=draw_score_rows(data, estimate),
+              **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
     check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate)
 
 

@@ -45,6 +45,7 @@ from tests.unit.index.cases import (
     check_block_rule,
     check_vertical_slash_rule,
     draw_budget,
+    draw_score_rows,
     rule_kwargs,
 )
 
@@ -158,7 +159,7 @@ def test_block_sparse_query_rows_match_naive(fast, estimate, data) -> None:
     block = data.draw(st.sampled_from(BLOCKS), label="block")
     kw = dict(block=block, sink_blocks=draw_budget(data, H_global, 0, 3), force_diagonal=data.draw(st.booleans()),
               heads=data.draw(head_subsets(shape.Hq), label="heads"), head_offset=head_offset, return_scores=True,
-              estimate=estimate, **rows_kw)
+              estimate=estimate, score_rows=draw_score_rows(data, estimate), **rows_kw)
     top_k = draw_budget(data, H_global, 1, 8)
     fb, fscores = fast.block_sparse_index(q, k, top_k, **kw)
     nb, nscores = naive.block_sparse_index(q, k, top_k, **kw)
@@ -183,7 +184,8 @@ def test_block_sparse_query_rows_keep_the_rule(fast, estimate, data) -> None:
     offset = data.draw(st.sampled_from((0, shape.Hq)), label="offset")
     block, top_k = data.draw(st.sampled_from((5, 8, 16))), data.draw(st.integers(1, 12))
     kw = dict(block=block, sink_blocks=data.draw(st.integers(0, 2)), force_diagonal=data.draw(st.booleans()),
-              heads=heads, head_offset=offset, return_scores=True, estimate=estimate, **rows_kw,
+              heads=heads, head_offset=offset, return_scores=True, estimate=estimate,
+              score_rows=draw_score_rows(data, estimate), **rows_kw,
               **rule_kwargs(data, offset + shape.Hq, ("min_blocks",), {"min_blocks": top_k}))
     fb, fscores = check_block_rule(fast, q, k, top_k, kw, heads, offset, shape.Hq, estimate, rows=rows)
     _check_block_rows(fb, fscores, rows, block)

@@ -18,12 +18,13 @@ from minference.testing.ops import RecordOps
 from minference.testing.strategies import AttnShape, qkv
 from tests.unit.library.cases import MIXED_PLAN
 
-#: The budget rules and the query-aware routing score in one layer (mixed rules share groups).
+#: The budget rules and the query-aware routing score in one layer (mixed rules share groups; a
+#: head scored by 3 rows of each block is a group of its own).
 ADAPTIVE_PLAN = [
     VerticalSlash(vertical=20, slash=30, last_q=16, rule="mass", threshold=0.9, min_vertical=2, min_slash=3),
     BlockSparse(top_k=5, block=16, rule="relative", threshold=0.1, estimate="query"),
     VerticalSlash(vertical=8, slash=12, last_q=16, rule="relative", threshold=0.2),
-    BlockSparse(top_k=6, block=16, rule="mass", threshold=0.9, min_blocks=2, estimate="query"),
+    BlockSparse(top_k=6, block=16, rule="mass", threshold=0.9, min_blocks=2, estimate="query", score_rows=3),
     BlockSparse(top_k=3, block=16, estimate="query"),
     VerticalSlash(vertical=8, slash=12, last_q=16),
     BlockSparse(top_k=4, block=16, rule="mass", threshold=0.95),
@@ -53,7 +54,8 @@ def _head_indices(q, k, plan, *, head_offset=0, seqlens=None, seqstarts=None, bu
         elif isinstance(p, BlockSparse):
             indices.append(builders.block_sparse_index(
                 q, k, p.top_k, block=p.block, sink_blocks=p.sink_blocks, force_diagonal=p.force_diagonal,
-                rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate, heads=one, **rows))
+                rule=p.rule, threshold=p.threshold, min_blocks=p.min_blocks, estimate=p.estimate,
+                score_rows=p.score_rows, heads=one, **rows))
         else:
             indices.append(None)
     return indices

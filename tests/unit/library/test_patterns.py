@@ -21,7 +21,8 @@ from minference.patterns import (
 ALL = [AShape(), VerticalSlash(), BlockSparse(), Dense(), AShape(sink=0, window=1),
        VerticalSlash(vertical=0, slash=1, last_q=1, sink_columns=0, local_diagonals=0, aggregation="max"),
        VerticalSlash(extra_rows=16),
-       BlockSparse(top_k=1, block=16, sink_blocks=0, force_diagonal=False)]
+       BlockSparse(top_k=1, block=16, sink_blocks=0, force_diagonal=False),
+       BlockSparse(top_k=4, block=128, rule="relative", threshold=0.03, estimate="query", score_rows=32)]
 
 
 def test_defaults_are_named_and_published_values() -> None:
@@ -67,6 +68,8 @@ def test_patterns_are_frozen_and_hashable() -> None:
         (lambda: BlockSparse(block=0), ValueError, "BlockSparse.block"),
         (lambda: BlockSparse(sink_blocks=-1), ValueError, "BlockSparse.sink_blocks"),
         (lambda: BlockSparse(force_diagonal=1), TypeError, "force_diagonal must be a bool"),
+        (lambda: BlockSparse(score_rows=-1, estimate="query"), ValueError, "BlockSparse.score_rows must be >= 0"),
+        (lambda: BlockSparse(score_rows=4), ValueError, "score_rows=4 needs estimate='query'"),
     ],
 )
 def test_invalid_fields(make, exc, match) -> None:
