@@ -160,9 +160,9 @@ def scoring_rows(ok: torch.Tensor, first: int, n: int, block: int, score_rows: i
     row of length ``n``) narrowed to those that score their block under ``score_rows``: at most
     that many, ``max(1, block // score_rows)`` apart, counted back from the block's last position
     (:func:`minference.reference.estimators.scoring_positions`; 0: ``ok`` itself)."""
-    if score_rows == 0:
+    if score_rows == 0 or score_rows >= block:
         return ok
-    step = max(1, block // score_rows)
+    step = block // score_rows
     blocks = first + torch.arange(ok.shape[0], device=ok.device)[:, None]  # [C, 1]
     back = (blocks * block + block).clamp(max=n) - 1 - (blocks * block + torch.arange(block, device=ok.device))
     return ok & (back % step == 0) & (back < step * score_rows)

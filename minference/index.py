@@ -10,7 +10,8 @@ Heads are grouped so that a layer costs a handful of launches, never one per hea
 * every :class:`~minference.patterns.AShape` head in one group (budgets per head);
 * :class:`~minference.patterns.VerticalSlash` heads by ``(last_q, extra_rows, aggregation)`` (the
   sampled rows and the reduction are kernel-wide; budgets, sinks and local diagonals are per head);
-* :class:`~minference.patterns.BlockSparse` heads by ``(block, force_diagonal)``;
+* :class:`~minference.patterns.BlockSparse` heads by ``(block, force_diagonal, estimate, score_rows)``
+  (the routing block and the scorer are kernel-wide);
 * every :class:`~minference.patterns.Dense` head in one group.
 
 :func:`prepare_plan` turns the groups into device tensors once per (plan, device) and caches

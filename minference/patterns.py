@@ -38,6 +38,8 @@ __all__ = [
     "Pattern",
     "PATTERN_TYPES",
     "pattern_from_dict",
+    "canonical_pattern_dict",
+    "canonical_layers",
     "DEFAULT_LAST_Q",
     "DEFAULT_BLOCK_SIZE",
     "RULES",
@@ -182,9 +184,9 @@ class BlockSparse:
             weights themselves; one query that needs a far block is not averaged away). Exact
             definitions in :mod:`minference.reference.estimators`.
         score_rows: with ``estimate="query"``, how many of a block's queries score it: 0 all of
-            them, ``r`` at most ``r`` spaced ``block // r`` apart back from its last query (the
-            cheaper estimate: ``block / r`` times less score work; a needle only an unsampled
-            query reads is missed).
+            them, ``0 < r < block`` at most ``r`` spaced ``block // r`` apart back from its last
+            query (the cheaper estimate: ``block / r`` times less score work; a needle only an
+            unsampled query reads is missed).
     """
 
     top_k: int = 100
@@ -212,6 +214,9 @@ class BlockSparse:
         if check_int("BlockSparse.score_rows", self.score_rows, 0) and self.estimate != "query":
             raise ValueError(f"BlockSparse.score_rows={self.score_rows} needs estimate='query' (the pooled estimate "
                              "reads every query)")
+        if self.score_rows >= self.block:  # one form for "every row": one group, one cost key
+            raise ValueError(f"BlockSparse.score_rows={self.score_rows} is every query of a {self.block}-token block: "
+                             "use 0")
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,22 @@ PATTERN_TYPES: dict[str, type] = {
 def pattern_to_dict(pattern: Pattern) -> dict:
     """Plain-JSON form of a pattern (``kind`` plus its fields)."""
     return asdict(pattern)
+
+
+def canonical_pattern_dict(data: dict) -> dict:
+    """``data`` (a pattern's plain-JSON form, checked by :func:`pattern_from_dict`) without the
+    fields at their defaults, ``kind`` kept: two writers' dicts of one pattern compare equal in this
+    form whatever fields the older one did not know (reports written before
+    ``BlockSparse.score_rows`` lack it)."""
+    pattern = pattern_from_dict(data)
+    default = type(pattern)()
+    return {k: v for k, v in pattern_to_dict(pattern).items() if k == "kind" or v != getattr(default, k)}
+
+
+def canonical_layers(layers: list | None) -> list | None:
+    """A PatternConfig dict's ``layers`` (lists of pattern dicts) with every pattern in its
+    :func:`canonical_pattern_dict` form."""
+    return None if layers is None else [[canonical_pattern_dict(p) for p in layer] for layer in layers]
 
 
 def pattern_from_dict(data: dict) -> Pattern:

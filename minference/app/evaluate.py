@@ -741,9 +741,16 @@ def _settings_diff(ours: dict, theirs: dict, skip: Sequence[str] = ()) -> str:
 
 def _config_content(config: EvalConfig) -> tuple:
     """What a config runs: its pattern and its PatternConfig without the provenance (a uniform
-    config's creation time differs from run to run; a file's provenance says nothing it runs)."""
-    body = None if config.config is None else {k: v for k, v in config.config.items() if k != "provenance"}
-    return body, config.pattern
+    config's creation time differs from run to run; a file's provenance says nothing it runs),
+    patterns in their canonical form (:func:`minference.patterns.canonical_layers`)."""
+    from minference.patterns import canonical_layers, canonical_pattern_dict
+
+    body = None
+    if config.config is not None:
+        body = {k: v for k, v in config.config.items() if k != "provenance"}
+        body["layers"] = canonical_layers(body.get("layers"))
+    pattern = None if config.pattern is None else canonical_pattern_dict(config.pattern)
+    return body, pattern
 
 
 def _check_dense_in_each(reports: Sequence[EvalReport], names: Sequence[str], configs: dict[str, EvalConfig]) -> None:

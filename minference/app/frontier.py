@@ -56,7 +56,7 @@ import torch
 
 from minference.app.search import COST_TILE, SearchResult, flat_tiles, is_adaptive, tile_cost
 from minference.config import PatternConfig
-from minference.patterns import BlockSparse, Dense, Pattern, VerticalSlash
+from minference.patterns import BlockSparse, Dense, Pattern, VerticalSlash, canonical_layers, canonical_pattern_dict
 
 __all__ = [
     "COST_TABLE_FORMAT",
@@ -900,8 +900,9 @@ def _identity(c) -> str:
     if c.dense:
         return "dense"
     if c.config is not None:
-        return json.dumps({"model": c.config.get("model"), "layers": c.config.get("layers")}, sort_keys=True)
-    return json.dumps(c.pattern, sort_keys=True) if c.pattern is not None else f"spec:{c.spec}"
+        return json.dumps({"model": c.config.get("model"), "layers": canonical_layers(c.config.get("layers"))},
+                          sort_keys=True)
+    return json.dumps(canonical_pattern_dict(c.pattern), sort_keys=True) if c.pattern is not None else f"spec:{c.spec}"
 
 
 def nll_pairs(report, companions: Sequence = (), *, tolerance: float = NLL_LENGTH_TOLERANCE

@@ -68,6 +68,35 @@ def test_merge_compares_what_a_config_runs_not_only_its_spec():
         E.merge_reports([a, b])
 
 
+def test_merge_takes_a_report_written_before_a_pattern_field_existed():
+    """A report written before ``BlockSparse.score_rows`` existed lacks the field in its patterns;
+    one written since holds its default (0): the same config, merged (``--continue`` of an older
+    report goes through the same check), and matched by ``show frontier``'s pattern identity. A
+    config that sets the field (32 rows) is another config under that name: refused."""
+    from minference.app import frontier as F
+
+    old = {"kind": "block_sparse", "top_k": 512, "block": 128, "sink_blocks": 1, "force_diagonal": True,
+           "rule": "relative", "threshold": 0.03, "min_blocks": 0, "estimate": "query"}
+    a = _timed_report({"dense": {("a", 0): 1.0}, "fast": {("a", 0): 0.5}})
+    b = _timed_report({"dense": {("b", 0): 1.0}, "fast": {("b", 0): 0.5}})
+    for rep, pattern in ((a, old), (b, dict(old, score_rows=0))):
+        rep.configs[1] = E.EvalConfig("fast", "bsr", "uniform", config={"layers": [[pattern]]}, pattern=pattern)
+    merged = E.merge_reports([a, b])
+    assert [c.name for c in merged.configs] == ["dense", "fast"]
+    assert F._identity(a.configs[1]) == F._identity(b.configs[1])
+    for field in ("pattern", "config"):
+        c = _named(_timed_report({"dense": {("b", 0): 1.0}, "fast": {("b", 0): 0.5}}), "fast",
+                   E.EvalConfig("fast", "bsr", "uniform", config={"layers": [[old]]}, pattern=old))
+        changed = dict(old, score_rows=32)
+        if field == "pattern":
+            c.configs[1].pattern = changed
+        else:
+            c.configs[1].config = {"layers": [[changed]]}
+        with pytest.raises(E.EvalError, match="config 'fast' has two contents"):
+            E.merge_reports([a, c])
+    assert F._identity(a.configs[1]) != F._identity(c.configs[1])  # the layers differ (the identity reads them)
+
+
 def test_merge_names_the_settings_that_differ():
     a = _timed_report({"dense": {("a", 0): 1.0}})
     b = _timed_report({"dense": {("b", 0): 1.0}})

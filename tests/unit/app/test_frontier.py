@@ -277,6 +277,12 @@ def test_cost_model_from_table_and_proxy():
         m.check([Dense()], head_dim=64, num_heads=2, n_tokens=1000)
     with pytest.raises(F.FrontierError, match=r"block_sparse@128"):
         m.check([BlockSparse(top_k=4, block=128)], head_dim=16, num_heads=2, n_tokens=1000)
+    # the cheaper estimate is its own index cost, never the full score's
+    assert F.index_key(bs) == "block_sparse:query:relative@64"
+    fewer = BlockSparse(top_k=4, block=64, rule="relative", threshold=0.1, estimate="query", score_rows=16)
+    assert F.index_key(fewer) == "block_sparse:query/16:relative@64"
+    with pytest.raises(F.FrontierError, match=r"block_sparse:query/16:relative@64"):
+        m.check([fewer], head_dim=16, num_heads=2, n_tokens=1000)
     bad = table()
     bad["attention"]["dense"]["ms_per_tile"] = -1
     with pytest.raises(F.FrontierError, match="finite and >= 0"):

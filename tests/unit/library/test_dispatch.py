@@ -143,6 +143,10 @@ def test_one_launch_per_group(monkeypatch) -> None:
     ])
     groups = group_heads(MIXED_PLAN, 9)
     assert [g.heads for g in groups if g.kind == "vertical_slash"] == [(0, 3), (5,)]
+    # block-sparse heads group by routing block, diagonal, estimate and scoring rows
+    bs = [g for g in group_heads(ADAPTIVE_PLAN, 9) if g.kind == "block_sparse"]
+    assert sorted((g.key, g.heads) for g in bs) == [((16, True, "pooled", 0), (6,)), ((16, True, "query", 0), (1, 4)),
+                                                     ((16, True, "query", 3), (3,))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

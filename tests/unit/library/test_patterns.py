@@ -70,6 +70,8 @@ def test_patterns_are_frozen_and_hashable() -> None:
         (lambda: BlockSparse(force_diagonal=1), TypeError, "force_diagonal must be a bool"),
         (lambda: BlockSparse(score_rows=-1, estimate="query"), ValueError, "BlockSparse.score_rows must be >= 0"),
         (lambda: BlockSparse(score_rows=4), ValueError, "score_rows=4 needs estimate='query'"),
+        (lambda: BlockSparse(block=32, score_rows=32, estimate="query"), ValueError,
+         "score_rows=32 is every query of a 32-token block: use 0"),
     ],
 )
 def test_invalid_fields(make, exc, match) -> None:
