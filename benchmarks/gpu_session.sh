@@ -28,7 +28,11 @@
 #              started (the stages before it vary; a cut eval leaves its checkpointed report); CUDA_GRAPHS=1 adds
 #              --cuda-graphs (sparse layers replay CUDA graphs captured by the warm-up prefill). To
 #              measure the host time it saves at 16K-32K (dense there unless EVAL_ARGS has
-#              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs
+#              --dense-threshold 0), run the same EVAL_ARGS as TAG=eager and as CUDA_GRAPHS=1 TAG=graphs.
+#              EVAL_CONTINUE=FILE (RULER, runs over several calls): when FILE exists the eval gets
+#              --continue FILE, and its report (complete or cut) is copied back to FILE afterwards,
+#              so each call of a machine picks up where the last stopped; put FILE under /tmp/m
+#              (seed it with a committed report to continue one from an earlier session)
 # e.g. STAGES="install tests:ci tests:gpu" T_TESTS=300 XDIST=16 bash benchmarks/gpu_session.sh
 # The exit status is non-zero when a stage failed (the summary names them); a stage whose bound
 # would be under 30 s (eval past CALL_END) is skipped and counts as failed.
@@ -161,7 +165,13 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
         # shellcheck disable=SC2086
         eval) app "eval_${TAG:-run}" "${T_EVAL:-$([ -n "${CALL_END:-}" ] && echo $((CALL_END - SECONDS)) || echo 540)}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
-                  --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png" ;;
+                  $([ -n "${EVAL_CONTINUE:-}" ] && [ -f "$EVAL_CONTINUE" ] && echo --continue "$EVAL_CONTINUE") \
+                  --out "$OUT/eval_${TAG:-run}.json" --plot "$OUT/eval_${TAG:-run}.png"
+              rc=$?  # a cut eval leaves its checkpoint: the next call continues it
+              if [ -n "${EVAL_CONTINUE:-}" ] && [ -f "$OUT/eval_${TAG:-run}.json" ]; then
+                  cp "$OUT/eval_${TAG:-run}.json" "$EVAL_CONTINUE"
+              fi
+              [ $rc = 0 ] ;;
         *) echo "unknown stage $stage"; false ;;
     esac || failed="$failed $stage"
 done

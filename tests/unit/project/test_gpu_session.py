@@ -15,11 +15,15 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
 
 
-def _run(tmp_path: Path, stub_rc: int, **env: str) -> subprocess.CompletedProcess:
+#: A stub ``python`` line that writes "new" to the file after ``--out`` (an eval's report).
+WRITES_OUT = 'while [ $# -gt 0 ]; do [ "$1" = --out ] && echo new > "$2"; shift; done\n'
+
+
+def _run(tmp_path: Path, stub_rc: int, stub_body: str = "", **env: str) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     stub = bin_dir / "python"
-    stub.write_text(f"#!/bin/sh\necho stub \"$@\"\nexit {stub_rc}\n")
+    stub.write_text(f"#!/bin/sh\necho stub \"$@\"\n{stub_body}exit {stub_rc}\n")
     stub.chmod(0o755)
     out = tmp_path / "out"
     shutil.rmtree(out, ignore_errors=True)
@@ -64,3 +68,21 @@ def test_the_tests_stage_saves_its_durations_and_compile_report(tmp_path):
     line = next(x for x in run.stdout.splitlines() if x.startswith("stub -m pytest"))
     assert "--longest-first tests/gpu_durations.json" in line and "--compile-report" in line
     assert f"--save-durations {tmp_path / 'out' / 'gpu_durations_ci.json'}" in line and "--durations=40" in line
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_eval_continue_picks_up_the_last_calls_report(tmp_path):
+    """``EVAL_CONTINUE=FILE``: no ``--continue`` while FILE does not exist; the eval's report is
+    copied to FILE after the eval, cut or not (a failing eval still fails the call); the next call
+    continues FILE."""
+    state = tmp_path / "m" / "r.json"
+    state.parent.mkdir()
+    first = _run(tmp_path, 0, WRITES_OUT, STAGES="eval", EVAL_ARGS="--suite ruler", EVAL_CONTINUE=str(state))
+    assert first.returncode == 0, first.stdout + first.stderr
+    line = next(x for x in first.stdout.splitlines() if x.startswith("stub -m minference.app.cli eval"))
+    assert "--continue" not in line and state.read_text() == "new\n"
+    state.write_text("old\n")
+    cut = _run(tmp_path, 124, WRITES_OUT, STAGES="eval", EVAL_ARGS="--suite ruler", EVAL_CONTINUE=str(state))
+    assert cut.returncode != 0 and "failed stages: eval" in cut.stdout, cut.stdout + cut.stderr
+    line = next(x for x in cut.stdout.splitlines() if x.startswith("stub -m minference.app.cli eval"))
+    assert f"--continue {state}" in line and state.read_text() == "new\n"
