@@ -47,7 +47,7 @@ from minference._checks import (
     token_mask,
     uniform_query_rows,
 )
-from minference.patterns import BLOCK_ESTIMATES, RULES, check_budget_rule
+from minference.patterns import BLOCK_ESTIMATES, RULES, check_budget_rule, check_score_rows
 
 __all__ = [
     "SelectionRule",
@@ -698,8 +698,7 @@ def build_block_sparse_index(pooler, q, k, top_k, *, block, sink_blocks, force_d
     if not checked:
         if estimate not in BLOCK_ESTIMATES:
             raise ValueError(f"estimate must be one of {list(BLOCK_ESTIMATES)}, got {estimate!r}")
-        if check_int("score_rows", score_rows, 0) and estimate != "query":
-            raise ValueError(f"score_rows={score_rows} needs estimate='query' (the pooled estimate reads every query)")
+        check_score_rows("score_rows", score_rows, estimate)
     query = estimate == "query"
     if validate and not capturing():
         _check_finite_inputs(q, k, hs, lens, starts,

@@ -45,6 +45,7 @@ __all__ = [
     "RULES",
     "BLOCK_ESTIMATES",
     "check_budget_rule",
+    "check_score_rows",
 ]
 
 #: Query rows used by the vertical-slash estimator (the last ``r`` queries of the prompt).
@@ -57,6 +58,16 @@ DEFAULT_BLOCK_SIZE = 64
 BLOCK_ESTIMATES = ("pooled", "query")
 #: Budget rules of the vertical-slash and block-sparse patterns (the first is the default).
 RULES = ("top_k", "mass", "relative")
+
+
+def check_score_rows(name: str, score_rows: object, estimate: str) -> int:
+    """Validate block-sparse scoring rows (an int ``>= 0``, above 0 only with the query-aware
+    estimate, which alone reads single queries); ``name`` is the field's name in the messages
+    (``BlockSparse.score_rows``, or ``score_rows`` for builder arguments)."""
+    rows = check_int(name, score_rows, 0)
+    if rows and estimate != "query":
+        raise ValueError(f"{name}={rows} needs estimate='query' (the pooled estimate reads every query)")
+    return rows
 
 
 def check_budget_rule(name: str, rule: object, threshold: object) -> float | None:
@@ -211,9 +222,7 @@ class BlockSparse:
         _check_minimum("BlockSparse", "min_blocks", self.min_blocks, "top_k", self.top_k)
         if self.estimate not in BLOCK_ESTIMATES:
             raise ValueError(f"BlockSparse.estimate must be one of {list(BLOCK_ESTIMATES)}, got {self.estimate!r}")
-        if check_int("BlockSparse.score_rows", self.score_rows, 0) and self.estimate != "query":
-            raise ValueError(f"BlockSparse.score_rows={self.score_rows} needs estimate='query' (the pooled estimate "
-                             "reads every query)")
+        check_score_rows("BlockSparse.score_rows", self.score_rows, self.estimate)
         if self.score_rows >= self.block:  # one form for "every row": one group, one cost key
             raise ValueError(f"BlockSparse.score_rows={self.score_rows} is every query of a {self.block}-token block: "
                              "use 0")

@@ -127,7 +127,7 @@ from minference._checks import (
     default_scale,
 )
 from minference.index_sets import head_ids, per_head_budget
-from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule
+from minference.patterns import DEFAULT_BLOCK_SIZE, DEFAULT_LAST_Q, RULES, check_budget_rule, check_score_rows
 
 __all__ = ["vertical_slash_index", "block_sparse_index", "query_block_scores", "select_row"]
 
@@ -381,8 +381,7 @@ def block_sparse_index(
     group = Hq // Hkv
     if estimate not in ("pooled", "query"):
         raise ValueError(f"estimate must be 'pooled' or 'query', got {estimate!r}")
-    if check_int("score_rows", score_rows, 0) and estimate != "query":
-        raise ValueError(f"score_rows={score_rows} needs estimate='query' (the pooled estimate reads every query)")
+    check_score_rows("score_rows", score_rows, estimate)
     query = query_block_scores(q, k, block=block, scale=scale, seqlens=seqlens, seqstarts=seqstarts, heads=heads,
                                q_seqlens=q_seqlens, q_seqstarts=q_seqstarts,
                                score_rows=score_rows) if estimate == "query" else None
