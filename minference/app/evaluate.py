@@ -244,6 +244,25 @@ def check_config_spec(spec: str):
     return _load_file_config(body)
 
 
+def _same_spec(a: str, b: str) -> bool:
+    """Whether two specs of one config name run the same thing: equal text, or both one pattern
+    as JSON that parse to one pattern (key order, spacing and fields at their defaults aside). A
+    file spec compares as text; what the file holds is compared apart (:func:`_config_content`)."""
+    if a == b:
+        return True
+    (name_a, body_a), (name_b, body_b) = _split_spec(a), _split_spec(b)
+    body_a, body_b = body_a.strip(), body_b.strip()
+    if name_a != name_b or not (body_a.startswith("{") and body_b.startswith("{")):
+        return False
+    from minference.patterns import canonical_pattern_dict, pattern_to_dict
+
+    try:
+        return (canonical_pattern_dict(pattern_to_dict(_parse_pattern(body_a)))
+                == canonical_pattern_dict(pattern_to_dict(_parse_pattern(body_b))))
+    except EvalError:
+        return False
+
+
 def _one_line(text: str) -> str:
     return re.sub(r"\s*\n\s*", " ", text.strip())
 
@@ -653,7 +672,7 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
                 raise EvalError(f"reports with different settings cannot be merged ({ref_name} vs {name}: {rows})")
         for c in rep.configs:
             known = configs.get(c.name)
-            if known is not None and known.spec != c.spec:
+            if known is not None and not _same_spec(known.spec, c.spec):
                 raise EvalError(f"config {c.name!r} has two specs: {known.spec!r} and {c.spec!r} ({name})")
             if known is not None and _config_content(known) != _config_content(c):
                 raise EvalError(f"config {c.name!r} has two contents under the spec {c.spec!r} ({name} differs: "
@@ -1377,7 +1396,7 @@ def run_eval(
     if batch_decode:  # absent: each config decodes alone (every report written before the key)
         settings["batch_decode"] = True
     if done is not None:
-        _check_continued(done, model_name, settings)
+        _check_continued(done, model_name, settings, configs)
 
     # Every check that needs only the tokenizer runs before the model loads: the tokenizer takes
     # about a second once converted, the weights 5 s (SmolLM2) to a minute (the 1.5B on a GPU).
@@ -1614,11 +1633,12 @@ def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_
     return out
 
 
-def _check_continued(done: EvalReport, model_name: str, settings: dict) -> None:
+def _check_continued(done: EvalReport, model_name: str, settings: dict, specs: Sequence[str] = ()) -> None:
     """``--continue``'s report, before the model loads: RULER's, of ``model_name``, made on this
     prompt set, with these ``settings`` (all but the device's index, known once the model is
-    loaded; then :func:`merge_reports` checks it, the dtype, GPU and configs). Raises
-    :class:`EvalError` naming what differs."""
+    loaded; then :func:`merge_reports` checks it, the dtype, GPU and what each config runs), and
+    each of this run's config ``specs`` whose name the report holds given as it was there
+    (:func:`_same_spec`). Raises :class:`EvalError` naming what differs."""
     if done.settings.get("suite") != "ruler":
         raise EvalError("--continue takes a report of --suite ruler")
     if done.model.get("name") != model_name:
@@ -1631,6 +1651,12 @@ def _check_continued(done: EvalReport, model_name: str, settings: dict) -> None:
     differ = _settings_conflict(done.settings, settings, skip=("device",)) or _rows_conflict(done.settings, settings)
     if differ:
         raise EvalError(f"--continue: that report ran other settings ({differ}); continue it with its options")
+    theirs_by_name = {c.name: c.spec for c in done.configs}
+    for spec in specs:
+        known = theirs_by_name.get(_spec_name(spec))
+        if known is not None and not _same_spec(known, spec):
+            raise EvalError(f"--continue: config {_spec_name(spec)!r} ran as {known!r} in that report, "
+                            f"this run gives {spec!r}")
 
 
 def _check_dense_left(base: EvalReport, resolved: Sequence[EvalConfig], prompts: dict[int, list[RulerSample]],

@@ -106,6 +106,34 @@ def test_continue_with_other_settings_fails_before_loading_and_names_them(small,
                    coverage=False, progress=False, done=done)
 
 
+def test_continue_compares_each_configs_spec_before_loading(small, ruler_set, monkeypatch):
+    """A config of the continued report given again with its JSON keys in another order (or a
+    field at its default spelled out) is the same config; the same name with another pattern is
+    refused in one line before the model loads (it once failed after a minute's load on the GPU)."""
+    import minference.app.models as M
+
+    done = _run(small, ruler_set, tasks=["niah_single_1"], configs=["dense", f"u={UNIFORM}"])
+    same = "u=" + json.dumps({"block": 64, "top_k": 2, "kind": "block_sparse", "score_rows": 0})
+    E._check_continued(done, "smollm2", done.settings, ["dense", same])
+    other = 'u={"kind": "block_sparse", "top_k": 3, "block": 64}'
+    later = E.EvalReport.from_dict(done.to_dict())  # the same configs at another length, as a merge sees them
+    for r in [*later.runs, *later.records]:
+        r.n_tokens *= 2
+    later.lengths = [2 * n for n in later.lengths]
+    later.configs[1].spec = same
+    assert E.merge_reports([done, later]).configs[1].spec == f"u={UNIFORM}"
+    later.configs[1].spec = other
+    with pytest.raises(E.EvalError, match="config 'u' has two specs"):
+        E.merge_reports([done, later])
+    monkeypatch.setattr(M, "load_model", lambda *a, **kw: pytest.fail("loaded a model before comparing configs"))
+    with pytest.raises(E.EvalError, match=r"^--continue: config 'u' ran as 'u=\{\"kind\": \"block_sparse\", "
+                                          r"\"top_k\": 2, \"block\": 64\}' in that report, this run gives "):
+        E.run_eval("smollm2", suite="ruler", prompts=ruler_set, configs=["dense", other], dense_threshold=0,
+                   coverage=False, progress=False, done=done)
+    assert E._same_spec(f"u={UNIFORM}", same) and not E._same_spec(f"u={UNIFORM}", other)
+    assert not E._same_spec(f"v={UNIFORM}", same) and not E._same_spec("a.json", "./a.json")
+
+
 def test_continue_refuses_a_sparse_config_whose_dense_prompts_are_done(small, ruler_set, monkeypatch):
     """A config new to the continued report would be timed on prompts whose dense TTFT is in that
     report (another run): refused before any prompt runs, naming the config and prompt."""
