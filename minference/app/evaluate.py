@@ -245,14 +245,14 @@ def check_config_spec(spec: str):
 
 
 def _same_spec(a: str, b: str) -> bool:
-    """Whether two specs of one config name run the same thing: equal text, or both one pattern
-    as JSON that parse to one pattern (key order, spacing and fields at their defaults aside). A
-    file spec compares as text; what the file holds is compared apart (:func:`_config_content`)."""
-    if a == b:
+    """Whether two specs of one config name run the same thing: the same text after the ``name=``
+    prefix (written or derived), or both one pattern as JSON that parse to one pattern (key order,
+    spacing and fields at their defaults aside). A file spec compares as text; what the file holds
+    is compared apart (:func:`_config_content`)."""
+    body_a, body_b = _split_spec(a)[1].strip(), _split_spec(b)[1].strip()  # the callers compare one name's specs
+    if body_a == body_b:
         return True
-    (name_a, body_a), (name_b, body_b) = _split_spec(a), _split_spec(b)
-    body_a, body_b = body_a.strip(), body_b.strip()
-    if name_a != name_b or not (body_a.startswith("{") and body_b.startswith("{")):
+    if not (body_a.startswith("{") and body_b.startswith("{")):
         return False
     from minference.patterns import canonical_pattern_dict, pattern_to_dict
 
@@ -675,8 +675,8 @@ def merge_reports(reports: Sequence[EvalReport], names: Sequence[str] | None = N
             if known is not None and not _same_spec(known.spec, c.spec):
                 raise EvalError(f"config {c.name!r} has two specs: {known.spec!r} and {c.spec!r} ({name})")
             if known is not None and _config_content(known) != _config_content(c):
-                raise EvalError(f"config {c.name!r} has two contents under the spec {c.spec!r} ({name} differs: "
-                                f"a file changed between the runs?)")
+                raise EvalError(f"config {c.name!r} has two contents under the specs {known.spec!r} and {c.spec!r} "
+                                f"({name} differs: a file changed between the runs?)")
             configs.setdefault(c.name, c)
         for config, counts in rep.cuda_graph_stats.items():
             into = graph_stats.setdefault(config, {})
@@ -1633,7 +1633,7 @@ def _ruler_prompts(prompt_set, tokenizer, lengths, tasks, samples, limit, limit_
     return out
 
 
-def _check_continued(done: EvalReport, model_name: str, settings: dict, specs: Sequence[str] = ()) -> None:
+def _check_continued(done: EvalReport, model_name: str, settings: dict, specs: Sequence[str]) -> None:
     """``--continue``'s report, before the model loads: RULER's, of ``model_name``, made on this
     prompt set, with these ``settings`` (all but the device's index, known once the model is
     loaded; then :func:`merge_reports` checks it, the dtype, GPU and what each config runs), and

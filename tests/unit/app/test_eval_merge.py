@@ -58,8 +58,8 @@ def test_merge_compares_what_a_config_runs_not_only_its_spec():
         layers = [[{"kind": "vertical_slash", "vertical": vertical, "slash": slash}]]
         rep.configs[1] = E.EvalConfig("fast", "configs/qwen.json", "file",
                                       config={"layers": layers, "provenance": {"created": created}})
-    with pytest.raises(E.EvalError, match=r"config 'fast' has two contents under the spec 'configs/qwen.json' "
-                                          r"\(report 2 differs"):
+    with pytest.raises(E.EvalError, match=r"config 'fast' has two contents under the specs 'configs/qwen.json' "
+                                          r"and 'configs/qwen.json' \(report 2 differs"):
         E.merge_reports([a, b])
     b.configs[1].config["layers"] = a.configs[1].config["layers"]
     assert [c.config["provenance"]["created"] for c in E.merge_reports([a, b]).configs[1:]] == ["2026-01-01"]

@@ -97,10 +97,10 @@ def test_continue_with_other_settings_fails_before_loading_and_names_them(small,
     assert "that report ran other settings (dense_threshold: 0 vs None)" in capsys.readouterr().err
     # the untimed extras do not keep a continuation apart (as in a merge); coverage rows of another kind do
     settings = dict(done.settings, coverage=True, profile=True)
-    E._check_continued(done, "smollm2", settings)
+    E._check_continued(done, "smollm2", settings, [])
     with pytest.raises(E.EvalError, match=r"other settings \(coverage_rows: 512 vs 256\)"):
         E._check_continued(E.EvalReport.from_dict(dict(done.to_dict(), settings=dict(done.settings, coverage=True))),
-                           "smollm2", dict(settings, coverage_rows=256))
+                           "smollm2", dict(settings, coverage_rows=256), [])
     with pytest.raises(E.EvalError, match="that report ran the model 'smollm2', this run 'qwen0.5b'"):
         E.run_eval("qwen", suite="ruler", prompts=ruler_set, configs=["dense", UNIFORM], dense_threshold=0,
                    coverage=False, progress=False, done=done)
@@ -131,7 +131,8 @@ def test_continue_compares_each_configs_spec_before_loading(small, ruler_set, mo
         E.run_eval("smollm2", suite="ruler", prompts=ruler_set, configs=["dense", other], dense_threshold=0,
                    coverage=False, progress=False, done=done)
     assert E._same_spec(f"u={UNIFORM}", same) and not E._same_spec(f"u={UNIFORM}", other)
-    assert not E._same_spec(f"v={UNIFORM}", same) and not E._same_spec("a.json", "./a.json")
+    assert E._same_spec("dense", "dense=dense") and E._same_spec("a.json", "a=a.json")
+    assert not E._same_spec("a.json", "./a.json") and not E._same_spec(UNIFORM, "dense")
 
 
 def test_continue_refuses_a_sparse_config_whose_dense_prompts_are_done(small, ruler_set, monkeypatch):
