@@ -254,11 +254,8 @@ def _same_spec(a: str, b: str) -> bool:
         return True
     if not (body_a.startswith("{") and body_b.startswith("{")):
         return False
-    from minference.patterns import canonical_pattern_dict, pattern_to_dict
-
-    try:
-        return (canonical_pattern_dict(pattern_to_dict(_parse_pattern(body_a)))
-                == canonical_pattern_dict(pattern_to_dict(_parse_pattern(body_b))))
+    try:  # parsed patterns hold every field, defaults filled in
+        return _parse_pattern(body_a) == _parse_pattern(body_b)
     except EvalError:
         return False
 
@@ -1653,10 +1650,10 @@ def _check_continued(done: EvalReport, model_name: str, settings: dict, specs: S
         raise EvalError(f"--continue: that report ran other settings ({differ}); continue it with its options")
     theirs_by_name = {c.name: c.spec for c in done.configs}
     for spec in specs:
-        known = theirs_by_name.get(_spec_name(spec))
+        name = _spec_name(spec)
+        known = theirs_by_name.get(name)
         if known is not None and not _same_spec(known, spec):
-            raise EvalError(f"--continue: config {_spec_name(spec)!r} ran as {known!r} in that report, "
-                            f"this run gives {spec!r}")
+            raise EvalError(f"--continue: config {name!r} ran as {known!r} in that report, this run gives {spec!r}")
 
 
 def _check_dense_left(base: EvalReport, resolved: Sequence[EvalConfig], prompts: dict[int, list[RulerSample]],
