@@ -432,8 +432,10 @@ SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 2), (1
          (128, 128, 4, 3), (64, 64, 4, 4)]
 #: Stages of the vertical-slash gathered column loops compared by ``--sweep``.
 COL_SWEEP = [1, 2, 4, 5]
-#: Block-sparse (warps, stages) compared by ``--sweep`` (its tile is the routing block).
+#: Block-sparse (warps, stages) compared by ``--sweep`` (its query tile is the routing block).
 BS_SWEEP = [(4, 2), (4, 3), (4, 5), (4, 6), (8, 2), (8, 3), (8, 4), (8, 5)]
+#: Key tiles per routing block compared by ``--sweep`` (``block_sparse._KEY_SPLIT``).
+BS_SPLITS = (1, 2)
 
 
 SWEEP_PARTS = ("tiles", "columns", "bs", "paths")
@@ -452,7 +454,7 @@ def sweep(N: int, Hkv: int, seed: int, parts=SWEEP_PARTS) -> str:
     vertical, slash = vs_indices("local", N, HQ, torch.Generator().manual_seed(seed), "cuda")
     default, default_a = _common.GPU_TILES, dict(_ashape._GPU_TILES_2BYTE)
     lines = [f"| tiles (N={N}, Hkv={Hkv}) | A-shape ms | dense (A-shape kernel) ms | VS local kernel ms |",
-             "|---|---|---|---|"]
+             "|---|---|---|---|"] if "tiles" in parts else []
     try:
         for bm, bn, warps, stages in SWEEP if "tiles" in parts else []:
             _common.GPU_TILES = _common.Tiles(bm, bn, warps, stages)
@@ -532,27 +534,62 @@ def _column_sweep(q, k, v, vertical, slash, N: int, default) -> list[str]:
     return lines
 
 
+def _bs_band(N: int, H: int, device) -> torch.Tensor:
+    """Block-sparse index of :data:`BS_TOP_K` contiguous blocks per query block: the diagonal and
+    the blocks just before it (an A-shape window without sinks in block form), as many as
+    :func:`bs_indices` picks but each read by the neighbouring query blocks too (L2 reuse)."""
+    nqb = -(-N // BS_BLOCK)
+    blocks = torch.arange(nqb)[:, None] - torch.arange(BS_TOP_K)[None, :]
+    return blocks.clamp(min=-1).expand(1, H, nqb, BS_TOP_K).to(torch.int32).contiguous().to(device)
+
+
 def _bs_sweep(q, k, v, N: int, seed: int) -> list[str]:
-    """Block-sparse top-100 under each (warps, stages) of :data:`BS_SWEEP`."""
+    """Block-sparse under each (warps, stages, key split) of :data:`BS_SWEEP` x
+    :data:`BS_SPLITS`, on two indices of the same size: random blocks (:func:`bs_indices`) and a
+    contiguous band (:func:`_bs_band`); ns per 64 x 64 tile computed (the diagonal block whole),
+    beside the dense kernel's at this shape. The stages column is what the launcher fitted (it
+    drops stages until the program fits shared memory)."""
     from minference.kernels import _common, block_sparse
 
-    blocks = bs_indices(N, HQ, torch.Generator().manual_seed(seed), "cuda")
-    warps0, stages0 = dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES)
-    small0 = dict(block_sparse._GPU_SMALL_D)
+    H = q.shape[1]
+    indices = {"random": bs_indices(N, H, torch.Generator().manual_seed(seed), "cuda"),
+               "band": _bs_band(N, H, "cuda")}
+    per_block = (BS_BLOCK // 64) ** 2
+
+    def tiles64(blocks) -> float:
+        _, count, diag = normalize_blocks(blocks)
+        return float(count.sum() + diag.sum()) * per_block
+
+    dense_ms, note = _try(lambda: _bench(lambda: kernels.dense_attention(q, k, v, validate=False)))
+    dense_tiles = H * (N // 64) * (N // 64 + 1) / 2
+    lines = ["", f"| block-sparse {BS_BLOCK}, top {BS_TOP_K} (N={N}, Hq={H}, Hkv={k.shape[1]}, D={q.shape[-1]}) "
+             "| fitted tiles | random ms | random ns/tile | band ms | band ns/tile |", "|---|---|---|---|---|---|",
+             f"| dense kernel | | {'failed' if dense_ms is None else f'{dense_ms:.2f}'} {note} | "
+             f"{'' if dense_ms is None else f'{dense_ms * 1e6 / dense_tiles:.3f}'} | | |"]
+    saved = (dict(block_sparse._GPU_WARPS), dict(block_sparse._GPU_STAGES), dict(block_sparse._GPU_SMALL_D),
+             dict(block_sparse._KEY_SPLIT))
     block_sparse._GPU_SMALL_D.clear()  # the sweep's (warps, stages) at every head dim
-    lines = ["", f"| block-sparse {BS_BLOCK} (N={N}, Hkv={k.shape[1]}) | ms |", "|---|---|"]
     try:
-        for warps, stages in BS_SWEEP:
-            block_sparse._GPU_WARPS[BS_BLOCK], block_sparse._GPU_STAGES[BS_BLOCK] = warps, stages
-            _common._FITTED.clear()
-            c, note = _try(lambda: _bench(lambda: kernels.block_sparse_attention(q, k, v, blocks, block=BS_BLOCK,
-                                                                               validate=False)))
-            lines.append(f"| w{warps} s{stages} | {'failed' if c is None else f'{c:.2f}'} {note} |")
-            print(lines[-1], file=sys.stderr, flush=True)
+        for split in BS_SPLITS:
+            for warps, stages in BS_SWEEP:
+                block_sparse._GPU_WARPS[BS_BLOCK], block_sparse._GPU_STAGES[BS_BLOCK] = warps, stages
+                block_sparse._KEY_SPLIT[BS_BLOCK] = split
+                _common._FITTED.clear()
+                cells, fitted = [], ""
+                for blocks in indices.values():
+                    c, note = _try(lambda: _bench(lambda: kernels.block_sparse_attention(  # noqa: B023
+                        q, k, v, blocks, block=BS_BLOCK, validate=False)))  # noqa: B023
+                    cells += ["failed " + note if c is None else f"{c:.2f}",
+                              "" if c is None else f"{c * 1e6 / tiles64(blocks):.3f}"]
+                    fitted = fitted or " ".join(f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
+                                                for key, t in _common._FITTED.items() if key[0] == "block_sparse")
+                lines.append(f"| w{warps} s{stages} split {split} | {fitted} | " + " | ".join(cells) + " |")
+                print(lines[-1], file=sys.stderr, flush=True)
     finally:
-        block_sparse._GPU_WARPS.update(warps0)
-        block_sparse._GPU_STAGES.update(stages0)
-        block_sparse._GPU_SMALL_D.update(small0)
+        for table_, old in zip((block_sparse._GPU_WARPS, block_sparse._GPU_STAGES, block_sparse._GPU_SMALL_D,
+                                block_sparse._KEY_SPLIT), saved):
+            table_.clear()
+            table_.update(old)
         _common._FITTED.clear()
     return lines
 

@@ -50,7 +50,7 @@ def _gpu_tiles_on_cpu() -> None:
             stages = block_sparse._GPU_STAGES_FP32[block]
         elif q.shape[-1] <= 64 and block in block_sparse._GPU_SMALL_D:
             warps, stages = block_sparse._GPU_SMALL_D[block]
-        return _common.Tiles(block, block, warps, stages)
+        return _common.Tiles(block, block // block_sparse._KEY_SPLIT.get(block, 1), warps, stages)
 
     block_sparse._tiles = bs_tiles
     for module in (ashape, vertical_slash, block_sparse):

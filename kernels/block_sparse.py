@@ -42,15 +42,19 @@ __all__ = ["block_sparse_attention", "BLOCK_SIZES"]
 BLOCK_SIZES = (16, 32, 64, 128)
 #: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
 _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
-#: Pipeline stages by block size (K and V tiles of a 128 block in 3 stages overflow shared memory).
-#: 64: 5 stages, faster than 3 (each block is a random jump, so deeper prefetch hides it; see
-#: docs/tuning.md#bs-stages).
-_GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 2}
+#: Pipeline stages by block size: each block is a random jump, so deeper prefetch hides it. 64: 5
+#: stages, faster than 3; 128 (D = 128): 5, 16% faster than 2 and fits an H100's 227 KB (the
+#: launcher drops stages where a device has less; see docs/tuning.md#bs-stages).
+_GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 5}
 #: ``(warps, stages)`` for 2-byte inputs at head dims up to 64 (half the K/V bytes of D = 128 per
 #: stage), where they differ from the tables above. Block 128: 4 warps, 5 stages, faster than 8
 #: warps and 2 at the Qwen shape (see docs/tuning.md#bs-small-d).
 _GPU_SMALL_D = {128: (4, 5)}
 _GPU_STAGES_FP32 = {16: 2, 32: 2, 64: 2, 128: 1}
+#: Key tiles per routing block by block size (the kernel's key tile is ``block // split``; query
+#: tiles stay the routing block), on the GPU and in the interpreter alike. 1 everywhere until a
+#: measurement says otherwise (docs/tuning.md#bs-split).
+_KEY_SPLIT: dict[int, int] = {}
 
 
 # index sizes only scale index addresses, and the log-sum-exp batch/head strides (N-dependent:
@@ -76,9 +80,14 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
     ids = kv_blocks + slot * n_k
 
     # off-diagonal blocks: every key precedes row m0 and lies inside the row, so no mask
-    # (query rows past the row's end compute throw-away values and are never stored)
-    for kk in range(0, tl.load(kv_count + slot)):
-        t = tl.load(ids + kk) * BLOCK_N
+    # (query rows past the row's end compute throw-away values and are never stored). A routing
+    # block (BLOCK_M keys) is SPLIT key tiles of BLOCK_N, one loop step each.
+    SPLIT: tl.constexpr = BLOCK_M // BLOCK_N
+    for kk in range(0, tl.load(kv_count + slot) * SPLIT):
+        if SPLIT == 1:
+            t = tl.load(ids + kk) * BLOCK_N
+        else:
+            t = tl.load(ids + kk // SPLIT) * BLOCK_M + (kk % SPLIT) * BLOCK_N
         if DESC:
             k, v = _load_kv_desc(desc_k, desc_v, b, kvh, row_start + t, BLOCK_N, BLOCK_D)
         else:
@@ -89,21 +98,23 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
 
     # the diagonal block, causal-masked: key rows from k_masked, value rows from v_safe
     if tl.load(has_diag + slot) != 0:
-        cols = m0 + offs_n
-        col_ok = cols < row_len
-        k, v = _load_kv(km_base, vs_base, cols, col_ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True, EVEN_D)
-        s = _scores(q, k, PREC)
-        keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
-        s = tl.where(keep, s, float("-inf"))
-        acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
+        for sub in tl.static_range(SPLIT):
+            cols = m0 + sub * BLOCK_N + offs_n
+            col_ok = cols < row_len
+            k, v = _load_kv(km_base, vs_base, cols, col_ok, offs_d, d_ok, skmn, skmd, svsn, svsd, True, EVEN_D)
+            s = _scores(q, k, PREC)
+            keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
+            s = tl.where(keep, s, float("-inf"))
+            acc, m_i, l_i = _softmax_update(acc, m_i, l_i, s, v, qk_scale, PREC)
 
     _epilogue(acc, m_i, l_i, O, LSE, b64, h, q64, rows, row_ok, offs_d, d_ok, sob, soh, son, sod, slb, slh, sln,
               RETURN_LSE)
 
 
 def _tiles(q: torch.Tensor, block: int) -> Tiles:
+    block_n = block // _KEY_SPLIT.get(block, 1)
     if q.device.type != "cuda":
-        return Tiles(block_m=block, block_n=block, num_warps=INTERPRET_TILES.num_warps,
+        return Tiles(block_m=block, block_n=block_n, num_warps=INTERPRET_TILES.num_warps,
                      num_stages=INTERPRET_TILES.num_stages)
     if q.dtype == torch.float32:
         warps, stages = _GPU_WARPS[block], _GPU_STAGES_FP32[block]
@@ -111,7 +122,7 @@ def _tiles(q: torch.Tensor, block: int) -> Tiles:
         warps, stages = _GPU_SMALL_D[block]
     else:
         warps, stages = _GPU_WARPS[block], _GPU_STAGES[block]
-    return Tiles(block_m=block, block_n=block, num_warps=warps, num_stages=stages)
+    return Tiles(block_m=block, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 def normalize_blocks(blocks: torch.Tensor, *,
@@ -214,13 +225,13 @@ def block_sparse_attention(
                                  "followed by -1 only")
         desc_k, desc_v = kv_descriptors(k, v, prep.tiles.block_n, prep.block_d)
 
-        def call(tiles: Tiles):  # the routing block fixes the tile sizes: only the stages vary
+        def call(tiles: Tiles):  # the routing block and the split fix the tile sizes: only the stages vary
             prep.tiles = tiles
             args = (q, k, v, *prep.guard_args(), prep.out, lse, desc_k, desc_v, *prep.row_args(), prep.head_ids(),
                     off, count, has_diag, off.shape[-1], nqb, prep.qk_scale, *qkv_strides(q, k, v, prep.out),
                     *prep.guard_strides(), slb, slh, sln)
             return prep.grid(), args, dict(**prep.meta(q, return_lse), DESC=desc_k is not None)
 
-        key = (q.dtype, prep.D, block, return_lse, prep.qrows, desc_k is not None)
+        key = (q.dtype, prep.D, block, prep.tiles.block_n, return_lse, prep.qrows, desc_k is not None)
         launch_fitted("block_sparse", _bs_fwd, q.device, key, fitted_stages(prep.tiles), call)
     return finish(prep, return_lse)

@@ -39,6 +39,28 @@ def test_block_sparse_matches_reference(data, combo):
     run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
 
 
+@pytest.mark.parametrize("combo", COMBOS)
+@given(data=st.data())
+def test_block_sparse_key_split_matches_reference(data, combo):
+    """A routing block read as two key tiles of half its size (``block_sparse._KEY_SPLIT``: the
+    off-diagonal loop steps twice per block, each half of the diagonal block masked alone) gives
+    the float64 twin's output, as the whole-block tiles do."""
+    from minference.kernels import block_sparse
+
+    p = problem(data, combo=combo)
+    block = data.draw(st.sampled_from([b for b in BLOCKS if b >= 32]), label="block")
+    s = p["shape"]
+    blocks = data.draw(block_sparse_indices(s.B, p["Hg"], s.N, block), label="blocks")
+    saved = dict(block_sparse._KEY_SPLIT)
+    block_sparse._KEY_SPLIT[block] = 2
+    try:
+        assert block_sparse._tiles(p["q"], block).block_n == block // 2
+        run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
+    finally:
+        block_sparse._KEY_SPLIT.clear()
+        block_sparse._KEY_SPLIT.update(saved)
+
+
 @given(data=st.data())
 def test_normalized_blocks_are_the_same_set(data):
     """The launcher's sorted/deduplicated list plus the diagonal flag is exactly the causal set."""
