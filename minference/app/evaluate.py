@@ -189,11 +189,17 @@ def uniform_config(model: torch.nn.Module, pattern, *, model_id: str | None = No
 
 
 def _pattern_name(pattern) -> str:
+    """A uniform pattern's short name in reports: its budgets, then what differs from the
+    defaults among the rule (with its threshold), the estimate and the scoring rows, so unnamed
+    specs that differ there do not collide (``BS(top512,b128,relative0.03,query)``)."""
     kind = pattern.kind
+    rule = [] if getattr(pattern, "rule", "top_k") == "top_k" else [f"{pattern.rule}{pattern.threshold:g}"]
     if kind == "vertical_slash":
-        return f"VS({pattern.vertical},{pattern.slash})"
+        return f"VS({','.join([str(pattern.vertical), str(pattern.slash), *rule])})"
     if kind == "block_sparse":
-        return f"BS(top{pattern.top_k},b{pattern.block})"
+        extra = [*rule, *([pattern.estimate] if pattern.estimate != "pooled" else []),
+                 *([f"rows{pattern.score_rows}"] if pattern.score_rows else [])]
+        return f"BS({','.join([f'top{pattern.top_k}', f'b{pattern.block}', *extra])})"
     if kind == "a_shape":
         return f"A({pattern.sink},{pattern.window})"
     return "dense-pattern"

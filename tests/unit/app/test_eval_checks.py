@@ -63,6 +63,20 @@ def test_eval_refuses_repeated_config_names_before_loading(monkeypatch, capsys):
     assert "config names repeat: ['dense', 'dense']" in capsys.readouterr().err
 
 
+def test_unnamed_uniform_specs_name_what_differs_from_the_defaults():
+    """Two unnamed uniform specs that differ only in the rule's threshold, the estimate or the
+    scoring rows get different names (the report's keys); default fields stay out of the name."""
+    bs = '{"kind": "block_sparse", "top_k": 512, "block": 128, "rule": "relative", "threshold": %s%s}'
+    names = [E._spec_name(bs % (t, extra)) for t, extra in
+             (("0.03", ""), ("0.01", ""), ("0.03", ', "estimate": "query"'),
+              ("0.03", ', "estimate": "query", "score_rows": 32'))]
+    assert names == ["BS(top512,b128,relative0.03)", "BS(top512,b128,relative0.01)",
+                     "BS(top512,b128,relative0.03,query)", "BS(top512,b128,relative0.03,query,rows32)"]
+    assert E._spec_name('{"kind": "block_sparse", "top_k": 4, "block": 64}') == "BS(top4,b64)"
+    assert E._spec_name('{"kind": "vertical_slash", "rule": "mass", "threshold": 0.9}') == "VS(1000,6096,mass0.9)"
+    assert E._spec_name('{"kind": "vertical_slash"}') == "VS(1000,6096)"
+
+
 def test_eval_config_of_another_model_is_one_line_naming_the_file_before_any_prompt(byte_tokenizer, monkeypatch,
                                                                                       capsys):
     """The bundled SmolLM2 config (30 layers x 9 heads) on a 2-layer, 4-head model: refused right
