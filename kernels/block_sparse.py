@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from minference.kernels._common import (
     INTERPRET_TILES,
+    MIN_DOT,
     Tiles,
     ValueGuard,
     _epilogue,
@@ -38,13 +39,14 @@ from minference._checks import arange_constant, capturing, check_index
 
 __all__ = ["block_sparse_attention", "BLOCK_SIZES"]
 
-#: Block sizes the kernel runs (query and key tile = routing block; powers of two for tl.arange).
+#: Block sizes the kernel runs (the query tile is the routing block, the key tile too unless
+#: :data:`_KEY_SPLIT` splits it; powers of two for tl.arange).
 BLOCK_SIZES = (16, 32, 64, 128)
 #: Warps per program by block size on the GPU (a 64 x 64 tile needs fewer warps than 128 x 128).
 _GPU_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 #: Pipeline stages by block size: each block is a random jump, so deeper prefetch hides it. 64: 5
-#: stages, faster than 3; 128 (D = 128): 5, 16% faster than 2 and fits an H100's 227 KB (the
-#: launcher drops stages where a device has less; see docs/tuning.md#bs-stages).
+#: stages, faster than 3; 128 (D = 128): 5, 16% less time per tile than 2, and it fits an H100's
+#: 227 KB (the launcher drops stages where a device has less; see docs/tuning.md#bs-stages).
 _GPU_STAGES = {16: 3, 32: 3, 64: 5, 128: 5}
 #: ``(warps, stages)`` for 2-byte inputs at head dims up to 64 (half the K/V bytes of D = 128 per
 #: stage), where they differ from the tables above. Block 128: 4 warps, 5 stages, faster than 8
@@ -112,7 +114,11 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
 
 
 def _tiles(q: torch.Tensor, block: int) -> Tiles:
-    block_n = block // _KEY_SPLIT.get(block, 1)
+    split = _KEY_SPLIT.get(block, 1)
+    if split < 1 or block % split or block // split < MIN_DOT:
+        raise ValueError(f"block_sparse._KEY_SPLIT[{block}] = {split}: the key tile must be a whole part of the "
+                         f"block and at least {MIN_DOT} keys")
+    block_n = block // split
     if q.device.type != "cuda":
         return Tiles(block_m=block, block_n=block_n, num_warps=INTERPRET_TILES.num_warps,
                      num_stages=INTERPRET_TILES.num_stages)

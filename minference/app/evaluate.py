@@ -190,8 +190,10 @@ def uniform_config(model: torch.nn.Module, pattern, *, model_id: str | None = No
 
 def _pattern_name(pattern) -> str:
     """A uniform pattern's short name in reports: its budgets, then what differs from the
-    defaults among the rule (with its threshold), the estimate and the scoring rows, so unnamed
-    specs that differ there do not collide (``BS(top512,b128,relative0.03,query)``)."""
+    defaults among the rule (with its threshold), the estimate and the scoring rows
+    (``BS(top512,b128,relative0.03,query)``). Unnamed specs that differ only in other fields
+    (sink blocks, minimum budgets, the forced diagonal) still share a name: ``eval`` refuses
+    them before loading and asks for ``name=SPEC``."""
     kind = pattern.kind
     rule = [] if getattr(pattern, "rule", "top_k") == "top_k" else [f"{pattern.rule}{pattern.threshold:g}"]
     if kind == "vertical_slash":

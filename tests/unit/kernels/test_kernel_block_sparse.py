@@ -61,6 +61,18 @@ def test_block_sparse_key_split_matches_reference(data, combo):
         block_sparse._KEY_SPLIT.update(saved)
 
 
+@pytest.mark.parametrize("block, split", [(16, 2), (64, 3), (32, 0)])
+def test_key_split_that_is_not_a_whole_tile_is_refused(block, split, monkeypatch):
+    """A ``_KEY_SPLIT`` entry whose key tile is not a whole part of the block, or smaller than a
+    dot's 16 keys, is refused in one line before anything launches."""
+    from minference.kernels import block_sparse
+
+    monkeypatch.setitem(block_sparse._KEY_SPLIT, block, split)
+    q = torch.zeros(1, 1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"^block_sparse._KEY_SPLIT\[{block}\] = {split}: "):
+        block_sparse._tiles(q, block)
+
+
 @given(data=st.data())
 def test_normalized_blocks_are_the_same_set(data):
     """The launcher's sorted/deduplicated list plus the diagonal flag is exactly the causal set."""

@@ -218,11 +218,12 @@ def test_descriptor_path_matches_reference(which, monkeypatch):
         assert index.all_solid and int(index.run_count.min()) == 2
         run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vert, sl, fill_gaps=bm - 1)
     else:
-        block = 16
-        nqb = -(-shape.N // block)
-        blocks = torch.stack([torch.arange(nqb), torch.zeros(nqb, dtype=torch.long),
-                              (torch.arange(nqb) - 3).clamp(min=0)], -1).expand(2, 3, nqb, 3).to(torch.int32)
-        run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
+        for block, split in ((16, 1), (32, 2)):  # the second: each 32-key block read as two 16-key tiles
+            monkeypatch.setitem(module._KEY_SPLIT, block, split)
+            nqb = -(-shape.N // block)
+            blocks = torch.stack([torch.arange(nqb), torch.zeros(nqb, dtype=torch.long),
+                                  (torch.arange(nqb) - 3).clamp(min=0)], -1).expand(2, 3, nqb, 3).to(torch.int32)
+            run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
     assert built and all(built), "the descriptor path did not run"
     assert any(scratch) == (which == "vertical_slash"), "the VS column scratch was not read"
 
