@@ -43,16 +43,7 @@ def _gpu_tiles_on_cpu() -> None:
     _common.interpreting = lambda: True  # CPU tensors accepted, descriptors built for them
     _common.default_tiles = lambda q: _common.GPU_TILES_FP32 if q.dtype == torch.float32 else _common.GPU_TILES
     ashape._tiles = lambda q: ashape.gpu_tiles_2byte(q.shape[-1]) if q.element_size() == 2 else None
-
-    def bs_tiles(q, block):
-        warps, stages = block_sparse._GPU_WARPS[block], block_sparse._GPU_STAGES[block]
-        if q.dtype == torch.float32:
-            stages = block_sparse._GPU_STAGES_FP32[block]
-        elif q.shape[-1] <= 64 and block in block_sparse._GPU_SMALL_D:
-            warps, stages = block_sparse._GPU_SMALL_D[block]
-        return _common.Tiles(block, block // block_sparse._KEY_SPLIT.get(block, 1), warps, stages)
-
-    block_sparse._tiles = bs_tiles
+    block_sparse._tiles = block_sparse.gpu_tiles
     for module in (ashape, vertical_slash, block_sparse):
         module.kv_descriptors = lambda k, v, bn, bd: _common.kv_descriptors(k, v, bn, bd, interpreter=True)
 

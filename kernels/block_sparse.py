@@ -113,22 +113,32 @@ def _bs_fwd(Q, K, V, KM, VS, O, LSE, desc_k, desc_v, lens, starts, q_los, q_row0
               RETURN_LSE)
 
 
-def _tiles(q: torch.Tensor, block: int) -> Tiles:
+def _key_tile(block: int) -> int:
+    """The kernel's key tile for routing block ``block`` (:data:`_KEY_SPLIT`), checked."""
     split = _KEY_SPLIT.get(block, 1)
     if split < 1 or block % split or block // split < MIN_DOT:
         raise ValueError(f"block_sparse._KEY_SPLIT[{block}] = {split}: the key tile must be a whole part of the "
                          f"block and at least {MIN_DOT} keys")
-    block_n = block // split
+    return block // split
+
+
+def _tiles(q: torch.Tensor, block: int) -> Tiles:
     if q.device.type != "cuda":
-        return Tiles(block_m=block, block_n=block_n, num_warps=INTERPRET_TILES.num_warps,
+        return Tiles(block_m=block, block_n=_key_tile(block), num_warps=INTERPRET_TILES.num_warps,
                      num_stages=INTERPRET_TILES.num_stages)
+    return gpu_tiles(q, block)
+
+
+def gpu_tiles(q: torch.Tensor, block: int) -> Tiles:
+    """The GPU tiles for ``q``'s dtype and head dim at routing block ``block`` (the tables above;
+    :func:`_tiles` picks them for CUDA tensors, ``benchmarks/sm90_registers.py`` for CPU ones)."""
     if q.dtype == torch.float32:
         warps, stages = _GPU_WARPS[block], _GPU_STAGES_FP32[block]
     elif q.shape[-1] <= 64 and block in _GPU_SMALL_D:
         warps, stages = _GPU_SMALL_D[block]
     else:
         warps, stages = _GPU_WARPS[block], _GPU_STAGES[block]
-    return Tiles(block_m=block, block_n=block_n, num_warps=warps, num_stages=stages)
+    return Tiles(block_m=block, block_n=_key_tile(block), num_warps=warps, num_stages=stages)
 
 
 def normalize_blocks(blocks: torch.Tensor, *,

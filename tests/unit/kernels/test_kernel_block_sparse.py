@@ -3,6 +3,8 @@ blocks above the diagonal, diagonal blocks forced or absent, every routing block
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from hypothesis import given
@@ -51,14 +53,9 @@ def test_block_sparse_key_split_matches_reference(data, combo):
     block = data.draw(st.sampled_from([b for b in BLOCKS if b >= 32]), label="block")
     s = p["shape"]
     blocks = data.draw(block_sparse_indices(s.B, p["Hg"], s.N, block), label="blocks")
-    saved = dict(block_sparse._KEY_SPLIT)
-    block_sparse._KEY_SPLIT[block] = 2
-    try:
+    with patch.dict(block_sparse._KEY_SPLIT, {block: 2}):  # not monkeypatch: a fixture outlives the examples
         assert block_sparse._tiles(p["q"], block).block_n == block // 2
         run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=block)
-    finally:
-        block_sparse._KEY_SPLIT.clear()
-        block_sparse._KEY_SPLIT.update(saved)
 
 
 @pytest.mark.parametrize("block, split", [(16, 2), (64, 3), (32, 0)])
