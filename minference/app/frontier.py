@@ -295,6 +295,8 @@ class HeadOptions:
         allowed: ``[L, H, C]`` bool: the candidates the allocation may pick.
         unit: the cost unit; n_tokens: the length.
         proxy: the error's kind, a key of :data:`PROXIES`.
+        floor: the per-head floor ``allowed`` holds: no candidate whose captured mass on the
+            worst calibration prompt is below it (0: none).
     """
 
     candidates: list[Pattern]
@@ -308,6 +310,7 @@ class HeadOptions:
     unit: str
     n_tokens: int
     proxy: str = "mass"
+    floor: float = 0.0
 
     @property
     def heads(self) -> int:
@@ -388,7 +391,8 @@ def head_options(result: SearchResult, cost_model: CostModel, *, min_mass: float
         layer, head, c = (int(x) for x in bad.nonzero()[0])
         raise FrontierError(f"the {proxy} error of {cands[c]} at layer {layer}, head {head} is not finite "
                             f"({int(bad.sum())} such entries): the measurements are corrupt")
-    return HeadOptions(cands, cost, error, worst_error, worst_cost, mass, density, allowed, cost_model.unit, n, proxy)
+    return HeadOptions(cands, cost, error, worst_error, worst_cost, mass, density, allowed, cost_model.unit, n, proxy,
+                       float(min_mass))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,7 +606,8 @@ def _notes(options: HeadOptions, point: Allocation, budget: float, cost_source: 
     M = options.heads
     ratio = "none" if worst_ratio is None else f"{worst_ratio:g}"
     meaning = PROXIES[options.proxy]
-    return (f"frontier point: error budget {budget:g} ({meaning}; error proxy {options.proxy}); predicted cost "
+    floor = f"; head floor {options.floor:g} (captured mass on the worst prompt)" if options.floor else ""
+    return (f"frontier point: error budget {budget:g} ({meaning}; error proxy {options.proxy}{floor}); predicted cost "
             f"{point.cost:.6g} {options.unit} (attention + index, summed over layers and heads; {cost_source}); "
             f"predicted error {point.error / M:.6g} ({meaning}); flat-score worst case "
             f"{point.worst:.6g} {options.unit}; worst ratio {ratio} with fixed {fixed:g} {options.unit}; "
@@ -675,7 +680,7 @@ def frontier_summary(result: SearchResult, options: HeadOptions, points: Sequenc
     sig = result.config.model
     return {"format": FRONTIER_FORMAT, "version": FRONTIER_VERSION, "model": dataclasses.asdict(sig),
             "n_tokens": options.n_tokens, "unit": options.unit, "cost_source": cost_source, "fixed": fixed,
-            "proxy": options.proxy,
+            "proxy": options.proxy, "floor": options.floor,
             "worst_ratio": worst_ratio, "heads": M, "dense_cost": dense_cost,
             "candidates": [repr(c) for c in options.candidates], "points": out_points, "rules": rules,
             "curve": {"error": (path.error[keep] / M).tolist(), "cost": path.cost[keep].tolist(),
@@ -692,8 +697,9 @@ def format_summary(summary: dict) -> str:
     """Markdown table of a :func:`frontier_summary`."""
     u = summary["unit"]
     proxy = summary_proxy(summary)
+    floor = f" (head floor {summary['floor']:g})" if summary.get("floor") else ""
     lines = [f"## Frontier: {summary['model']['model_id']} at {summary['n_tokens']} tokens", "",
-             f"error proxy {proxy}; cost unit {u} ({summary['cost_source']}); fixed (outside attention) "
+             f"error proxy {proxy}{floor}; cost unit {u} ({summary['cost_source']}); fixed (outside attention) "
              f"{summary['fixed']:g}; worst ratio {summary['worst_ratio']}; all-dense cost {summary['dense_cost']:.4g}; "
              f"{summary['heads']} heads", "",
              "| config | budget | predicted error | cost | prefill | × all-dense | flat-score worst prefill | "
@@ -771,11 +777,13 @@ def family_summary_stem(out: str) -> str:
 
 
 def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, cost_table: str | None = None,
-                 worst_ratio: float | None = DEFAULT_WORST_RATIO, fixed: float = 0.0, min_mass: float = 0.0,
+                 worst_ratio: float | None = DEFAULT_WORST_RATIO, fixed: float = 0.0, floor: float = 0.0,
                  proxy: str = "mass", stream: TextIO | None = None) -> tuple[list[FrontierPoint], dict]:
     """Write one config per budget (``out`` with ``{budget}`` replaced by the budget) and the
     summary (``{budget}`` replaced by ``frontier``: ``.json``, ``.md``, ``.png`` when matplotlib
-    is installed), allocated on the error ``proxy`` (:data:`PROXIES`)."""
+    is installed), allocated on the error ``proxy`` (:data:`PROXIES`); ``floor``: no head takes a
+    candidate that keeps less of the mass on its worst calibration prompt (:func:`head_options`'
+    ``min_mass``)."""
     if "{budget}" not in out:
         raise FrontierError("a frontier family needs '{budget}' in the output path")
     check_proxy(proxy, result)
@@ -783,7 +791,7 @@ def write_family(result: SearchResult, budgets: Sequence[float], out: str, *, co
     model = CostModel.load(cost_table) if cost_table else CostModel.proxy(head_dim, n, result.config.model.num_heads)
     if fixed and not model.calibrated:
         raise FrontierError("a fixed time outside attention is in ms: it needs a calibrated --cost-table")
-    options = head_options(result, model, min_mass=min_mass, proxy=proxy)
+    options = head_options(result, model, min_mass=floor, proxy=proxy)
     points = frontier_family(result, options, budgets, worst_ratio=worst_ratio, fixed=fixed, cost_source=model.source)
     for p in points:
         p.path = family_config_path(out, p.budget)

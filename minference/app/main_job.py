@@ -24,6 +24,7 @@ the sparse prefill 5x slower than dense; the backend no longer fork-joins its ow
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -575,6 +576,9 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                         help="frontier: flat-score worst case at most this times the modelled prefill")
     search.add_argument("--fixed-ms", type=float, default=0.0,
                         help="frontier: the prefill's time outside attention (ms; needs --cost-table)")
+    search.add_argument("--head-floor", type=float, default=0.0, metavar="M",
+                        help="frontier: no head takes a candidate whose captured mass on the worst calibration prompt "
+                             "is below M (such heads go dense; the per-head rule's guarantee under the budget)")
     search.add_argument("--proxy", choices=("mass", "output"), default="mass",
                         help="frontier: the per-head error the budget bounds: mass (missed attention mass, the "
                              "default) or output (measured relative output error; docs/search.md)")
@@ -675,6 +679,10 @@ def _check_search(args: argparse.Namespace) -> None:
         raise ValueError(f"--model-path is for the Qwen models (the {args.model} weights come from their package)")
     if args.proxy != "mass" and args.frontier is None:
         raise ValueError("--proxy is the error a --frontier family is allocated on: it needs --frontier")
+    if args.head_floor and args.frontier is None:
+        raise ValueError("--head-floor bounds the heads of a --frontier family: it needs --frontier")
+    if not (math.isfinite(args.head_floor) and 0 <= args.head_floor <= 1):
+        raise ValueError(f"--head-floor is a captured mass in [0, 1], got {args.head_floor}")
     for flag in ("vs_caps", "bs_blocks", "bs_gammas", "bs_score_rows"):
         if getattr(args, flag) is not None and (args.candidates != "frontier" or args.from_measurements is not None):
             raise ValueError(f"--{flag.replace('_', '-')} sets the candidates of a --candidates frontier search (a "
@@ -858,7 +866,7 @@ def _search_outputs(result, args: argparse.Namespace, masses: list, out: TextIO 
         from minference.app.frontier import write_family
 
         write_family(result, args.frontier, args.out, cost_table=args.cost_table, worst_ratio=args.worst_ratio,
-                     fixed=args.fixed_ms, proxy=args.proxy, stream=out or sys.stdout)
+                     fixed=args.fixed_ms, floor=args.head_floor, proxy=args.proxy, stream=out or sys.stdout)
         return 0
     select = getattr(args, "select", None) or result.select  # resolved by _check_search
     for i, mass in enumerate(masses):

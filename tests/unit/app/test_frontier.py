@@ -392,6 +392,32 @@ def test_the_mass_proxy_is_the_default_and_an_output_error_equal_to_the_missed_m
     assert F.summary_proxy(legacy) == "mass" and F.format_summary(legacy) == F.format_summary(s0)
 
 
+def test_a_head_floor_keeps_every_chosen_head_at_its_mass_and_meets_the_rule_at_a_loose_budget(tmp_path):
+    """``floor``: no head takes a candidate whose worst prompt keeps less mass (Dense always may);
+    at a budget the floor already meets, the family is the per-head rule's cheapest choice at that
+    mass; the floor is in the notes and the summary."""
+    res = fake_result()
+    cands = [*res.candidates, Dense()]
+    table_path = tmp_path / "t.json"
+    table_path.write_text(json.dumps(table()))
+    budgets = [0.0, 0.02, 0.05, 1.0]
+    free, _ = F.write_family(res, budgets, str(tmp_path / "a_{budget}.json"), cost_table=str(table_path),
+                             worst_ratio=None)
+    floored, summary = F.write_family(res, budgets, str(tmp_path / "b_{budget}.json"), cost_table=str(table_path),
+                                      worst_ratio=None, floor=0.95)
+    worst = torch.cat([res.worst_mass, torch.ones(1, 2, 1, dtype=torch.float64)], -1)
+    for p in floored:
+        kept = worst[0].gather(-1, p.allocation.choice[0][:, None])[:, 0]
+        assert bool((kept >= 0.95).all()), (p.budget, p.allocation.choice)
+        assert "head floor 0.95" in p.config.provenance.notes
+    # without the floor the loosest budget takes head 1's A-shape (worst 0.4): the floor is what binds
+    assert free[-1].config.layers[0][1] == cands[0] and floored[-1].config.layers[0][1] != cands[0]
+    rule = res.rechoose(0.95, "cheapest")
+    assert floored[-1].config.layers == rule.layers
+    assert summary["floor"] == 0.95 and "head floor 0.95" in F.format_summary(summary)
+    assert "head floor" not in free[0].config.provenance.notes
+
+
 def test_a_search_without_its_length_or_head_dim_is_refused_before_the_proxy(tmp_path):
     """The tile proxy is made at the search's length and head dim: without them, write_family refuses
     with a FrontierError (it raised a TypeError inside the proxy before)."""

@@ -648,6 +648,17 @@ def test_measurements_without_the_output_error_load_and_the_output_proxy_needs_i
     assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "y.json"), "--min-mass", "0.8",
                  "--proxy", "output"]) == 2
     assert "needs --frontier" in capsys.readouterr().err
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "y.json"), "--min-mass", "0.8",
+                 "--head-floor", "0.9"]) == 2
+    assert "needs --frontier" in capsys.readouterr().err
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "z_{budget}.json"),
+                 "--frontier", "0.05", "--head-floor", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--head-floor" in err and not list(tmp_path.glob("z_*"))
+    assert main(["search", "--from-measurements", str(path), "--out", str(tmp_path / "f_{budget}.json"),
+                 "--frontier", "0.05", "--head-floor", "0.9"]) == 0
+    assert "head floor 0.9" in load_config(tmp_path / "f_0.05.json").provenance.notes
+    assert json.loads((tmp_path / "f_frontier.json").read_text())["floor"] == 0.9
 
 
 # ---- the selection rule follows the candidates; damaged measurement files (review of session 22) ----

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from minference.kernels import _common as C
+from minference.kernels import block_sparse
 
 from minference import kernels
 from minference import reference as ref
@@ -302,10 +303,11 @@ def test_launch_fitted_builds_each_candidate_launch_and_runs_the_fitting_one(com
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("limit", [166_912, 101_376], ids=["a100", "100KB"])
-@pytest.mark.parametrize("which", ["ashape", "vertical_slash", "block_sparse"])
+@pytest.mark.parametrize("which", ["ashape", "vertical_slash", "block_sparse", "block_sparse@128"])
 def test_smaller_shared_memory_still_runs_and_matches(which, limit, monkeypatch):
     """The H200 forced to an A100's and a 100 KB budget (MINFERENCE_SMEM_LIMIT): each kernel at
-    D = 128, bf16, picks tiles that compile within it and still meets the tolerance rule."""
+    D = 128, bf16, picks tiles that compile within it and still meets the tolerance rule (block
+    128 runs 5 stages at full shared memory, so it must give stages up here)."""
     monkeypatch.setenv(C.SMEM_LIMIT_ENV, str(limit))
     monkeypatch.setattr(C, "_FITTED", {})
     shape = AttnShape(B=2, Hq=4, Hkv=2, N=700, D=128)
@@ -319,8 +321,15 @@ def test_smaller_shared_memory_still_runs_and_matches(which, limit, monkeypatch)
         vert = torch.randint(-1, 700, (2, 4, 40), generator=g, dtype=torch.int32)
         sl = torch.randint(-1, 700, (2, 4, 60), generator=g, dtype=torch.int32)
         run_and_check(p, kernels.vertical_slash_attention, ref.vertical_slash_attention, vert, sl, fill_gaps=383)
-    else:
+    elif which == "block_sparse":
         blocks = torch.randint(-1, 11, (2, 4, 11, 4), generator=g, dtype=torch.int32)
         run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=64)
+    else:
+        blocks = torch.randint(-1, 6, (2, 4, 6, 3), generator=g, dtype=torch.int32)
+        run_and_check(p, kernels.block_sparse_attention, ref.block_sparse_attention, blocks, block=128)
     fitted = [t for (name, _, _, lim), t in C._FITTED.items() if lim == limit]
     assert fitted, "the launch must have gone through fit_tiles"
+    if which == "block_sparse@128":
+        full = block_sparse.gpu_tiles(q, 128)
+        assert all(t.num_stages < full.num_stages for (name, _, _, _), t in C._FITTED.items()
+                   if name == "block_sparse"), (C._FITTED, full)
