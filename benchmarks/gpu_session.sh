@@ -22,7 +22,8 @@
 #              the model's file variable at it
 #   costs      benchmarks/calibrate_costs.py $COSTS_ARGS --out $OUT/costs.json (the frontier's cost table)
 #   search     minference search on $MODEL: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json
-#              (SEARCH_OUT overrides the name) and /tmp/m/
+#              (SEARCH_OUT overrides the name) and /tmp/m/, with any measurements saved as .json.gz
+#              (a call returns at most 8 files of $OUT: a family with its measurements needs PACK)
 #   eval       minference eval on $MODEL: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}, bounded by T_EVAL
 #              seconds (default 540), or with CALL_END=585 by what is left of 585 s since this script
 #              started (the stages before it vary; a cut eval leaves its checkpointed report); CUDA_GRAPHS=1 adds
@@ -161,7 +162,8 @@ for stage in ${STAGES:-install tests:gpu sanitize bench e2e}; do
                    && cp "$OUT/costs.json" /tmp/m/ ;;
         # shellcheck disable=SC2086
         search) app search "${T_SEARCH:-240}" python -m minference.app.cli search --model "$MODEL" --device cuda $SEARCH_ARGS \
-                    --out "$OUT/$SEARCH_OUT" && cp "$OUT"/*.json /tmp/m/ ;;
+                    --out "$OUT/$SEARCH_OUT" && cp "$OUT"/*.json /tmp/m/ \
+                    && { ls "$OUT"/*.json.gz >/dev/null 2>&1 && cp "$OUT"/*.json.gz /tmp/m/ || true; } ;;
         # shellcheck disable=SC2086
         eval) app "eval_${TAG:-run}" "${T_EVAL:-$([ -n "${CALL_END:-}" ] && echo $((CALL_END - SECONDS)) || echo 540)}" python -m minference.app.cli eval --model "$MODEL" --device cuda $EVAL_ARGS \
                   $([ "${CUDA_GRAPHS:-0}" = 1 ] && echo --cuda-graphs) \
