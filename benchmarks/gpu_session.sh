@@ -23,7 +23,7 @@
 #   costs      benchmarks/calibrate_costs.py $COSTS_ARGS --out $OUT/costs.json (the frontier's cost table)
 #   search     minference search on $MODEL: $SEARCH_ARGS, configs to $OUT/qwen_search_<min mass>.json
 #              (SEARCH_OUT overrides the name) and /tmp/m/, with any measurements saved as .json.gz
-#              (a call returns at most 8 files of $OUT: a family with its measurements needs PACK)
+#              (a call returns at most 8 files of $OUT: a family with its measurements is more; leave PACK on)
 #   eval       minference eval on $MODEL: $EVAL_ARGS, report to $OUT/eval_$TAG.{json,md,png}, bounded by T_EVAL
 #              seconds (default 540), or with CALL_END=585 by what is left of 585 s since this script
 #              started (the stages before it vary; a cut eval leaves its checkpointed report); CUDA_GRAPHS=1 adds

@@ -331,5 +331,5 @@ def test_smaller_shared_memory_still_runs_and_matches(which, limit, monkeypatch)
     assert fitted, "the launch must have gone through fit_tiles"
     if which == "block_sparse@128":
         full = block_sparse.gpu_tiles(q, 128)
-        assert all(t.num_stages < full.num_stages for (name, _, _, _), t in C._FITTED.items()
-                   if name == "block_sparse"), (C._FITTED, full)
+        bs = [t for (name, _, _, lim), t in C._FITTED.items() if name == "block_sparse" and lim == limit]
+        assert bs and all(t.block_m == 128 and t.num_stages < full.num_stages for t in bs), (C._FITTED, full)
