@@ -14,17 +14,26 @@ dense), so one NLL run measures each group's share:
 Each file's provenance notes say which layers kept the searched patterns. If the groups' ΔNLL add
 up to the whole config's, the damage is additive over layers and a per-layer weight in the proxy
 is the next step; if they do not, the layers interact.
+
+``--set-head LAYER HEAD PATTERN`` instead writes one config with that head's pattern replaced
+(``PATTERN`` a pattern's JSON, as ``minference eval --config`` takes it, or ``dense``): the test of a
+single head's share, e.g. whether one head explains a config's damage (docs/search.md, "The 0.5B at
+130K"):
+
+    python benchmarks/layer_ablation.py fixtures/configs/qwen2.5-coder-0.5b.json --out .stage/cfg/ablate \
+      --set-head 9 8 '{"kind": "a_shape", "sink": 128, "window": 16384}'
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
 from minference.config import ConfigError, PatternConfig, load_config
-from minference.patterns import Dense
+from minference.patterns import Dense, Pattern, pattern_from_dict, pattern_to_dict
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -49,20 +58,59 @@ def restrict(config: PatternConfig, first: int, last: int) -> PatternConfig:
     return dataclasses.replace(config, layers=layers, provenance=dataclasses.replace(config.provenance, notes=notes))
 
 
+def set_head(config: PatternConfig, layer: int, head: int, pattern: Pattern) -> PatternConfig:
+    """``config`` with head ``head`` of layer ``layer`` replaced by ``pattern`` (a note says so)."""
+    if not (0 <= layer < len(config.layers) and 0 <= head < len(config.layers[layer])):
+        raise ValueError(f"no head {head} in layer {layer}: the config has {len(config.layers)} layers of "
+                         f"{len(config.layers[0])} heads")
+    layers = [list(row) for row in config.layers]
+    was = layers[layer][head]
+    layers[layer][head] = pattern
+    note = (f"head ablation: layer {layer}, head {head} set to {json.dumps(pattern_to_dict(pattern))} "
+            f"(was {json.dumps(pattern_to_dict(was))})")
+    notes = f"{config.provenance.notes}; {note}" if config.provenance.notes else note
+    return dataclasses.replace(config, layers=layers, provenance=dataclasses.replace(config.provenance, notes=notes))
+
+
+def _pattern(text: str) -> Pattern:
+    if text == "dense":
+        return Dense()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--set-head PATTERN is not JSON ({err.msg}): {text!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--set-head PATTERN must be a JSON object or 'dense', got {text!r}")
+    return pattern_from_dict(data)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("config", help="a PatternConfig JSON (e.g. a frontier point)")
     parser.add_argument("--groups", type=int, default=4, help="contiguous layer groups (default 4)")
     parser.add_argument("--out", required=True, help="folder for the restricted configs")
+    parser.add_argument("--set-head", nargs=3, default=None, metavar=("LAYER", "HEAD", "PATTERN"),
+                        help="write one config with this head's pattern replaced (PATTERN: JSON or 'dense')")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config)
-        groups = layer_groups(len(config.layers), args.groups)
-    except (OSError, ConfigError, ValueError) as err:
+        if args.set_head is not None:
+            if not all(x.lstrip("-").isdigit() for x in args.set_head[:2]):
+                raise ValueError(f"--set-head LAYER HEAD must be integers, got {' '.join(args.set_head[:2])}")
+            layer, head = (int(x) for x in args.set_head[:2])
+            changed = set_head(config, layer, head, _pattern(args.set_head[2]))
+        else:
+            groups = layer_groups(len(config.layers), args.groups)
+    except (OSError, ConfigError, ValueError, TypeError) as err:
         print(f"layer_ablation: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.set_head is not None:
+        path = out / f"{Path(args.config).stem}_L{layer}H{head}.json"
+        changed.save(path)
+        print(f"L{layer}H{head}={path}")
+        return 0
     specs = []
     for first, last in groups:
         path = out / f"{Path(args.config).stem}_L{first}-{last}.json"

@@ -731,3 +731,30 @@ def test_layer_ablation_restricts_a_config_to_each_layer_group(tmp_path, capsys)
         assert part.model == config.model and f"layers {first}-{last} as searched" in part.provenance.notes
     assert ab.main([str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
     assert "layer_ablation:" in capsys.readouterr().err
+
+
+def test_layer_ablation_sets_one_head_and_refuses_a_bad_one_in_a_line(tmp_path, capsys):
+    """``--set-head L H PATTERN``: one config, that head replaced (JSON or 'dense'), every other head
+    as it was, a note naming the change; a head outside the config, non-integer coordinates or an
+    invalid pattern are refused in one line, writing nothing."""
+    spec = importlib.util.spec_from_file_location("layer_ablation", ROOT / "benchmarks" / "layer_ablation.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    src = ROOT / "fixtures" / "configs" / "qwen2.5-coder-0.5b.json"
+    config = load_config(src)
+    wide = '{"kind": "a_shape", "sink": 128, "window": 16384}'
+    assert ab.main([str(src), "--out", str(tmp_path), "--set-head", "9", "8", wide]) == 0
+    name, path = capsys.readouterr().out.strip().split("=", 1)
+    changed = load_config(path)
+    assert name == "L9H8" and changed.layers[9][8] == AShape(sink=128, window=16384)
+    assert all(changed.layers[l][h] == config.layers[l][h] for l in range(len(config.layers))
+               for h in range(len(config.layers[l])) if (l, h) != (9, 8))
+    assert "head ablation: layer 9, head 8" in changed.provenance.notes and changed.model == config.model
+    assert ab.main([path, "--out", str(tmp_path / "back"), "--set-head", "9", "8", "dense"]) == 0
+    assert load_config(capsys.readouterr().out.strip().split("=", 1)[1]).layers == config.layers
+    for bad, why in ((["30", "8", "dense"], "no head 8 in layer 30"), (["9", "x", "dense"], "must be integers"),
+                     (["9", "8", '{"kind": "a_shape", "sink": -1}'], "sink"), (["9", "8", "[1]"], "JSON object")):
+        assert ab.main([str(src), "--out", str(tmp_path / "bad"), "--set-head", *bad]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and why in err, err
+    assert not (tmp_path / "bad").exists()
