@@ -32,8 +32,9 @@ import json
 import sys
 from pathlib import Path
 
+from minference.app.evaluate import _parse_pattern
 from minference.config import ConfigError, PatternConfig, load_config
-from minference.patterns import Dense, Pattern, pattern_from_dict, pattern_to_dict
+from minference.patterns import Dense, Pattern, pattern_to_dict
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -50,12 +51,16 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
     return out
 
 
+def _with_layers(config: PatternConfig, layers: list, note: str) -> PatternConfig:
+    """``config`` with ``layers`` instead of its own, ``note`` appended to its provenance notes."""
+    notes = f"{config.provenance.notes}; {note}" if config.provenance.notes else note
+    return dataclasses.replace(config, layers=layers, provenance=dataclasses.replace(config.provenance, notes=notes))
+
+
 def restrict(config: PatternConfig, first: int, last: int) -> PatternConfig:
     """``config`` with its patterns kept in layers ``first .. last`` and :class:`Dense` elsewhere."""
     layers = [list(row) if first <= l <= last else [Dense()] * len(row) for l, row in enumerate(config.layers)]
-    note = f"layer ablation: layers {first}-{last} as searched, every other layer dense"
-    notes = f"{config.provenance.notes}; {note}" if config.provenance.notes else note
-    return dataclasses.replace(config, layers=layers, provenance=dataclasses.replace(config.provenance, notes=notes))
+    return _with_layers(config, layers, f"layer ablation: layers {first}-{last} as searched, every other layer dense")
 
 
 def set_head(config: PatternConfig, layer: int, head: int, pattern: Pattern) -> PatternConfig:
@@ -66,22 +71,8 @@ def set_head(config: PatternConfig, layer: int, head: int, pattern: Pattern) -> 
     layers = [list(row) for row in config.layers]
     was = layers[layer][head]
     layers[layer][head] = pattern
-    note = (f"head ablation: layer {layer}, head {head} set to {json.dumps(pattern_to_dict(pattern))} "
-            f"(was {json.dumps(pattern_to_dict(was))})")
-    notes = f"{config.provenance.notes}; {note}" if config.provenance.notes else note
-    return dataclasses.replace(config, layers=layers, provenance=dataclasses.replace(config.provenance, notes=notes))
-
-
-def _pattern(text: str) -> Pattern:
-    if text == "dense":
-        return Dense()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--set-head PATTERN is not JSON ({err.msg}): {text!r}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--set-head PATTERN must be a JSON object or 'dense', got {text!r}")
-    return pattern_from_dict(data)
+    return _with_layers(config, layers, f"head ablation: layer {layer}, head {head} set to "
+                        f"{json.dumps(pattern_to_dict(pattern))} (was {json.dumps(pattern_to_dict(was))})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             if not all(x.lstrip("-").isdigit() for x in args.set_head[:2]):
                 raise ValueError(f"--set-head LAYER HEAD must be integers, got {' '.join(args.set_head[:2])}")
             layer, head = (int(x) for x in args.set_head[:2])
-            changed = set_head(config, layer, head, _pattern(args.set_head[2]))
+            text = args.set_head[2]  # eval --config's pattern JSON (its parser), or dense
+            changed = set_head(config, layer, head, Dense() if text == "dense" else _parse_pattern(text))
         else:
             groups = layer_groups(len(config.layers), args.groups)
-    except (OSError, ConfigError, ValueError, TypeError) as err:
+    except (OSError, ConfigError, ValueError) as err:
         print(f"layer_ablation: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)

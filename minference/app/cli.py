@@ -379,6 +379,7 @@ OPTION_CHECKS = {
     "tokens": _int_at_least(2),
     "depth": _number_in(0.0, 1.0),
     "min_mass": _number_in(0.0, 1.0),
+    "head_floor": _number_in(0.0, 1.0),
     "target_density": _number_in(0.0, 1.0, open_low=True),
     "prompts": _int_at_least(1),
     "row_stride": _int_at_least(1),

@@ -753,7 +753,7 @@ def test_layer_ablation_sets_one_head_and_refuses_a_bad_one_in_a_line(tmp_path, 
     assert ab.main([path, "--out", str(tmp_path / "back"), "--set-head", "9", "8", "dense"]) == 0
     assert load_config(capsys.readouterr().out.strip().split("=", 1)[1]).layers == config.layers
     for bad, why in ((["30", "8", "dense"], "no head 8 in layer 30"), (["9", "x", "dense"], "must be integers"),
-                     (["9", "8", '{"kind": "a_shape", "sink": -1}'], "sink"), (["9", "8", "[1]"], "JSON object")):
+                     (["9", "8", '{"kind": "a_shape", "sink": -1}'], "sink"), (["9", "8", "[1]"], "is not a pattern")):
         assert ab.main([str(src), "--out", str(tmp_path / "bad"), "--set-head", *bad]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and why in err, err
