@@ -155,8 +155,11 @@ def index_key(pattern: Pattern) -> str | None:
 
 
 def fit_line(tiles: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``ms = intercept + slope * tiles`` with ``intercept >= 0`` (refit through
-    the origin when the free fit's intercept is negative; one point: through the origin)."""
+    """Least-squares ``ms = intercept + slope * tiles`` with ``intercept >= 0`` and ``slope >= 0``
+    (refit through the origin when the free fit's intercept is negative, as a constant, the mean
+    time, when its slope is: timing noise over tile counts too close to tell apart, as in the
+    interpreter at tiny lengths, must not price a tile below nothing; one point: through the
+    origin)."""
     if len(tiles) != len(ms) or not tiles:
         raise FrontierError(f"fit_line needs as many times as tile counts (at least one), got {len(tiles)} "
                             f"and {len(ms)}")
@@ -165,6 +168,8 @@ def fit_line(tiles: Sequence[float], ms: Sequence[float]) -> tuple[float, float]
     if len(tiles) > 1 and float(t.var()) > 0:
         slope = float(((t - t.mean()) * (y - y.mean())).sum() / ((t - t.mean()) ** 2).sum())
         intercept = float(y.mean() - slope * t.mean())
+        if slope < 0:
+            return float(y.mean()), 0.0
         if intercept >= 0:
             return intercept, slope
     return 0.0, float((t * y).sum() / (t * t).sum())

@@ -259,6 +259,9 @@ def test_fit_line():
     a, b = F.fit_line([10, 20, 40], [0.5, 1.9, 4.1])  # free fit's intercept < 0: through the origin
     assert a == 0.0 and b == pytest.approx((5 + 38 + 164) / (100 + 400 + 1600))
     assert F.fit_line([8], [2.0]) == (0.0, 0.25)
+    # times falling with the tile count (noise): no negative price per tile, the mean time instead
+    a, b = F.fit_line([10, 20, 40], [3.0, 2.0, 1.5])
+    assert a == pytest.approx(6.5 / 3) and b == 0.0
     with pytest.raises(F.FrontierError):
         F.fit_line([1, 2], [1.0])
 
