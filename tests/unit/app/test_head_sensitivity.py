@@ -1,0 +1,142 @@
+"""benchmarks/head_sensitivity.py: the ``--heads`` parser, bad input refused in one line before any
+model loads, and a real SmolLM2 run whose deltas match an independent NLL computation of the
+config with one head switched (portable backend, sparse from the first token)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from minference.app.evals import perplexity_ids
+from minference.app.evaluate import sequence_nll, uniform_config
+from minference.integration import patch, unpatch
+from minference.patterns import AShape, Dense, pattern_to_dict
+
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURES = ROOT / "fixtures" / "configs"
+N = 256
+#: Aggressive enough to change the NLL at N tokens on every head it replaces.
+PROBE = AShape(sink=4, window=16)
+
+
+@pytest.fixture(scope="module")
+def hs():
+    spec = importlib.util.spec_from_file_location("head_sensitivity", ROOT / "benchmarks" / "head_sensitivity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_heads_reads_pairs_in_layer_order_and_refuses_bad_ones_in_a_line(hs):
+    assert hs.parse_heads("all", 2, 3) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert hs.parse_heads("3:2,0:0", 4, 3) == [(0, 0), (3, 2)]
+    assert hs.parse_heads(" 1:1 , 0:2", 2, 3) == [(0, 2), (1, 1)]
+    for text, why in (("", "layer:head pairs"), ("0:0,", "layer:head pairs"), ("0-0", "layer:head pairs"),
+                      ("a:1", "layer:head pairs"), ("-1:0", "layer:head pairs"), ("0:0:0", "layer:head pairs"),
+                      ("4:0", "no such head"), ("0:3", "no such head"), ("1:1,1:1", "twice")):
+        with pytest.raises(ValueError, match=why) as err:
+            hs.parse_heads(text, 4, 3)
+        assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def no_model(hs, monkeypatch):
+    """The script's model loader fails the test if called."""
+    monkeypatch.setattr(hs, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+
+
+@pytest.mark.parametrize("argv, why", [
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "qwen2.5-coder-0.5b.json")], "they must match"),
+    ([str(FIXTURES / "smollm2-135m.json"), "{dir}/missing.json"], "missing.json"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "0:x"], "layer:head"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "30:0"], "no such head"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "0:9"], "no such head"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--tokens", "1"], "--tokens must"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--samples", "0"], "--samples must"),
+    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--tokens", "9000"], "exceeds"),
+    ([str(FIXTURES / "qwen2.5-coder-0.5b.json")] * 2, "made for"),  # a config of another model
+])
+def test_bad_input_is_refused_in_one_line_before_the_model_loads(hs, no_model, tmp_path, capsys, argv, why):
+    argv = [a.format(dir=tmp_path) for a in argv]
+    argv = argv + ([] if "--tokens" in argv else ["--tokens", str(N)])
+    assert hs.main([*argv, "--model", "smollm2", "--out", str(tmp_path / "r.json")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("head_sensitivity: ") and why in lines[0], captured.err
+    assert not captured.out and not (tmp_path / "r.json").exists()
+
+
+@pytest.fixture
+def run(hs, smollm2, tmp_path, monkeypatch, capsys):
+    """``run(base, probe, *flags)``: the script on the session's SmolLM2 (its loader returns the
+    loaded model; every ``sequence_nll`` call counted) at N tokens, 1 sample, sparse from the first
+    token, BASE and PROBE uniform configs of the two patterns; returns ``(result JSON, stdout,
+    stderr, forwards)``."""
+    model = smollm2[0]
+    loads: list[tuple] = []
+    forwards: list[int] = []
+    real_nll = hs.sequence_nll
+    monkeypatch.setattr(hs, "load_model", lambda name, **kw: (loads.append((name, kw)), smollm2)[1])
+    monkeypatch.setattr(hs, "sequence_nll", lambda *a, **kw: (forwards.append(1), real_nll(*a, **kw))[1])
+
+    def go(base, probe, *flags):
+        paths = [tmp_path / "base.json", tmp_path / "probe.json"]
+        for path, pattern in zip(paths, (base, probe)):
+            uniform_config(model, pattern).save(path)
+        forwards.clear()
+        out = tmp_path / "r.json"
+        assert hs.main([*map(str, paths), "--model", "smollm2", "--tokens", str(N), "--samples", "1",
+                        "--dense-threshold", "0", *flags, "--out", str(out)]) == 0
+        assert [name for name, _ in loads] == ["smollm2"] and str(loads[0][1]["device"]) == "cpu"
+        loads.clear()
+        captured = capsys.readouterr()
+        return json.loads(out.read_text()), captured.out, captured.err, len(forwards)
+
+    return go
+
+
+def test_each_delta_is_the_nll_change_of_switching_that_one_head(hs, smollm2, run):
+    """BASE all dense, PROBE an aggressive A-shape everywhere, two heads: two entries in layer
+    order, BASE's NLL is dense's, and each delta equals the NLL of BASE with that head set to the
+    A-shape (set_head, patched here) minus dense's, computed independently; one at least is not 0."""
+    result, out, err, forwards = run(Dense(), PROBE, "--heads", "3:2,0:0")
+    assert "2 heads to probe, 0 skipped" in err and "4 forwards" in err and forwards == 4
+    assert result["format"] == "minference.head_sensitivity" and result["version"] == 1 and result["complete"]
+    assert (result["model"], result["device"], result["tokens"], result["samples"], result["seed"]) == (
+        "smollm2", "cpu", N, 1, 0)
+    assert (result["dense_threshold"], result["dense_tail"], result["skipped"]) == (0, 0, 0)
+    assert "uniform" in result["base"]["notes"] and result["probe"]["path"].endswith("probe.json")
+    assert len(result["dense_nll"]) == 1 and result["dense_nll"] == result["base_nll"]
+    assert [(e["layer"], e["head"]) for e in result["heads"]] == [(0, 0), (3, 2)]
+    model, tokenizer = smollm2
+    ids = perplexity_ids(tokenizer, N, 0, seed=0)
+    dense = float(sequence_nll(model, ids).mean())
+    assert dense == result["dense_nll"][0]
+    base = uniform_config(model, Dense())
+    for e in result["heads"]:
+        assert e["base"] == pattern_to_dict(Dense()) and e["probe"] == pattern_to_dict(PROBE)
+        patch(model, hs.set_head(base, e["layer"], e["head"], PROBE), dense_threshold=0, backend="torch")
+        try:
+            probed = float(sequence_nll(model, ids).mean())
+        finally:
+            unpatch(model)
+        assert e["per_prompt"] == [pytest.approx(probed - dense, abs=1e-6)]
+        assert e["delta"] == pytest.approx(probed - dense, abs=1e-6)
+    assert any(abs(e["delta"]) > 1e-4 for e in result["heads"])
+    assert f"dense NLL {dense:.4f}, BASE NLL {dense:.4f} (+0.0000)" in out
+    rows = [line.split(" | ")[1:3] for line in out.splitlines() if line[:3] in ("| 1", "| 2", "| 3")]
+    ranked = sorted(result["heads"], key=lambda e: -e["delta"])  # the largest delta first
+    assert rows == [[str(e["layer"]), str(e["head"])] for e in ranked]
+    assert f"sum of all 2 deltas: {sum(e['delta'] for e in result['heads']):+.4f}" in out
+
+
+def test_a_probe_equal_to_base_skips_every_head(run):
+    """PROBE = BASE: every head skipped and counted, only the dense and BASE forwards run."""
+    result, out, err, forwards = run(PROBE, PROBE)
+    assert "0 heads to probe, 270 skipped" in err and forwards == 2
+    assert result["heads"] == [] and result["skipped"] == 30 * 9 and result["complete"]
+    assert result["base_nll"] != result["dense_nll"]  # the A-shape everywhere does run sparse
+    assert "sum of all 0 deltas: +0.0000" in out
