@@ -29,6 +29,13 @@ heads it measured; split a long run with ``--heads``.
 
 Cost: one forward per probed head per sample, plus a dense and a BASE forward per sample (all 336
 heads of the 0.5B at 130K, one sample: 338 forwards).
+
+``move`` turns a result into configs, no model needed: BASE with the measured heads moved to their
+PROBE pattern, least damage first, while the sum of the moved heads' deltas (a negative one counted
+as 0) stays within each ``--budget`` (nats against BASE, the prediction an NLL run then checks):
+
+    python benchmarks/head_sensitivity.py move fixtures/configs/qwen2.5-coder-0.5b.json .stage/q05_heads.json \
+      --budget 0.002 0.005 0.01 --out 'moved_{budget}.json'
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layer_ablation import set_head  # noqa: E402  (this folder's script, not a package)
+from layer_ablation import _with_layers, set_head  # noqa: E402  (this folder's script, not a package)
 
 from minference.app.evals import perplexity_ids  # noqa: E402
 from minference.app.evaluate import (  # noqa: E402
@@ -63,7 +70,7 @@ from minference.app.models import (  # noqa: E402
 )
 from minference.config import ConfigError, GuardSettings, model_signature  # noqa: E402
 from minference.integration import is_patched, patch, unpatch  # noqa: E402
-from minference.patterns import pattern_to_dict  # noqa: E402
+from minference.patterns import pattern_from_dict, pattern_to_dict  # noqa: E402
 
 FORMAT = "minference.head_sensitivity"
 VERSION = 1
@@ -145,8 +152,6 @@ def summary(result: dict) -> str:
     dense = sum(result["dense_nll"]) / len(result["dense_nll"])
     base = sum(result["base_nll"]) / len(result["base_nll"])
     heads = result["heads"]
-    from minference.patterns import pattern_from_dict
-
     lines = [f"## Head sensitivity: {result['model']}, {result['tokens']} tokens, {result['samples']} sample(s) "
              f"(seed {result['seed']})", "",
              f"BASE {result['base']['path']}, PROBE {result['probe']['path']}; dense threshold "
@@ -163,7 +168,80 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def read_result(path: str | Path) -> dict:
+    """A result JSON of this script; ``ValueError`` (one line) for anything else."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
+    if not isinstance(result, dict) or result.get("format") != FORMAT or result.get("version") != VERSION:
+        raise ValueError(f"{path} is not a {FORMAT} v{VERSION} result")
+    return result
+
+
+def move_heads(base, result: dict, budget: float):
+    """``(config, moved heads, predicted delta)``: ``base`` with the heads of ``result`` moved to
+    their PROBE pattern in order of measured delta (least first), while the sum of the moved heads'
+    deltas, each counted at least 0, stays ``<= budget``. Raises ``ValueError`` (one line) when
+    ``result`` was measured against another BASE (a head's recorded BASE pattern differs)."""
+    if not budget >= 0:
+        raise ValueError(f"--budget must be >= 0, got {budget}")
+    shape = [len(row) for row in base.layers]
+    for e in result["heads"]:
+        l, h = e["layer"], e["head"]
+        if not (0 <= l < len(shape) and 0 <= h < shape[l]):
+            raise ValueError(f"the result has layer {l}, head {h}; BASE has {len(shape)} layers of {max(shape)} heads")
+        if e["base"] != pattern_to_dict(base.layers[l][h]):
+            raise ValueError(f"the result was measured against another BASE: layer {l}, head {h} is "
+                             f"{json.dumps(e['base'])} there, {json.dumps(pattern_to_dict(base.layers[l][h]))} here")
+    layers = [list(row) for row in base.layers]
+    moved, total = [], 0.0
+    for e in sorted(result["heads"], key=lambda e: (e["delta"], e["layer"], e["head"])):
+        cost = max(e["delta"], 0.0)
+        if total + cost > budget:
+            break
+        layers[e["layer"]][e["head"]] = pattern_from_dict(e["probe"])
+        moved.append((e["layer"], e["head"]))
+        total += cost
+    note = (f"head moves: {len(moved)} of the {len(result['heads'])} heads measured by {FORMAT} "
+            f"({result['model']}, {result['tokens']} tokens, {result['samples']} sample(s), seed {result['seed']}; "
+            f"PROBE {result['probe']['path']}) moved to PROBE's pattern, least measured NLL change first, within "
+            f"budget {budget:g} nats; predicted change against BASE {total:+.4f} (the sum of the moved heads' "
+            f"changes, each at least 0)")
+    return _with_layers(base, layers, note), sorted(moved), total
+
+
+def move_main(argv: list[str]) -> int:
+    parser = _Parser(prog="head_sensitivity.py move", description="configs from a result: the least damaging "
+                     "heads moved to their PROBE pattern within each budget")
+    parser.add_argument("base", metavar="BASE", help="the BASE config the result was measured against")
+    parser.add_argument("result", metavar="RESULT", help="this script's result JSON")
+    parser.add_argument("--budget", type=float, nargs="+", required=True,
+                        help="sums of the moved heads' measured NLL changes, in nats (one config each)")
+    parser.add_argument("--out", required=True, help="output path; '{budget}' is replaced by each budget")
+    args = parser.parse_args(argv)
+    try:
+        if len(args.budget) > 1 and "{budget}" not in args.out:
+            raise ValueError(f"--out must contain '{{budget}}' for {len(args.budget)} budgets, got {args.out!r}")
+        base, result = _load_file_config(args.base), read_result(args.result)
+        configs = [move_heads(base, result, b) for b in args.budget]
+    except (ConfigError, OSError, ValueError) as err:
+        print(f"head_sensitivity: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    if not result.get("complete", False):
+        print(f"head_sensitivity: note: {args.result} is incomplete ({len(result['heads'])} heads measured): "
+              "only those can move", file=sys.stderr)
+    for budget, (config, moved, total) in zip(args.budget, configs):
+        path = Path(args.out.replace("{budget}", f"{budget:g}"))
+        config.save(path)
+        print(f"wrote {path}: {len(moved)} heads moved, predicted {total:+.4f} nats against BASE")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["move"]:
+        return move_main(argv[1:])
     start = time.perf_counter()
     parser = _Parser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("base", metavar="BASE", help="the PatternConfig every probe starts from")

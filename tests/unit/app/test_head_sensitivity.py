@@ -140,3 +140,69 @@ def test_a_probe_equal_to_base_skips_every_head(run):
     assert result["heads"] == [] and result["skipped"] == 30 * 9 and result["complete"]
     assert result["base_nll"] != result["dense_nll"]  # the A-shape everywhere does run sparse
     assert "sum of all 0 deltas: +0.0000" in out
+
+
+def _fake_result(base, deltas: dict, probe=PROBE) -> dict:
+    """A result of the script's format measured against ``base``: ``deltas`` maps (layer, head) to
+    the NLL change of moving that head to ``probe``."""
+    heads = [{"layer": l, "head": h, "base": pattern_to_dict(base.layers[l][h]), "probe": pattern_to_dict(probe),
+              "delta": d, "per_prompt": [d]} for (l, h), d in sorted(deltas.items())]
+    return {"format": "minference.head_sensitivity", "version": 1, "model": "smollm2", "device": "cpu",
+            "tokens": N, "samples": 1, "seed": 0, "dense_threshold": 0, "dense_tail": 0,
+            "base": {"path": "base.json", "notes": ""}, "probe": {"path": "probe.json", "notes": ""},
+            "dense_nll": [3.0], "base_nll": [3.0], "heads": heads, "skipped": 0, "wall_s": 1.0, "complete": True}
+
+
+def test_move_takes_the_least_damaging_heads_within_each_budget(hs):
+    """Heads move in order of measured change (a negative one costs 0) until the next would pass
+    the budget; every other head keeps BASE's pattern; the notes give the predicted change."""
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    result = _fake_result(base, {(0, 0): 0.003, (1, 2): -0.001, (2, 1): 0.001, (3, 0): 0.010})
+    cases = ((0.0, [(1, 2)], 0.0), (0.001, [(1, 2), (2, 1)], 0.001), (0.005, [(0, 0), (1, 2), (2, 1)], 0.004),
+             (1.0, [(0, 0), (1, 2), (2, 1), (3, 0)], 0.014))
+    for budget, moved, total in cases:
+        config, got, predicted = hs.move_heads(base, result, budget)
+        assert got == moved and predicted == pytest.approx(total)
+        for l, row in enumerate(config.layers):
+            for h, pattern in enumerate(row):
+                assert pattern == (PROBE if (l, h) in moved else base.layers[l][h]), (budget, l, h)
+        assert f"predicted change against BASE {total:+.4f}" in config.provenance.notes
+
+
+def test_move_refuses_a_result_of_another_base_in_one_line(hs):
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    result = _fake_result(base, {(2, 1): 0.001})
+    result["heads"][0]["base"] = pattern_to_dict(Dense())
+    with pytest.raises(ValueError, match="measured against another BASE: layer 2, head 1") as err:
+        hs.move_heads(base, result, 0.01)
+    assert "\n" not in str(err.value)
+
+
+def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys):
+    from minference.config import load_config
+
+    base_path = FIXTURES / "smollm2-135m.json"
+    base = load_config(base_path)
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps(_fake_result(base, {(0, 0): 0.002, (5, 3): 0.0})))
+    out = str(tmp_path / "m_{budget}.json")
+    assert hs.main(["move", str(base_path), str(result), "--budget", "0", "0.01", "--out", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats against BASE",
+                     f"wrote {tmp_path / 'm_0.01.json'}: 2 heads moved, predicted +0.0020 nats against BASE"]
+    assert load_config(tmp_path / "m_0.01.json").layers[0][0] == PROBE
+    assert load_config(tmp_path / "m_0.json").layers[0][0] == base.layers[0][0]
+    # two budgets need '{budget}' in --out; a file of another format is refused; one line each, nothing written
+    for argv, why in ((["--budget", "0", "0.01", "--out", str(tmp_path / "x.json")], "must contain"),
+                      (["--budget", "-1", "--out", str(tmp_path / "x.json")], "must be >= 0")):
+        assert hs.main(["move", str(base_path), str(result), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0]
+    result.write_text(json.dumps({"format": "something else"}))
+    assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "is not a minference.head_sensitivity v1 result" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
