@@ -24,8 +24,8 @@ A head whose PROBE pattern equals its BASE pattern is skipped (counted). ``--hea
 9:8,11:3`` restricts the run to those heads (default all). Patching is eval's (``_apply``): backend
 ``auto``, ``--dense-threshold``, ``--dense-tail``, the weights fingerprint checked once; the
 configs' quality guard is off (the measurement is the patterns' own damage). ``--out`` is
-rewritten after every config (``"complete": false`` until the last), so a run cut short keeps the
-heads it measured; split a long run with ``--heads``.
+rewritten (atomically) after every config (``"complete": false`` until the last), so a run cut short
+keeps the heads it measured, and ``move`` can use those.
 
 Cost: one forward per probed head per sample, plus a dense and a BASE forward per sample (all 336
 heads of the 0.5B at 130K, one sample: 338 forwards).
@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -54,6 +56,7 @@ from layer_ablation import _with_layers, set_head  # noqa: E402  (this folder's 
 
 from minference.app.evals import perplexity_ids  # noqa: E402
 from minference.app.evaluate import (  # noqa: E402
+    _apply,
     _context_limit,
     _load_file_config,
     _pattern_name,
@@ -69,7 +72,7 @@ from minference.app.models import (  # noqa: E402
     set_context_length,
 )
 from minference.config import ConfigError, GuardSettings, model_signature  # noqa: E402
-from minference.integration import is_patched, patch, unpatch  # noqa: E402
+from minference.integration import is_patched, unpatch  # noqa: E402
 from minference.patterns import pattern_from_dict, pattern_to_dict  # noqa: E402
 
 FORMAT = "minference.head_sensitivity"
@@ -113,6 +116,15 @@ def parse_heads(text: str, num_layers: int, num_heads: int) -> list[tuple[int, i
     return sorted(pairs)
 
 
+def _check_out(out: str, *inputs: str) -> None:
+    """Refuse (one line) an output path whose folder does not exist or that is one of ``inputs``."""
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise Refused(f"--out {out}: no folder {path.parent}")
+    if any(path.resolve() == Path(p).resolve() for p in inputs):
+        raise Refused(f"--out {out} would overwrite an input")
+
+
 def _check(args: argparse.Namespace):
     """Everything checkable before the model loads: ``(model name, device, base, probe, probed
     heads, skipped count)``; raises :class:`Refused` / ``ValueError`` (one line)."""
@@ -142,6 +154,7 @@ def _check(args: argparse.Namespace):
         check_config_model(base, name, hint=None)
     except ValueError as err:
         raise Refused(f"BASE {args.base} {err}") from None
+    _check_out(args.out, args.base, args.probe)
     heads = parse_heads(args.heads, len(base.layers), max(shape(base)))
     probed = [(l, h) for l, h in heads if probe.layers[l][h] != base.layers[l][h]]
     return name, device, base, probe, probed, len(heads) - len(probed)
@@ -176,6 +189,13 @@ def read_result(path: str | Path) -> dict:
         raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
     if not isinstance(result, dict) or result.get("format") != FORMAT or result.get("version") != VERSION:
         raise ValueError(f"{path} is not a {FORMAT} v{VERSION} result")
+    for i, e in enumerate(result.get("heads", [])):
+        missing = {"layer", "head", "base", "probe", "delta"} - set(e)
+        if missing:
+            raise ValueError(f"{path}: heads[{i}] lacks {', '.join(sorted(missing))}")
+        if not isinstance(e["delta"], (int, float)) or not math.isfinite(e["delta"]):
+            raise ValueError(f"{path}: layer {e['layer']}, head {e['head']} has a non-finite NLL change "
+                             f"({e['delta']}): measure it again")
     return result
 
 
@@ -184,8 +204,8 @@ def move_heads(base, result: dict, budget: float):
     their PROBE pattern in order of measured delta (least first), while the sum of the moved heads'
     deltas, each counted at least 0, stays ``<= budget``. Raises ``ValueError`` (one line) when
     ``result`` was measured against another BASE (a head's recorded BASE pattern differs)."""
-    if not budget >= 0:
-        raise ValueError(f"--budget must be >= 0, got {budget}")
+    if not 0 <= budget < math.inf:
+        raise ValueError(f"--budget must be finite and >= 0, got {budget}")
     shape = [len(row) for row in base.layers]
     for e in result["heads"]:
         l, h = e["layer"], e["head"]
@@ -198,7 +218,7 @@ def move_heads(base, result: dict, budget: float):
     moved, total = [], 0.0
     for e in sorted(result["heads"], key=lambda e: (e["delta"], e["layer"], e["head"])):
         cost = max(e["delta"], 0.0)
-        if total + cost > budget:
+        if total + cost > budget + 1e-12:  # a sum of decimal deltas that equals the budget still fits
             break
         layers[e["layer"]][e["head"]] = pattern_from_dict(e["probe"])
         moved.append((e["layer"], e["head"]))
@@ -223,6 +243,8 @@ def move_main(argv: list[str]) -> int:
     try:
         if len(args.budget) > 1 and "{budget}" not in args.out:
             raise ValueError(f"--out must contain '{{budget}}' for {len(args.budget)} budgets, got {args.out!r}")
+        for b in args.budget:
+            _check_out(args.out.replace("{budget}", f"{b:g}"), args.base, args.result)
         base, result = _load_file_config(args.base), read_result(args.result)
         configs = [move_heads(base, result, b) for b in args.budget]
     except (ConfigError, OSError, ValueError) as err:
@@ -231,6 +253,8 @@ def move_main(argv: list[str]) -> int:
     if not result.get("complete", False):
         print(f"head_sensitivity: note: {args.result} is incomplete ({len(result['heads'])} heads measured): "
               "only those can move", file=sys.stderr)
+        configs = [(_with_layers(c, c.layers, f"the result was incomplete: {len(result['heads'])} heads measured"),
+                    m, t) for c, m, t in configs]
     for budget, (config, moved, total) in zip(args.budget, configs):
         path = Path(args.out.replace("{budget}", f"{budget:g}"))
         config.save(path)
@@ -291,17 +315,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         result["wall_s"] = round(time.perf_counter() - start, 3)
-        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        part = out.with_name(out.name + ".part")
+        part.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        os.replace(part, out)  # a call killed mid-write leaves the previous complete file
 
     bar = tqdm(total=forwards, desc="head_sensitivity", unit="forward")
 
     def nll(config, label: str) -> list[float]:
         """Mean NLL per prompt of ``config`` (``None``: the unpatched model)."""
-        if is_patched(model):
-            unpatch(model)
-        if config is not None:
-            patch(model, config, dense_threshold=args.dense_threshold, backend="auto", check_fingerprint=False,
-                  dense_tail=args.dense_tail, guard=GUARD_OFF)
+        _apply(model, config, args.dense_threshold, "auto", False, args.dense_tail, guard=GUARD_OFF)  # eval's patching
         bar.set_postfix_str(label)
         values = []
         for ids in prompts:

@@ -20,6 +20,8 @@ FIXTURES = ROOT / "fixtures" / "configs"
 N = 256
 #: Aggressive enough to change the NLL at N tokens on every head it replaces.
 PROBE = AShape(sink=4, window=16)
+#: A milder BASE: sparse at N tokens, so BASE's NLL is not dense's.
+MILD = AShape(sink=4, window=96)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +60,14 @@ def no_model(hs, monkeypatch):
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--samples", "0"], "--samples must"),
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--tokens", "9000"], "exceeds"),
     ([str(FIXTURES / "qwen2.5-coder-0.5b.json")] * 2, "made for"),  # a config of another model
+    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--out", "{dir}/no/r.json"], "no folder"),
+    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--out", str(FIXTURES / "smollm2-135m.json")], "overwrite an input"),
 ])
 def test_bad_input_is_refused_in_one_line_before_the_model_loads(hs, no_model, tmp_path, capsys, argv, why):
     argv = [a.format(dir=tmp_path) for a in argv]
     argv = argv + ([] if "--tokens" in argv else ["--tokens", str(N)])
-    assert hs.main([*argv, "--model", "smollm2", "--out", str(tmp_path / "r.json")]) == 2
+    argv = argv + ([] if "--out" in argv else ["--out", str(tmp_path / "r.json")])
+    assert hs.main([*argv, "--model", "smollm2"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("head_sensitivity: ") and why in lines[0], captured.err
@@ -99,34 +104,40 @@ def run(hs, smollm2, tmp_path, monkeypatch, capsys):
 
 
 def test_each_delta_is_the_nll_change_of_switching_that_one_head(hs, smollm2, run):
-    """BASE all dense, PROBE an aggressive A-shape everywhere, two heads: two entries in layer
-    order, BASE's NLL is dense's, and each delta equals the NLL of BASE with that head set to the
-    A-shape (set_head, patched here) minus dense's, computed independently; one at least is not 0."""
-    result, out, err, forwards = run(Dense(), PROBE, "--heads", "3:2,0:0")
+    """BASE a mild A-shape everywhere (so its NLL is not dense's), PROBE an aggressive one, two
+    heads: two entries in layer order, and each delta equals the NLL of BASE with that head set to
+    the aggressive A-shape (set_head, patched here) minus BASE's own, both computed independently;
+    one at least is not 0."""
+    result, out, err, forwards = run(MILD, PROBE, "--heads", "3:2,0:0")
     assert "2 heads to probe, 0 skipped" in err and "4 forwards" in err and forwards == 4
     assert result["format"] == "minference.head_sensitivity" and result["version"] == 1 and result["complete"]
     assert (result["model"], result["device"], result["tokens"], result["samples"], result["seed"]) == (
         "smollm2", "cpu", N, 1, 0)
     assert (result["dense_threshold"], result["dense_tail"], result["skipped"]) == (0, 0, 0)
     assert "uniform" in result["base"]["notes"] and result["probe"]["path"].endswith("probe.json")
-    assert len(result["dense_nll"]) == 1 and result["dense_nll"] == result["base_nll"]
     assert [(e["layer"], e["head"]) for e in result["heads"]] == [(0, 0), (3, 2)]
     model, tokenizer = smollm2
     ids = perplexity_ids(tokenizer, N, 0, seed=0)
     dense = float(sequence_nll(model, ids).mean())
-    assert dense == result["dense_nll"][0]
-    base = uniform_config(model, Dense())
-    for e in result["heads"]:
-        assert e["base"] == pattern_to_dict(Dense()) and e["probe"] == pattern_to_dict(PROBE)
-        patch(model, hs.set_head(base, e["layer"], e["head"], PROBE), dense_threshold=0, backend="torch")
+    base = uniform_config(model, MILD)
+
+    def nll(config) -> float:
+        patch(model, config, dense_threshold=0, backend="torch")
         try:
-            probed = float(sequence_nll(model, ids).mean())
+            return float(sequence_nll(model, ids).mean())
         finally:
             unpatch(model)
-        assert e["per_prompt"] == [pytest.approx(probed - dense, abs=1e-6)]
-        assert e["delta"] == pytest.approx(probed - dense, abs=1e-6)
+
+    base_nll = nll(base)
+    assert result["dense_nll"] == [dense] and result["base_nll"] == [pytest.approx(base_nll, abs=1e-6)]
+    assert abs(base_nll - dense) > 1e-4  # BASE runs sparse: a delta taken against dense would differ
+    for e in result["heads"]:
+        assert e["base"] == pattern_to_dict(MILD) and e["probe"] == pattern_to_dict(PROBE)
+        probed = nll(hs.set_head(base, e["layer"], e["head"], PROBE))
+        assert e["per_prompt"] == [pytest.approx(probed - base_nll, abs=1e-6)]
+        assert e["delta"] == pytest.approx(probed - base_nll, abs=1e-6)
     assert any(abs(e["delta"]) > 1e-4 for e in result["heads"])
-    assert f"dense NLL {dense:.4f}, BASE NLL {dense:.4f} (+0.0000)" in out
+    assert f"dense NLL {dense:.4f}, BASE NLL {base_nll:.4f} ({base_nll - dense:+.4f})" in out
     rows = [line.split(" | ")[1:3] for line in out.splitlines() if line[:3] in ("| 1", "| 2", "| 3")]
     ranked = sorted(result["heads"], key=lambda e: -e["delta"])  # the largest delta first
     assert rows == [[str(e["layer"]), str(e["head"])] for e in ranked]
@@ -171,6 +182,15 @@ def test_move_takes_the_least_damaging_heads_within_each_budget(hs):
         assert f"predicted change against BASE {total:+.4f}" in config.provenance.notes
 
 
+def test_move_fits_a_sum_of_decimal_deltas_equal_to_the_budget(hs):
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    result = _fake_result(base, {(l, 0): 0.001 for l in range(10)})  # their float sum is 0.009999999999999998
+    assert len(hs.move_heads(base, result, 0.01)[1]) == 10
+    assert len(hs.move_heads(base, result, 0.0099)[1]) == 9
+
+
 def test_move_refuses_a_result_of_another_base_in_one_line(hs):
     from minference.config import load_config
 
@@ -198,10 +218,24 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     assert load_config(tmp_path / "m_0.json").layers[0][0] == base.layers[0][0]
     # two budgets need '{budget}' in --out; a file of another format is refused; one line each, nothing written
     for argv, why in ((["--budget", "0", "0.01", "--out", str(tmp_path / "x.json")], "must contain"),
-                      (["--budget", "-1", "--out", str(tmp_path / "x.json")], "must be >= 0")):
+                      (["--budget", "-1", "--out", str(tmp_path / "x.json")], "finite and >= 0"),
+                      (["--budget", "inf", "--out", str(tmp_path / "x.json")], "finite and >= 0")):
         assert hs.main(["move", str(base_path), str(result), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0]
+    bad = _fake_result(base, {(0, 0): 0.002})
+    bad["heads"][0]["delta"] = float("nan")  # json writes NaN; a NaN would move every later head
+    result.write_text(json.dumps(bad))
+    assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "layer 0, head 0 has a non-finite NLL change" in capsys.readouterr().err
+    assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(base_path)]) == 2
+    assert "would overwrite an input" in capsys.readouterr().err
+    partial = _fake_result(base, {(0, 0): 0.002})
+    partial["complete"] = False
+    result.write_text(json.dumps(partial))
+    assert hs.main(["move", str(base_path), str(result), "--budget", "1", "--out", str(tmp_path / "p.json")]) == 0
+    assert "is incomplete (1 heads measured)" in capsys.readouterr().err
+    assert "the result was incomplete: 1 heads measured" in load_config(tmp_path / "p.json").provenance.notes
     result.write_text(json.dumps({"format": "something else"}))
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "is not a minference.head_sensitivity v1 result" in capsys.readouterr().err
