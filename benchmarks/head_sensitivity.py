@@ -54,11 +54,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_ablation import _with_layers, set_head  # noqa: E402  (this folder's script, not a package)
 
+from minference.app.cli import check_arguments, check_output_file  # noqa: E402
 from minference.app.evals import perplexity_ids  # noqa: E402
 from minference.app.evaluate import (  # noqa: E402
     _apply,
     _context_limit,
     _load_file_config,
+    _one_line,
     _pattern_name,
     sequence_nll,
 )
@@ -116,35 +118,27 @@ def parse_heads(text: str, num_layers: int, num_heads: int) -> list[tuple[int, i
     return sorted(pairs)
 
 
-def _check_out(out: str, *inputs: str) -> None:
-    """Refuse (one line) an output path whose folder does not exist or that is one of ``inputs``."""
-    path = Path(out)
-    if not path.parent.is_dir():
-        raise Refused(f"--out {out}: no folder {path.parent}")
-    if any(path.resolve() == Path(p).resolve() for p in inputs):
+def _not_an_input(out: str, *inputs: str) -> None:
+    """Refuse (one line) an output path that is one of ``inputs``."""
+    if any(Path(out).resolve() == Path(p).resolve() for p in inputs):
         raise Refused(f"--out {out} would overwrite an input")
 
 
-def _check(args: argparse.Namespace):
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Everything checkable before the model loads: ``(model name, device, base, probe, probed
-    heads, skipped count)``; raises :class:`Refused` / ``ValueError`` (one line)."""
-    for name, minimum in (("tokens", 2), ("samples", 1), ("seed", 0), ("dense_tail", 0)):
-        if getattr(args, name) < minimum:
-            raise Refused(f"--{name.replace('_', '-')} must be >= {minimum}, got {getattr(args, name)}")
-    if args.dense_threshold is not None and args.dense_threshold < 0:
-        raise Refused(f"--dense-threshold must be >= 0, got {args.dense_threshold}")
+    heads, skipped count)``; raises :class:`Refused` / ``ValueError`` (one line). The options the
+    ``minference`` commands share (``--tokens``, ``--seed``, ``--device``, ``--out``, ...) get
+    their checks (:func:`minference.app.cli.check_arguments`)."""
+    check_arguments(parser, args)
+    if args.samples < 1:
+        raise Refused(f"argument --samples: must be >= 1, got {args.samples}")
     name = canonical_model(args.model)
     if args.model_path is not None and not is_qwen(name):
         raise Refused(f"--model-path is for the qwen models; {name} loads from its package")
     limit, limit_text = _context_limit(name, native_context(name), False)
     if args.tokens > limit:
         raise Refused(f"--tokens {args.tokens} exceeds {limit_text}")
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, TypeError) as err:
-        raise Refused(f"unknown device {args.device!r}: {' '.join(str(err).split())}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise Refused(f"--device {args.device}: CUDA is not available here")
+    device = torch.device(args.device)
     base, probe = _load_file_config(args.base), _load_file_config(args.probe)  # one line naming the file
     shape = lambda c: [len(row) for row in c.layers]  # noqa: E731
     if shape(base) != shape(probe):
@@ -154,7 +148,7 @@ def _check(args: argparse.Namespace):
         check_config_model(base, name, hint=None)
     except ValueError as err:
         raise Refused(f"BASE {args.base} {err}") from None
-    _check_out(args.out, args.base, args.probe)
+    _not_an_input(args.out, args.base, args.probe)
     heads = parse_heads(args.heads, len(base.layers), max(shape(base)))
     probed = [(l, h) for l, h in heads if probe.layers[l][h] != base.layers[l][h]]
     return name, device, base, probe, probed, len(heads) - len(probed)
@@ -244,11 +238,12 @@ def move_main(argv: list[str]) -> int:
         if len(args.budget) > 1 and "{budget}" not in args.out:
             raise ValueError(f"--out must contain '{{budget}}' for {len(args.budget)} budgets, got {args.out!r}")
         for b in args.budget:
-            _check_out(args.out.replace("{budget}", f"{b:g}"), args.base, args.result)
+            path = check_output_file(args.out.replace("{budget}", f"{b:g}"))  # the CLI's check of a file to write
+            _not_an_input(path, args.base, args.result)
         base, result = _load_file_config(args.base), read_result(args.result)
         configs = [move_heads(base, result, b) for b in args.budget]
     except (ConfigError, OSError, ValueError) as err:
-        print(f"head_sensitivity: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
     if not result.get("complete", False):
         print(f"head_sensitivity: note: {args.result} is incomplete ({len(result['heads'])} heads measured): "
@@ -283,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the result JSON (rewritten after every config)")
     args = parser.parse_args(argv)
     try:
-        name, device, base, probe, probed, skipped = _check(args)
+        name, device, base, probe, probed, skipped = _check(parser, args)
     except (ConfigError, OSError, ValueError) as err:
-        print(f"head_sensitivity: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
     forwards = args.samples * (2 + len(probed))
     print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE), {args.samples} "
@@ -299,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the weights fingerprint too, once (as eval's resolve_config)
         base.check(model_signature(model))
     except ValueError as err:  # ConfigMismatchError
-        print(f"head_sensitivity: BASE {args.base} was made for another model: {' '.join(str(err).split())}",
+        print(f"head_sensitivity: BASE {args.base} was made for another model: {_one_line(str(err))}",
               file=sys.stderr)
         return 2
     prompts = [perplexity_ids(tokenizer, args.tokens, i, seed=args.seed) for i in range(args.samples)]

@@ -56,11 +56,11 @@ def no_model(hs, monkeypatch):
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "0:x"], "layer:head"),
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "30:0"], "no such head"),
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--heads", "0:9"], "no such head"),
-    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--tokens", "1"], "--tokens must"),
-    ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--samples", "0"], "--samples must"),
+    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--tokens", "1"], "argument --tokens: must be >= 2"),
+    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--samples", "0"], "argument --samples: must be >= 1"),
     ([str(FIXTURES / "smollm2-135m.json"), str(FIXTURES / "smollm2-135m.json"), "--tokens", "9000"], "exceeds"),
     ([str(FIXTURES / "qwen2.5-coder-0.5b.json")] * 2, "made for"),  # a config of another model
-    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--out", "{dir}/no/r.json"], "no folder"),
+    ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--out", "{dir}/no/r.json"], "does not exist"),
     ([str(FIXTURES / "smollm2-135m.json")] * 2 + ["--out", str(FIXTURES / "smollm2-135m.json")], "overwrite an input"),
 ])
 def test_bad_input_is_refused_in_one_line_before_the_model_loads(hs, no_model, tmp_path, capsys, argv, why):
