@@ -30,12 +30,34 @@ keeps the heads it measured, and ``move`` can use those.
 Cost: one forward per probed head per sample, plus a dense and a BASE forward per sample (all 336
 heads of the 0.5B at 130K, one sample: 338 forwards).
 
+NLL on prose does not see every head that matters: on the 0.5B at 128K, configs whose measured NLL
+equalled dense's lost RULER's multi-query needles (docs/search.md, session 33). ``--answers DIR``
+measures another objective on a RULER prompt set (``minference ruler generate``): the reference
+answer appended to each prompt and scored teacher-forced, the value of a prompt being the summed
+NLL of the answer's tokens (nats per answer, the log-probability of the whole answer: the ``--answers``
+result's deltas are in these units). The target text is a space and the references joined by
+", " for RULER's ``string_match_all`` tasks, a space and the first reference for
+``string_match_part``; the model's own wording may differ (a numbered list, say), which shifts every
+config's value alike. ``--tokens`` is the set's RULER length, ``--tasks`` (default
+``niah_multiquery,niah_multikey_2``) its tasks, ``--samples`` the prompts of each task; the answer
+tokens fall in the ``--dense-tail`` as decoding would read them densely:
+
+    python benchmarks/head_sensitivity.py fixtures/configs/qwen2.5-coder-0.5b.json p_1.json --model qwen0.5b \
+      --device cuda --answers .stage/ruler/r128 --tokens 131072 --samples 1 --dense-tail 128 --out answers.json
+
 ``move`` turns a result into configs, no model needed: BASE with the measured heads moved to their
 PROBE pattern, least damage first, while the sum of the moved heads' deltas (a negative one counted
 as 0) stays within each ``--budget`` (nats against BASE, the prediction an NLL run then checks):
 
     python benchmarks/head_sensitivity.py move fixtures/configs/qwen2.5-coder-0.5b.json .stage/q05_heads.json \
       --budget 0.002 0.005 0.01 --out 'moved_{budget}.json'
+
+With several results (say the NLL one and an ``--answers`` one, measured against the same BASE and
+PROBE), each ``--budget`` item gives one budget per result, joined by commas (``0.012,0.5``; in
+``{budget}``, by ``_``): only heads every result measured can move, ranked by their largest share
+of a budget (each delta, counted at least 0, over its result's budget), and a head moves when every
+result's sum stays within its budget (one that does not fit is passed over, and smaller ones after
+it may still move).
 """
 
 from __future__ import annotations
@@ -47,6 +69,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -73,6 +96,7 @@ from minference.app.models import (  # noqa: E402
     native_context,
     set_context_length,
 )
+from minference.app.ruler import RulerError, load_prompt_set  # noqa: E402
 from minference.config import ConfigError, GuardSettings, model_signature  # noqa: E402
 from minference.integration import is_patched, unpatch  # noqa: E402
 from minference.patterns import pattern_from_dict, pattern_to_dict  # noqa: E402
@@ -84,6 +108,11 @@ TOP = 20
 #: What patch runs without a quality guard (a config's own guard would repair what is measured).
 GUARD_OFF = GuardSettings(mode="off")
 _PAIR = re.compile(r"^(\d+):(\d+)$")
+#: The two objectives: mean next-token NLL of prose prompts, summed NLL of RULER reference answers.
+OBJECTIVES = ("perplexity", "answers")
+#: ``--answers``' tasks unless ``--tasks`` says otherwise: the multi-needle ones NLL does not see.
+ANSWER_TASKS = "niah_multiquery,niah_multikey_2"
+UNITS = {"perplexity": "nats per token", "answers": "nats per answer"}
 
 
 class Refused(ValueError):
@@ -124,11 +153,49 @@ def _not_an_input(out: str, *inputs: str) -> None:
         raise Refused(f"--out {out} would overwrite an input")
 
 
+def answer_text(metric: str, answers) -> str:
+    """The teacher-forced target of a RULER prompt (``--answers``): a space and the references
+    joined by ", " for ``string_match_all`` (every reference counts), a space and the first one for
+    ``string_match_part`` (any one counts)."""
+    if metric == "string_match_all":
+        return " " + ", ".join(answers)
+    if metric == "string_match_part":
+        return " " + answers[0]
+    raise ValueError(f"no answer target for RULER metric {metric!r}")
+
+
+def _check_answers(args: argparse.Namespace):
+    """``--answers``' prompt set and tasks, checked before the model loads: ``(PromptSet, tasks)``,
+    or ``None`` without ``--answers``; raises :class:`Refused` (one line)."""
+    if args.answers is None:
+        if args.tasks is not None:
+            raise Refused("--tasks chooses --answers' RULER tasks: give --answers DIR too")
+        return None
+    try:
+        prompt_set = load_prompt_set(args.answers)
+    except (RulerError, OSError, ValueError) as err:
+        raise Refused(f"--answers: {err}") from None
+    if args.tokens not in prompt_set.lengths:
+        raise Refused(f"--tokens {args.tokens}: {args.answers} has RULER lengths {prompt_set.lengths}")
+    tasks = [t.strip() for t in (args.tasks or ANSWER_TASKS).split(",")]
+    for task in tasks:
+        have = prompt_set.available(task, args.tokens)
+        if not have:
+            raise Refused(f"--tasks {task}: {args.answers} has no prompts of it at {args.tokens} (tasks there: "
+                          f"{', '.join(t for t in prompt_set.tasks if prompt_set.available(t, args.tokens))})")
+        if have < args.samples:
+            raise Refused(f"--samples {args.samples}: {args.answers} has {have} prompts of {task} at {args.tokens}")
+    if len(set(tasks)) != len(tasks):
+        raise Refused(f"--tasks names a task twice: {args.tasks}")
+    return prompt_set, tasks
+
+
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """Everything checkable before the model loads: ``(model name, device, base, probe, probed
-    heads, skipped count)``; raises :class:`Refused` / ``ValueError`` (one line). The options the
-    ``minference`` commands share (``--tokens``, ``--seed``, ``--device``, ``--out``, ...) get
-    their checks (:func:`minference.app.cli.check_arguments`)."""
+    heads, skipped count, answers)`` (``answers``: :func:`_check_answers`); raises
+    :class:`Refused` / ``ValueError`` (one line). The options the ``minference`` commands share
+    (``--tokens``, ``--seed``, ``--device``, ``--out``, ...) get their checks
+    (:func:`minference.app.cli.check_arguments`)."""
     check_arguments(parser, args)
     if args.samples < 1:
         raise Refused(f"argument --samples: must be >= 1, got {args.samples}")
@@ -151,7 +218,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     _not_an_input(args.out, args.base, args.probe)
     heads = parse_heads(args.heads, len(base.layers), max(shape(base)))
     probed = [(l, h) for l, h in heads if probe.layers[l][h] != base.layers[l][h]]
-    return name, device, base, probe, probed, len(heads) - len(probed)
+    return name, device, base, probe, probed, len(heads) - len(probed), _check_answers(args)
 
 
 def summary(result: dict) -> str:
@@ -159,8 +226,13 @@ def summary(result: dict) -> str:
     dense = sum(result["dense_nll"]) / len(result["dense_nll"])
     base = sum(result["base_nll"]) / len(result["base_nll"])
     heads = result["heads"]
-    lines = [f"## Head sensitivity: {result['model']}, {result['tokens']} tokens, {result['samples']} sample(s) "
-             f"(seed {result['seed']})", "",
+    objective = objective_of(result)
+    what = (f"{result['tokens']} tokens, {result['samples']} sample(s) (seed {result['seed']})"
+            if objective == "perplexity" else
+            f"RULER answers at {result['tokens']}: {', '.join(result.get('prompts', []))} "
+            f"({result['answers']['prompts']})")
+    lines = [f"## Head sensitivity: {result['model']}, {what}", "",
+             f"objective {objective}: NLL in {UNITS[objective]}, mean over the prompts", "",
              f"BASE {result['base']['path']}, PROBE {result['probe']['path']}; dense threshold "
              f"{result['dense_threshold']}, dense tail {result['dense_tail']}", "",
              f"dense NLL {dense:.4f}, BASE NLL {base:.4f} ({base - dense:+.4f}); {len(heads)} heads probed, "
@@ -171,8 +243,13 @@ def summary(result: dict) -> str:
         names = [_pattern_name(pattern_from_dict(e[k])) for k in ("base", "probe")]
         names = ["dense" if n == "dense-pattern" else n for n in names]
         lines.append(f"| {rank} | {e['layer']} | {e['head']} | {names[0]} | {names[1]} | {e['delta']:+.4f} |")
-    lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} nats"]
+    lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
     return "\n".join(lines)
+
+
+def objective_of(result: dict) -> str:
+    """A result's objective; one written before ``--answers`` existed has none: perplexity."""
+    return result.get("objective", "perplexity")
 
 
 def read_result(path: str | Path) -> dict:
@@ -183,6 +260,8 @@ def read_result(path: str | Path) -> dict:
         raise ValueError(f"cannot read {path}: {' '.join(str(err).split())}") from None
     if not isinstance(result, dict) or result.get("format") != FORMAT or result.get("version") != VERSION:
         raise ValueError(f"{path} is not a {FORMAT} v{VERSION} result")
+    if objective_of(result) not in OBJECTIVES:
+        raise ValueError(f"{path} has an unknown objective {result['objective']!r} (known: {', '.join(OBJECTIVES)})")
     for i, e in enumerate(result.get("heads", [])):
         missing = {"layer", "head", "base", "probe", "delta"} - set(e)
         if missing:
@@ -193,67 +272,119 @@ def read_result(path: str | Path) -> dict:
     return result
 
 
-def move_heads(base, result: dict, budget: float):
-    """``(config, moved heads, predicted delta)``: ``base`` with the heads of ``result`` moved to
-    their PROBE pattern in order of measured delta (least first), while the sum of the moved heads'
-    deltas, each counted at least 0, stays ``<= budget``. Raises ``ValueError`` (one line) when
-    ``result`` was measured against another BASE (a head's recorded BASE pattern differs)."""
-    if not 0 <= budget < math.inf:
-        raise ValueError(f"--budget must be finite and >= 0, got {budget}")
+def _share(delta: float, budget: float) -> float:
+    """A head's share of one result's budget: its delta counted at least 0, over the budget."""
+    cost = max(delta, 0.0)
+    if cost == 0.0:
+        return 0.0
+    return math.inf if budget == 0 else cost / budget
+
+
+def move_heads(base, results: Sequence[dict], budgets: Sequence[float]):
+    """``(config, moved heads, predicted deltas)``: ``base`` with heads moved to their PROBE
+    pattern, one budget per result (``budgets[i]`` bounds the sum of ``results[i]``'s deltas of
+    the moved heads, each counted at least 0; the predicted deltas are those sums). Only heads
+    every result measured can move; they are taken in order of their largest share of a budget
+    (least first) and move when every sum stays within its budget. With one result that is its
+    heads in order of delta until the next would pass the budget. Raises ``ValueError`` (one line)
+    when a result was measured against another BASE (a head's recorded BASE pattern differs), two
+    results probe a head with different patterns, or a budget is negative or not finite."""
+    if len(results) != len(budgets) or not results:
+        raise ValueError(f"one budget per result: {len(results)} result(s), {len(budgets)} budget(s)")
+    for budget in budgets:
+        if not 0 <= budget < math.inf:
+            raise ValueError(f"--budget must be finite and >= 0, got {budget}")
     shape = [len(row) for row in base.layers]
-    for e in result["heads"]:
-        l, h = e["layer"], e["head"]
-        if not (0 <= l < len(shape) and 0 <= h < shape[l]):
-            raise ValueError(f"the result has layer {l}, head {h}; BASE has {len(shape)} layers of {max(shape)} heads")
-        if e["base"] != pattern_to_dict(base.layers[l][h]):
-            raise ValueError(f"the result was measured against another BASE: layer {l}, head {h} is "
-                             f"{json.dumps(e['base'])} there, {json.dumps(pattern_to_dict(base.layers[l][h]))} here")
+    measured: list[dict[tuple[int, int], dict]] = []
+    for result in results:
+        entries = {}
+        for e in result["heads"]:
+            l, h = e["layer"], e["head"]
+            if not (0 <= l < len(shape) and 0 <= h < shape[l]):
+                raise ValueError(f"the result has layer {l}, head {h}; BASE has {len(shape)} layers of "
+                                 f"{max(shape)} heads")
+            if e["base"] != pattern_to_dict(base.layers[l][h]):
+                here = json.dumps(pattern_to_dict(base.layers[l][h]))
+                raise ValueError(f"the result was measured against another BASE: layer {l}, head {h} is "
+                                 f"{json.dumps(e['base'])} there, {here} here")
+            entries[(l, h)] = e
+        measured.append(entries)
+    common = sorted(set.intersection(*(set(m) for m in measured)))
+    for l, h in common:
+        if any(m[(l, h)]["probe"] != measured[0][(l, h)]["probe"] for m in measured[1:]):
+            raise ValueError(f"the results probe layer {l}, head {h} with different patterns: measure them "
+                             f"against the same PROBE")
+    rank = lambda lh: (max(_share(m[lh]["delta"], b) for m, b in zip(measured, budgets)),  # noqa: E731
+                       tuple(m[lh]["delta"] for m in measured), lh)
     layers = [list(row) for row in base.layers]
-    moved, total = [], 0.0
-    for e in sorted(result["heads"], key=lambda e: (e["delta"], e["layer"], e["head"])):
-        cost = max(e["delta"], 0.0)
-        if total + cost > budget + 1e-12:  # a sum of decimal deltas that equals the budget still fits
-            break
-        layers[e["layer"]][e["head"]] = pattern_from_dict(e["probe"])
-        moved.append((e["layer"], e["head"]))
-        total += cost
-    note = (f"head moves: {len(moved)} of the {len(result['heads'])} heads measured by {FORMAT} "
-            f"({result['model']}, {result['tokens']} tokens, {result['samples']} sample(s), seed {result['seed']}; "
-            f"PROBE {result['probe']['path']}) moved to PROBE's pattern, least measured NLL change first, within "
-            f"budget {budget:g} nats; predicted change against BASE {total:+.4f} (the sum of the moved heads' "
-            f"changes, each at least 0)")
-    return _with_layers(base, layers, note), sorted(moved), total
+    moved, totals = [], [0.0] * len(results)
+    for lh in sorted(common, key=rank):
+        after = [t + max(m[lh]["delta"], 0.0) for t, m in zip(totals, measured)]
+        if any(t > b + 1e-12 for t, b in zip(after, budgets)):  # a sum of decimal deltas equal to a budget fits
+            continue
+        layers[lh[0]][lh[1]] = pattern_from_dict(measured[0][lh]["probe"])
+        moved.append(lh)
+        totals = after
+    objectives = [objective_of(r) for r in results]
+    parts = [f"{o} ({r['model']}, {r['tokens']} tokens, "
+             + (f"{r['samples']} sample(s), seed {r['seed']}" if o == "perplexity" else ", ".join(r.get("prompts", [])))
+             + f"; PROBE {r['probe']['path']}): budget {b:g}, predicted {t:+.4f} {UNITS[o]}"
+             for r, o, b, t in zip(results, objectives, budgets, totals)]
+    only_some = len(set.union(*(set(m) for m in measured))) - len(common)
+    note = (f"head moves: {len(moved)} of the {len(common)} heads measured by {FORMAT} moved to PROBE's pattern, "
+            f"least share of a budget first, each sum of the moved heads' changes (each at least 0) within its "
+            f"budget; predicted change against BASE: {'; '.join(parts)}"
+            + (f"; {only_some} heads measured by only some of the results stay" if only_some else ""))
+    return _with_layers(base, layers, note), sorted(moved), totals
+
+
+def parse_budget(text: str, n_results: int) -> tuple[float, ...]:
+    """One ``--budget`` item: ``n_results`` numbers joined by commas; ``ValueError`` (one line)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--budget takes numbers (one per result, joined by commas), got {text!r}") from None
+    if len(values) != n_results:
+        raise ValueError(f"--budget {text}: {len(values)} number(s) for {n_results} result(s); give one per result, "
+                         "joined by commas")
+    return values
 
 
 def move_main(argv: list[str]) -> int:
-    parser = _Parser(prog="head_sensitivity.py move", description="configs from a result: the least damaging "
+    parser = _Parser(prog="head_sensitivity.py move", description="configs from results: the least damaging "
                      "heads moved to their PROBE pattern within each budget")
-    parser.add_argument("base", metavar="BASE", help="the BASE config the result was measured against")
-    parser.add_argument("result", metavar="RESULT", help="this script's result JSON")
-    parser.add_argument("--budget", type=float, nargs="+", required=True,
-                        help="sums of the moved heads' measured NLL changes, in nats (one config each)")
+    parser.add_argument("base", metavar="BASE", help="the BASE config the results were measured against")
+    parser.add_argument("results", metavar="RESULT", nargs="+", help="this script's result JSON(s)")
+    parser.add_argument("--budget", nargs="+", required=True,
+                        help="sums of the moved heads' measured changes, one config each; with several results "
+                             "one number per result joined by commas (e.g. 0.012,0.5)")
     parser.add_argument("--out", required=True, help="output path; '{budget}' is replaced by each budget")
     args = parser.parse_args(argv)
     try:
-        if len(args.budget) > 1 and "{budget}" not in args.out:
-            raise ValueError(f"--out must contain '{{budget}}' for {len(args.budget)} budgets, got {args.out!r}")
-        for b in args.budget:
-            path = check_output_file(args.out.replace("{budget}", f"{b:g}"))  # the CLI's check of a file to write
-            _not_an_input(path, args.base, args.result)
-        base, result = _load_file_config(args.base), read_result(args.result)
-        configs = [move_heads(base, result, b) for b in args.budget]
+        budgets = [parse_budget(b, len(args.results)) for b in args.budget]
+        labels = ["_".join(f"{x:g}" for x in b) for b in budgets]
+        if len(budgets) > 1 and "{budget}" not in args.out:
+            raise ValueError(f"--out must contain '{{budget}}' for {len(budgets)} budgets, got {args.out!r}")
+        for label in labels:
+            path = check_output_file(args.out.replace("{budget}", label))  # the CLI's check of a file to write
+            _not_an_input(path, args.base, *args.results)
+        base, results = _load_file_config(args.base), [read_result(r) for r in args.results]
+        configs = [move_heads(base, results, b) for b in budgets]
     except (ConfigError, OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
-    if not result.get("complete", False):
-        print(f"head_sensitivity: note: {args.result} is incomplete ({len(result['heads'])} heads measured): "
-              "only those can move", file=sys.stderr)
-        configs = [(_with_layers(c, c.layers, f"the result was incomplete: {len(result['heads'])} heads measured"),
-                    m, t) for c, m, t in configs]
-    for budget, (config, moved, total) in zip(args.budget, configs):
-        path = Path(args.out.replace("{budget}", f"{budget:g}"))
+    incomplete = [(path, r) for path, r in zip(args.results, results) if not r.get("complete", False)]
+    for path, r in incomplete:
+        print(f"head_sensitivity: note: {path} is incomplete ({len(r['heads'])} heads measured): only those can "
+              "move", file=sys.stderr)
+    if incomplete:
+        why = "; ".join(f"{path} was incomplete: {len(r['heads'])} heads measured" for path, r in incomplete)
+        configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
+    for label, (config, moved, totals) in zip(labels, configs):
+        path = Path(args.out.replace("{budget}", label))
         config.save(path)
-        print(f"wrote {path}: {len(moved)} heads moved, predicted {total:+.4f} nats against BASE")
+        predicted = ", ".join(f"{t:+.4f} {UNITS[objective_of(r)]}" for t, r in zip(totals, results))
+        print(f"wrote {path}: {len(moved)} heads moved, predicted {predicted} against BASE")
     return 0
 
 
@@ -268,24 +399,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, choices=MODEL_CHOICES)
     parser.add_argument("--model-path", default=None, help="the Qwen GGUF file")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    parser.add_argument("--tokens", type=int, required=True, help="prompt length")
-    parser.add_argument("--samples", type=int, default=1, help="perplexity prompts (default 1)")
+    parser.add_argument("--tokens", type=int, required=True, help="prompt length (with --answers: the RULER length)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="perplexity prompts, or with --answers prompts per task (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (eval's --seed; default 0)")
     parser.add_argument("--heads", default="all", help="'all' (default) or layer:head pairs, e.g. 9:8,11:3")
     parser.add_argument("--dense-threshold", type=int, default=None,
                         help="prompts shorter than this run dense (default: the dispatcher's)")
     parser.add_argument("--dense-tail", type=int, default=0, help="last prompt tokens attending densely (default 0)")
+    parser.add_argument("--answers", default=None, metavar="DIR",
+                        help="measure the summed NLL of RULER reference answers from this prompt set instead")
+    parser.add_argument("--tasks", default=None,
+                        help=f"--answers' RULER tasks, comma-separated (default {ANSWER_TASKS})")
     parser.add_argument("--out", required=True, help="the result JSON (rewritten after every config)")
     args = parser.parse_args(argv)
     try:
-        name, device, base, probe, probed, skipped = _check(parser, args)
+        name, device, base, probe, probed, skipped, answers = _check(parser, args)
     except (ConfigError, OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
-    forwards = args.samples * (2 + len(probed))
-    print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE), {args.samples} "
-          f"sample(s) of {args.tokens} tokens: {forwards} forwards (dense + BASE + one per probed head, per sample)",
-          file=sys.stderr)
+    objective = "perplexity" if answers is None else "answers"
+    n_prompts = args.samples * (1 if answers is None else len(answers[1]))
+    forwards = n_prompts * (2 + len(probed))
+    what = (f"{args.samples} sample(s) of {args.tokens} tokens" if answers is None else
+            f"{args.samples} RULER prompt(s) of {', '.join(answers[1])} at {args.tokens}")
+    print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE), {what}: {forwards} "
+          f"forwards (dense + BASE + one per probed head, per prompt)", file=sys.stderr)
 
     from tqdm.auto import tqdm
 
@@ -297,11 +436,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"head_sensitivity: BASE {args.base} was made for another model: {_one_line(str(err))}",
               file=sys.stderr)
         return 2
-    prompts = [perplexity_ids(tokenizer, args.tokens, i, seed=args.seed) for i in range(args.samples)]
+    if answers is None:  # (ids, scored positions: None = all)
+        prompts = [(perplexity_ids(tokenizer, args.tokens, i, seed=args.seed), None) for i in range(args.samples)]
+        labels = [f"perplexity#{i}" for i in range(args.samples)]
+    else:
+        prompt_set, tasks = answers
+        try:
+            prompt_set.check_tokenizer(tokenizer)
+        except RulerError as err:
+            print(f"head_sensitivity: --answers: {_one_line(str(err))}", file=sys.stderr)
+            return 2
+        samples = [x for task in tasks for x in prompt_set.samples(task, args.tokens, args.samples)]
+        prompts, labels = [], []
+        for x in samples:
+            target = torch.tensor(tokenizer(answer_text(x.metric, x.answers), add_special_tokens=False)["input_ids"],
+                                  dtype=torch.long)
+            prompts.append((torch.cat([x.ids, target]), int(target.numel())))
+            labels.append(f"{x.task}#{x.index}")
     result = {
-        "format": FORMAT, "version": VERSION, "model": name, "device": str(device), "tokens": args.tokens,
-        "samples": args.samples, "seed": args.seed, "dense_threshold": args.dense_threshold,
-        "dense_tail": args.dense_tail,
+        "format": FORMAT, "version": VERSION, "objective": objective, "units": UNITS[objective], "model": name,
+        "device": str(device), "tokens": args.tokens, "samples": args.samples, "seed": args.seed,
+        "answers": None if answers is None else {"prompts": str(args.answers), "tasks": answers[1]},
+        "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": args.dense_tail,
         "base": {"path": str(args.base), "notes": base.provenance.notes},
         "probe": {"path": str(args.probe), "notes": probe.provenance.notes},
         "dense_nll": [], "base_nll": [], "heads": [], "skipped": skipped, "wall_s": 0.0, "complete": False,
@@ -317,16 +473,19 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=forwards, desc="head_sensitivity", unit="forward")
 
     def nll(config, label: str) -> list[float]:
-        """Mean NLL per prompt of ``config`` (``None``: the unpatched model)."""
+        """Per prompt of ``config`` (``None``: the unpatched model): the mean NLL (perplexity), or
+        the summed NLL of the answer tokens (``--answers``)."""
         _apply(model, config, args.dense_threshold, "auto", False, args.dense_tail, guard=GUARD_OFF)  # eval's patching
         bar.set_postfix_str(label)
         values = []
-        for ids in prompts:
-            values.append(float(sequence_nll(model, ids.to(device)).mean()))
+        for ids, scored in prompts:
+            per_token = sequence_nll(model, ids.to(device))
+            values.append(float(per_token.mean() if scored is None else per_token[-scored:].sum()))
             bar.update(1)
         return values
 
-    set_context_length(model, args.tokens)  # eval's rotary embedding for this length (YaRN beyond native)
+    # eval's rotary embedding for this length (YaRN beyond native); an answer may end past --tokens
+    set_context_length(model, max(args.tokens, max(int(ids.numel()) for ids, _ in prompts)))
     try:
         result["dense_nll"] = nll(None, "dense")
         result["base_nll"] = nll(base, "BASE")

@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from minference.app import ruler
 from minference.app.evals import perplexity_ids
 from minference.app.evaluate import sequence_nll, uniform_config
 from minference.integration import patch, unpatch
@@ -174,12 +176,12 @@ def test_move_takes_the_least_damaging_heads_within_each_budget(hs):
     cases = ((0.0, [(1, 2)], 0.0), (0.001, [(1, 2), (2, 1)], 0.001), (0.005, [(0, 0), (1, 2), (2, 1)], 0.004),
              (1.0, [(0, 0), (1, 2), (2, 1), (3, 0)], 0.014))
     for budget, moved, total in cases:
-        config, got, predicted = hs.move_heads(base, result, budget)
-        assert got == moved and predicted == pytest.approx(total)
+        config, got, predicted = hs.move_heads(base, [result], [budget])
+        assert got == moved and predicted == [pytest.approx(total)]
         for l, row in enumerate(config.layers):
             for h, pattern in enumerate(row):
                 assert pattern == (PROBE if (l, h) in moved else base.layers[l][h]), (budget, l, h)
-        assert f"predicted change against BASE {total:+.4f}" in config.provenance.notes
+        assert f"budget {budget:g}, predicted {total:+.4f} nats per token" in config.provenance.notes
 
 
 def test_move_fits_a_sum_of_decimal_deltas_equal_to_the_budget(hs):
@@ -187,8 +189,8 @@ def test_move_fits_a_sum_of_decimal_deltas_equal_to_the_budget(hs):
 
     base = load_config(FIXTURES / "smollm2-135m.json")
     result = _fake_result(base, {(l, 0): 0.001 for l in range(10)})  # their float sum is 0.009999999999999998
-    assert len(hs.move_heads(base, result, 0.01)[1]) == 10
-    assert len(hs.move_heads(base, result, 0.0099)[1]) == 9
+    assert len(hs.move_heads(base, [result], [0.01])[1]) == 10
+    assert len(hs.move_heads(base, [result], [0.0099])[1]) == 9
 
 
 def test_move_refuses_a_result_of_another_base_in_one_line(hs):
@@ -198,7 +200,7 @@ def test_move_refuses_a_result_of_another_base_in_one_line(hs):
     result = _fake_result(base, {(2, 1): 0.001})
     result["heads"][0]["base"] = pattern_to_dict(Dense())
     with pytest.raises(ValueError, match="measured against another BASE: layer 2, head 1") as err:
-        hs.move_heads(base, result, 0.01)
+        hs.move_heads(base, [result], [0.01])
     assert "\n" not in str(err.value)
 
 
@@ -212,8 +214,9 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     out = str(tmp_path / "m_{budget}.json")
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "0.01", "--out", out]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats against BASE",
-                     f"wrote {tmp_path / 'm_0.01.json'}: 2 heads moved, predicted +0.0020 nats against BASE"]
+    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats per token against BASE",
+                     f"wrote {tmp_path / 'm_0.01.json'}: 2 heads moved, predicted +0.0020 nats per token against "
+                     "BASE"]
     assert load_config(tmp_path / "m_0.01.json").layers[0][0] == PROBE
     assert load_config(tmp_path / "m_0.json").layers[0][0] == base.layers[0][0]
     # two budgets need '{budget}' in --out; a file of another format is refused; one line each, nothing written
@@ -235,8 +238,134 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     result.write_text(json.dumps(partial))
     assert hs.main(["move", str(base_path), str(result), "--budget", "1", "--out", str(tmp_path / "p.json")]) == 0
     assert "is incomplete (1 heads measured)" in capsys.readouterr().err
-    assert "the result was incomplete: 1 heads measured" in load_config(tmp_path / "p.json").provenance.notes
+    assert f"{result} was incomplete: 1 heads measured" in load_config(tmp_path / "p.json").provenance.notes
     result.write_text(json.dumps({"format": "something else"}))
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "is not a minference.head_sensitivity v1 result" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --answers: the summed NLL of RULER reference answers, teacher-forced.
+
+ANSWER_LENGTH = 512
+
+
+@pytest.fixture
+def answer_set(smollm2, tmp_path):
+    """A RULER prompt set at length 512 of two tasks, two prompts each (test_ruler's writer)."""
+    from tests.unit.app.test_ruler import _texts, _write_set
+
+    return _write_set(tmp_path / "set", smollm2[1], _texts(2, lengths=(ANSWER_LENGTH,)))
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--tasks", "qa_1"], "give --answers DIR too"),
+    (["--answers", "{dir}/nowhere"], "no manifest.json"),
+    (["--answers", "{set}", "--tokens", "256"], "has RULER lengths [512]"),
+    (["--answers", "{set}", "--tasks", "niah_single_1,vt"], "--tasks vt: "),
+    (["--answers", "{set}", "--tasks", "qa_1,qa_1"], "names a task twice"),
+    (["--answers", "{set}", "--tasks", "qa_1", "--samples", "3"], "has 2 prompts of qa_1"),
+])
+def test_bad_answers_input_is_refused_in_one_line_before_the_model_loads(hs, no_model, answer_set, tmp_path, capsys,
+                                                                         flags, why):
+    flags = [f.format(dir=tmp_path, set=answer_set) for f in flags]
+    tokens = [] if "--tokens" in flags else ["--tokens", str(ANSWER_LENGTH)]
+    smol = str(FIXTURES / "smollm2-135m.json")
+    assert hs.main([smol, smol, "--model", "smollm2", *tokens, *flags, "--out", str(tmp_path / "r.json")]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("head_sensitivity: ") and why in lines[0], captured.err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_answers_deltas_are_the_change_of_each_answers_summed_nll(hs, smollm2, run, answer_set):
+    """--answers with two tasks of two prompts: 4 prompts x (dense + BASE + 2 heads) forwards;
+    each value is the summed NLL of the target text's tokens after the prompt (a space and the
+    references joined by ', ' for niah, a space and the first reference for qa), computed here
+    independently, and each head's delta is that value's change against BASE."""
+    result, out, err, forwards = run(MILD, PROBE, "--answers", str(answer_set), "--tasks", "niah_single_1,qa_1",
+                                     "--samples", "2", "--tokens", str(ANSWER_LENGTH), "--heads", "0:0,3:2")
+    assert "2 heads to probe" in err and "16 forwards" in err and forwards == 16
+    assert (result["objective"], result["units"], result["tokens"]) == ("answers", "nats per answer", ANSWER_LENGTH)
+    assert result["answers"] == {"prompts": str(answer_set), "tasks": ["niah_single_1", "qa_1"]}
+    assert result["prompts"] == ["niah_single_1#0", "niah_single_1#1", "qa_1#0", "qa_1#1"]
+    model, tokenizer = smollm2
+    prompts = ruler.load_prompt_set(answer_set)
+    samples = prompts.samples("niah_single_1", ANSWER_LENGTH) + prompts.samples("qa_1", ANSWER_LENGTH)
+    targets = [" 4711", " 4712", " Town0", " Town1"]
+    base = uniform_config(model, MILD)
+
+    def values(config) -> list[float]:
+        if config is not None:
+            patch(model, config, dense_threshold=0, backend="torch")
+        try:
+            out = []
+            for sample, text in zip(samples, targets):
+                answer = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+                per_token = sequence_nll(model, torch.cat([sample.ids, answer]))
+                out.append(float(per_token[-answer.numel():].sum()))
+            return out
+        finally:
+            if config is not None:
+                unpatch(model)
+
+    dense, base_values = values(None), values(base)
+    assert result["dense_nll"] == [pytest.approx(v, abs=1e-5) for v in dense]
+    assert result["base_nll"] == [pytest.approx(v, abs=1e-5) for v in base_values]
+    for e in result["heads"]:
+        probed = values(hs.set_head(base, e["layer"], e["head"], PROBE))
+        assert e["per_prompt"] == [pytest.approx(p - b, abs=1e-5) for p, b in zip(probed, base_values)]
+        assert e["delta"] == pytest.approx(sum(probed) / 4 - sum(base_values) / 4, abs=1e-5)
+    assert any(abs(e["delta"]) > 1e-3 for e in result["heads"])
+    assert "objective answers: NLL in nats per answer" in out and "niah_single_1#0" in out
+
+
+def test_move_with_two_results_keeps_every_sum_within_its_budget(hs):
+    """Two results (NLL and answers): heads ranked by their largest share of a budget, a head that
+    would pass either budget passed over while smaller ones after it still move, heads measured by
+    one result only never move; different probes or a budget per result missing are refused."""
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    nll = _fake_result(base, {(0, 0): 0.002, (2, 2): 0.0035, (3, 3): 0.0, (4, 4): 0.0})
+    answers = _fake_result(base, {(0, 0): 0.0, (2, 2): -0.1, (3, 3): 0.8})
+    answers["objective"] = "answers"
+    # shares of (0.005, 1.0): (0,0) 0.4, (2,2) 0.7, (3,3) 0.8; (2,2) would bring NLL to 0.0055 and is
+    # passed over, (3,3) after it still fits; (4,4) only the NLL result measured
+    config, moved, totals = hs.move_heads(base, [nll, answers], [0.005, 1.0])
+    assert moved == [(0, 0), (3, 3)] and totals == [pytest.approx(0.002), pytest.approx(0.8)]
+    assert "nats per answer" in config.provenance.notes and "1 heads measured by only some" in config.provenance.notes
+    assert config.layers[2][2] == base.layers[2][2] and config.layers[4][4] == base.layers[4][4]
+    config, moved, totals = hs.move_heads(base, [nll, answers], [0.01, 1.0])
+    assert moved == [(0, 0), (2, 2), (3, 3)] and totals == [pytest.approx(0.0055), pytest.approx(0.8)]
+    assert hs.move_heads(base, [nll, answers], [1.0, 0.0])[1] == [(0, 0), (2, 2)]  # a zero budget: none of it spent
+    answers["heads"][0]["probe"] = pattern_to_dict(MILD)
+    with pytest.raises(ValueError, match="probe layer 0, head 0 with different patterns"):
+        hs.move_heads(base, [nll, answers], [1.0, 1.0])
+    with pytest.raises(ValueError, match="one budget per result"):
+        hs.move_heads(base, [nll, answers], [1.0])
+
+
+def test_move_command_takes_one_budget_per_result(hs, tmp_path, capsys):
+    from minference.config import load_config
+
+    base_path = FIXTURES / "smollm2-135m.json"
+    base = load_config(base_path)
+    paths = [tmp_path / "nll.json", tmp_path / "answers.json"]
+    answers = _fake_result(base, {(0, 0): 0.5})
+    answers["objective"] = "answers"
+    paths[0].write_text(json.dumps(_fake_result(base, {(0, 0): 0.001})))
+    paths[1].write_text(json.dumps(answers))
+    out = str(tmp_path / "m_{budget}.json")
+    assert hs.main(["move", str(base_path), *map(str, paths), "--budget", "0.01,1", "0.01,0.1", "--out", out]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {tmp_path / 'm_0.01_1.json'}: 1 heads moved, predicted +0.0010 nats per token, +0.5000 nats per "
+        "answer against BASE",
+        f"wrote {tmp_path / 'm_0.01_0.1.json'}: 0 heads moved, predicted +0.0000 nats per token, +0.0000 nats per "
+        "answer against BASE"]
+    assert load_config(tmp_path / "m_0.01_1.json").layers[0][0] == PROBE
+    for budget, why in (("0.01", "1 number(s) for 2 result(s)"), ("0.01,x", "takes numbers")):
+        assert hs.main(["move", str(base_path), *map(str, paths), "--budget", budget, "--out", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0]
