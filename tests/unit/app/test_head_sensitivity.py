@@ -4,6 +4,7 @@ config with one head switched (portable backend, sparse from the first token).""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -369,3 +370,64 @@ def test_move_command_takes_one_budget_per_result(hs, tmp_path, capsys):
         assert hs.main(["move", str(base_path), *map(str, paths), "--budget", budget, "--out", out]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost-aware moves: damage per modelled ms saved.
+
+
+def test_cost_aware_move_takes_the_most_time_per_unit_of_damage(hs):
+    """With each head's modelled saving, heads move in order of share per ms saved; a head whose
+    move saves nothing stays even when it lowers the NLL; the damage-only order picks another set."""
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    deltas = {(0, 0): 0.002, (1, 1): 0.001, (2, 2): 0.002, (3, 3): -0.001, (4, 4): 0.0, (5, 5): -0.002}
+    saved = {(0, 0): 10.0, (1, 1): 1.0, (2, 2): 20.0, (3, 3): 5.0, (4, 4): 0.0, (5, 5): -1.0}
+    result = _fake_result(base, deltas)
+    # shares per ms (budget 0.0045): (3,3) 0, (2,2) 0.022, (0,0) 0.044, (1,1) 0.22: the last would pass
+    config, moved, totals = hs.move_heads(base, [result], [0.0045], saved)
+    assert moved == [(0, 0), (2, 2), (3, 3)] and totals == [pytest.approx(0.004)]
+    assert "2 heads save none and stay; 35.0 ms saved in all" in config.provenance.notes
+    assert hs.move_heads(base, [result], [0.0045])[1] == [(0, 0), (1, 1), (3, 3), (4, 4), (5, 5)]
+
+
+def test_modelled_savings_price_each_move_with_the_cost_table(hs, tmp_path, capsys):
+    """The saving of a head is the cost model's BASE pattern minus its PROBE pattern at the
+    measurements' tiles; BASE's whole modelled time is printed with each config; a pattern that is
+    no candidate, another shape or one of the two options alone is refused in one line."""
+    from minference.app import frontier as F
+    from minference.config import PatternConfig
+    from tests.unit.app.test_frontier import fake_result, table
+
+    measured = fake_result()
+    measurements, costs = tmp_path / "m.json", tmp_path / "costs.json"
+    measured.save(measurements)
+    costs.write_text(json.dumps(table()))
+    ashape, vs, bs = measured.candidates
+    base = PatternConfig(measured.config.model, [[Dense(), ashape]], measured.config.provenance)
+    result = _fake_result(base, {(0, 0): 0.001}, probe=bs)
+    result["heads"] += _fake_result(base, {(0, 1): 0.003}, probe=vs)["heads"]
+    saved, base_ms = hs.modelled_savings(base, [result], str(measurements), str(costs))
+    model, n = F.CostModel.from_dict(table()), measured.n_tokens
+    cost = lambda p, tiles: float(model.head_cost(p, torch.tensor(tiles, dtype=torch.float64), n))  # noqa: E731
+    assert saved == {(0, 0): pytest.approx(cost(Dense(), 1.0) - cost(bs, 0.02)),
+                     (0, 1): pytest.approx(cost(ashape, 0.1) - cost(vs, 0.06))}
+    assert base_ms == pytest.approx(cost(Dense(), 1.0) + cost(ashape, 0.1))
+    base_path, result_path = tmp_path / "base.json", tmp_path / "r.json"
+    base.save(base_path)
+    result_path.write_text(json.dumps(result))
+    argv = ["move", str(base_path), str(result_path), "--budget", "1", "--out", str(tmp_path / "o.json")]
+    assert hs.main([*argv, "--from-measurements", str(measurements), "--cost-table", str(costs)]) == 0
+    left = base_ms - sum(s for s in saved.values() if s > 0)
+    assert f"modelled attention + index {left:.1f} ms (BASE {base_ms:.1f})" in capsys.readouterr().out
+    assert hs.main([*argv, "--cost-table", str(costs)]) == 2
+    assert "--from-measurements and --cost-table go together" in capsys.readouterr().err
+    other = PatternConfig(measured.config.model, [[Dense(), AShape(sink=1, window=2)]], measured.config.provenance)
+    with pytest.raises(ValueError, match="layer 0, head 1: BASE's pattern .* is not a candidate") as err:
+        hs.modelled_savings(other, [], str(measurements), str(costs))
+    assert "\n" not in str(err.value)
+    wide = PatternConfig(dataclasses.replace(measured.config.model, num_heads=3), [[Dense()] * 3],
+                         measured.config.provenance)
+    with pytest.raises(ValueError, match="1 layers of 2 heads, BASE 1 of 3"):
+        hs.modelled_savings(wide, [], str(measurements), str(costs))
