@@ -39,8 +39,10 @@ result's deltas are in these units). The target text is a space and the referenc
 ", " for RULER's ``string_match_all`` tasks, a space and the first reference for
 ``string_match_part``; the model's own wording may differ (a numbered list, say), which shifts every
 config's value alike. ``--tokens`` is the set's RULER length, ``--tasks`` (default
-``niah_multiquery,niah_multikey_2``) its tasks, ``--samples`` the prompts of each task; the answer
-tokens fall in the ``--dense-tail`` as decoding would read them densely:
+``niah_multiquery,niah_multikey_2``) its tasks, ``--samples`` the prompts of each task (the set's
+own seed chose them: ``--seed`` is refused). Decoding reads the answer densely, after the prompt's
+``--dense-tail`` rows: the tail is grown by the longest answer's tokens (recorded as the result's
+``dense_tail``), so each prompt keeps its dense rows and its answer is read densely:
 
     python benchmarks/head_sensitivity.py fixtures/configs/qwen2.5-coder-0.5b.json p_1.json --model qwen0.5b \
       --device cuda --answers .stage/ruler/r128 --tokens 131072 --samples 1 --dense-tail 128 --out answers.json
@@ -65,7 +67,7 @@ docs/search.md at the search's length, BASE's pattern against PROBE's; both must
 the measurements) divides its share, so the heads that buy the most time per unit of damage move
 first; a head whose move saves no modelled time does not move; each config's modelled attention +
 index time is printed and recorded. On the 0.5B at 130K this predicts ~10 ms less than the
-damage-only order at the same budgets (e.g. budget 0.025: 238.1 against 248.3 ms modelled).
+damage-only order at the same budgets (e.g. budget 0.025: 238.1 against 248.4 ms modelled).
 """
 
 from __future__ import annotations
@@ -173,8 +175,9 @@ def answer_text(metric: str, answers) -> str:
 
 
 def _check_answers(args: argparse.Namespace):
-    """``--answers``' prompt set and tasks, checked before the model loads: ``(PromptSet, tasks)``,
-    or ``None`` without ``--answers``; raises :class:`Refused` (one line)."""
+    """``--answers``' prompt set, tasks and samples (ids read and checked), before the model loads:
+    ``(PromptSet, tasks, samples)``, or ``None`` without ``--answers``; raises :class:`Refused`
+    (one line)."""
     if args.answers is None:
         if args.tasks is not None:
             raise Refused("--tasks chooses --answers' RULER tasks: give --answers DIR too")
@@ -195,7 +198,14 @@ def _check_answers(args: argparse.Namespace):
             raise Refused(f"--samples {args.samples}: {args.answers} has {have} prompts of {task} at {args.tokens}")
     if len(set(tasks)) != len(tasks):
         raise Refused(f"--tasks names a task twice: {args.tasks}")
-    return prompt_set, tasks
+    if args.seed is not None:
+        raise Refused(f"--seed chooses the perplexity prompts; --answers' prompts are {args.answers}'s (seed "
+                      f"{prompt_set.manifest.get('seed')})")
+    try:  # the ids are read and checked (sha256, sizes) here, before the model loads
+        samples = [x for task in tasks for x in prompt_set.samples(task, args.tokens, args.samples)]
+    except (RulerError, OSError, ValueError) as err:
+        raise Refused(f"--answers: {err}") from None
+    return prompt_set, tasks, samples
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -294,7 +304,7 @@ def modelled_savings(base, results: Sequence[dict], measurements: str, cost_tabl
     moving each head the results measured from BASE's pattern to PROBE's saves, and BASE's whole
     modelled time. ``ValueError`` (one line) when the measurements are of another shape or lack a
     pattern as a candidate."""
-    from minference.app.frontier import CostModel, head_options
+    from minference.app.frontier import CostModel, _rule_choice, head_options
     from minference.app.search import SearchResult
 
     options = head_options(SearchResult.load(measurements), CostModel.load(cost_table))
@@ -306,21 +316,22 @@ def modelled_savings(base, results: Sequence[dict], measurements: str, cost_tabl
                          f"{len(shape)} of {max(shape)}")
 
     def column(pattern, l: int, h: int, what: str) -> int:
-        try:
-            return options.candidates.index(pattern)
-        except ValueError:
+        if pattern not in options.candidates:
             raise ValueError(f"layer {l}, head {h}: {what}'s pattern {_pattern_name(pattern)} is not a candidate of "
-                             f"{measurements}: no modelled cost") from None
+                             f"{measurements}: no modelled cost")
+        return options.candidates.index(pattern)
 
-    cost = options.cost
-    base_ms = sum(float(cost[l, h, column(p, l, h, "BASE")]) for l, row in enumerate(base.layers)
-                  for h, p in enumerate(row))
+    for l, row in enumerate(base.layers):  # one line naming the head, before _rule_choice's bare lookup
+        for h, pattern in enumerate(row):
+            column(pattern, l, h, "BASE")
+    choice = _rule_choice(options, base)
+    base_ms = options.totals(choice)[0]  # the cost minference search predicts for BASE
     saved = {}
     for result in results:
         for e in result["heads"]:
             l, h = e["layer"], e["head"]
-            saved[(l, h)] = float(cost[l, h, column(base.layers[l][h], l, h, "BASE")]
-                                  - cost[l, h, column(pattern_from_dict(e["probe"]), l, h, "PROBE")])
+            probe = column(pattern_from_dict(e["probe"]), l, h, "PROBE")
+            saved[(l, h)] = float(options.cost[l, h, choice[l, h]] - options.cost[l, h, probe])
     return saved, base_ms
 
 
@@ -342,16 +353,17 @@ def move_heads(base, results: Sequence[dict], budgets: Sequence[float], saved: d
             raise ValueError(f"--budget must be finite and >= 0, got {budget}")
     shape = [len(row) for row in base.layers]
     measured: list[dict[tuple[int, int], dict]] = []
-    for result in results:
+    for i, result in enumerate(results):
+        which = "the result" if len(results) == 1 else f"result {i + 1} (of {len(results)})"
         entries = {}
         for e in result["heads"]:
             l, h = e["layer"], e["head"]
             if not (0 <= l < len(shape) and 0 <= h < shape[l]):
-                raise ValueError(f"the result has layer {l}, head {h}; BASE has {len(shape)} layers of "
+                raise ValueError(f"{which} has layer {l}, head {h}; BASE has {len(shape)} layers of "
                                  f"{max(shape)} heads")
             if e["base"] != pattern_to_dict(base.layers[l][h]):
                 here = json.dumps(pattern_to_dict(base.layers[l][h]))
-                raise ValueError(f"the result was measured against another BASE: layer {l}, head {h} is "
+                raise ValueError(f"{which} was measured against another BASE: layer {l}, head {h} is "
                                  f"{json.dumps(e['base'])} there, {here} here")
             entries[(l, h)] = e
         measured.append(entries)
@@ -426,10 +438,17 @@ def move_main(argv: list[str]) -> int:
         labels = ["_".join(f"{x:g}" for x in b) for b in budgets]
         if len(budgets) > 1 and "{budget}" not in args.out:
             raise ValueError(f"--out must contain '{{budget}}' for {len(budgets)} budgets, got {args.out!r}")
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"--budget gives one budget twice ({', '.join(args.budget)}): one file would overwrite "
+                             "the other")
+        inputs = [p for p in (args.base, *args.results, args.from_measurements, args.cost_table) if p is not None]
         for label in labels:
             path = check_output_file(args.out.replace("{budget}", label))  # the CLI's check of a file to write
-            _not_an_input(path, args.base, *args.results)
+            _not_an_input(path, *inputs)
         base, results = _load_file_config(args.base), [read_result(r) for r in args.results]
+        models = sorted({r["model"] for r in results})
+        if len(models) > 1:
+            raise ValueError(f"the results were measured on different models ({', '.join(models)})")
         saved, base_ms = (None, 0.0) if args.cost_table is None else modelled_savings(
             base, results, args.from_measurements, args.cost_table)
         configs = [move_heads(base, results, b, saved) for b in budgets]
@@ -469,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, required=True, help="prompt length (with --answers: the RULER length)")
     parser.add_argument("--samples", type=int, default=1,
                         help="perplexity prompts, or with --answers prompts per task (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (eval's --seed; default 0)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the perplexity prompts' seed (eval's --seed; default 0; not with --answers)")
     parser.add_argument("--heads", default="all", help="'all' (default) or layer:head pairs, e.g. 9:8,11:3")
     parser.add_argument("--dense-threshold", type=int, default=None,
                         help="prompts shorter than this run dense (default: the dispatcher's)")
@@ -489,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     n_prompts = args.samples * (1 if answers is None else len(answers[1]))
     forwards = n_prompts * (2 + len(probed))
     what = (f"{args.samples} sample(s) of {args.tokens} tokens" if answers is None else
-            f"{args.samples} RULER prompt(s) of {', '.join(answers[1])} at {args.tokens}")
+            f"{args.samples} RULER prompt(s) per task of {', '.join(answers[1])} at {args.tokens}")
     print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE), {what}: {forwards} "
           f"forwards (dense + BASE + one per probed head, per prompt)", file=sys.stderr)
 
@@ -503,28 +523,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"head_sensitivity: BASE {args.base} was made for another model: {_one_line(str(err))}",
               file=sys.stderr)
         return 2
+    dense_tail = args.dense_tail
     if answers is None:  # (ids, scored positions: None = all)
-        prompts = [(perplexity_ids(tokenizer, args.tokens, i, seed=args.seed), None) for i in range(args.samples)]
+        seed = 0 if args.seed is None else args.seed
+        prompts = [(perplexity_ids(tokenizer, args.tokens, i, seed=seed), None) for i in range(args.samples)]
         labels = [f"perplexity#{i}" for i in range(args.samples)]
     else:
-        prompt_set, tasks = answers
+        prompt_set, tasks, samples = answers
+        seed = prompt_set.manifest.get("seed")
         try:
             prompt_set.check_tokenizer(tokenizer)
         except RulerError as err:
             print(f"head_sensitivity: --answers: {_one_line(str(err))}", file=sys.stderr)
             return 2
-        samples = [x for task in tasks for x in prompt_set.samples(task, args.tokens, args.samples)]
         prompts, labels = [], []
         for x in samples:
             target = torch.tensor(tokenizer(answer_text(x.metric, x.answers), add_special_tokens=False)["input_ids"],
                                   dtype=torch.long)
+            if target.numel() == 0:
+                print(f"head_sensitivity: {x.task}#{x.index}: its answer text has no tokens", file=sys.stderr)
+                return 2
             prompts.append((torch.cat([x.ids, target]), int(target.numel())))
             labels.append(f"{x.task}#{x.index}")
+        # decoding reads the answer densely, after the prompt's own dense tail: the tail grows by the longest answer
+        dense_tail += max(scored for _, scored in prompts)
     result = {
         "format": FORMAT, "version": VERSION, "objective": objective, "units": UNITS[objective], "model": name,
-        "device": str(device), "tokens": args.tokens, "samples": args.samples, "seed": args.seed,
+        "device": str(device), "tokens": args.tokens, "samples": args.samples, "seed": seed,
         "answers": None if answers is None else {"prompts": str(args.answers), "tasks": answers[1]},
-        "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": args.dense_tail,
+        "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": dense_tail,
         "base": {"path": str(args.base), "notes": base.provenance.notes},
         "probe": {"path": str(args.probe), "notes": probe.provenance.notes},
         "dense_nll": [], "base_nll": [], "heads": [], "skipped": skipped, "wall_s": 0.0, "complete": False,
@@ -542,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     def nll(config, label: str) -> list[float]:
         """Per prompt of ``config`` (``None``: the unpatched model): the mean NLL (perplexity), or
         the summed NLL of the answer tokens (``--answers``)."""
-        _apply(model, config, args.dense_threshold, "auto", False, args.dense_tail, guard=GUARD_OFF)  # eval's patching
+        _apply(model, config, args.dense_threshold, "auto", False, dense_tail, guard=GUARD_OFF)  # eval's patching
         bar.set_postfix_str(label)
         values = []
         for ids, scored in prompts:
