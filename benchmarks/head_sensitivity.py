@@ -25,7 +25,9 @@ A head whose PROBE pattern equals its BASE pattern is skipped (counted). ``--hea
 ``auto``, ``--dense-threshold``, ``--dense-tail``, the weights fingerprint checked once; the
 configs' quality guard is off (the measurement is the patterns' own damage). ``--out`` is
 rewritten (atomically) after every config (``"complete": false`` until the last), so a run cut short
-keeps the heads it measured, and ``move`` can use those.
+keeps the heads it measured, and ``move`` can use those; ``--continue RESULT`` (same settings, BASE
+and PROBE) measures only the heads RESULT lacks, keeping its dense and BASE values, so one
+measurement can span several device calls.
 
 Cost: one forward per probed head per sample, plus a dense and a BASE forward per sample (all 336
 heads of the 0.5B at 130K, one sample: 338 forwards).
@@ -237,6 +239,28 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     heads = parse_heads(args.heads, len(base.layers), max(shape(base)))
     probed = [(l, h) for l, h in heads if probe.layers[l][h] != base.layers[l][h]]
     return name, device, base, probe, probed, len(heads) - len(probed), _check_answers(args)
+
+
+def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -> dict:
+    """The ``--continue`` result, refused (one line) unless it was measured with the same model,
+    objective, length, prompts, dense settings, BASE and PROBE (each kept head's two patterns)."""
+    previous = read_result(args.continue_from)
+    seed = (0 if args.seed is None else args.seed) if answers is None else answers[0].manifest.get("seed")
+    tail = previous.get("dense_tail_option", previous["dense_tail"])
+    want = {"model": name, "objective": "perplexity" if answers is None else "answers", "tokens": args.tokens,
+            "samples": args.samples, "seed": seed, "dense_threshold": args.dense_threshold,
+            "tasks": None if answers is None else answers[1], "dense tail": args.dense_tail}
+    have = {**{k: previous.get(k) for k in want}, "objective": objective_of(previous),
+            "tasks": (previous.get("answers") or {}).get("tasks"), "dense tail": tail}
+    differ = [f"{k} {have[k]!r} there, {want[k]!r} here" for k in want if have[k] != want[k]]
+    if differ:
+        raise Refused(f"--continue {args.continue_from} was measured with other settings: {'; '.join(differ)}")
+    for e in previous["heads"]:
+        l, h = e["layer"], e["head"]
+        if e["base"] != pattern_to_dict(base.layers[l][h]) or e["probe"] != pattern_to_dict(probe.layers[l][h]):
+            raise Refused(f"--continue {args.continue_from}: layer {l}, head {h} was measured with another BASE or "
+                          f"PROBE pattern")
+    return previous
 
 
 def summary(result: dict) -> str:
@@ -498,20 +522,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure the summed NLL of RULER reference answers from this prompt set instead")
     parser.add_argument("--tasks", default=None,
                         help=f"--answers' RULER tasks, comma-separated (default {ANSWER_TASKS})")
+    parser.add_argument("--continue", dest="continue_from", default=None, metavar="RESULT",
+                        help="a cut run's result of the same settings, BASE and PROBE: measure only the heads it "
+                             "lacks (its dense and BASE values kept); --out may be the same file")
     parser.add_argument("--out", required=True, help="the result JSON (rewritten after every config)")
     args = parser.parse_args(argv)
     try:
         name, device, base, probe, probed, skipped, answers = _check(parser, args)
+        previous = None if args.continue_from is None else _check_continue(args, name, base, probe, answers)
     except (ConfigError, OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
+    if previous is not None:
+        done = {(e["layer"], e["head"]) for e in previous["heads"]}
+        probed = [lh for lh in probed if lh not in done]
     objective = "perplexity" if answers is None else "answers"
     n_prompts = args.samples * (1 if answers is None else len(answers[1]))
-    forwards = n_prompts * (2 + len(probed))
+    forwards = n_prompts * ((2 if previous is None else 0) + len(probed))
     what = (f"{args.samples} sample(s) of {args.tokens} tokens" if answers is None else
             f"{args.samples} RULER prompt(s) per task of {', '.join(answers[1])} at {args.tokens}")
-    print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE), {what}: {forwards} "
-          f"forwards (dense + BASE + one per probed head, per prompt)", file=sys.stderr)
+    kept = "" if previous is None else f", {len(previous['heads'])} kept from {args.continue_from}"
+    print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE){kept}, {what}: {forwards} "
+          f"forwards ({'' if previous is None else 'no '}dense + BASE + one per probed head, per prompt)",
+          file=sys.stderr)
 
     from tqdm.auto import tqdm
 
@@ -552,10 +585,19 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device), "tokens": args.tokens, "samples": args.samples, "seed": seed,
         "answers": None if answers is None else {"prompts": str(args.answers), "tasks": answers[1]},
         "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": dense_tail,
+        "dense_tail_option": args.dense_tail,
         "base": {"path": str(args.base), "notes": base.provenance.notes},
         "probe": {"path": str(args.probe), "notes": probe.provenance.notes},
         "dense_nll": [], "base_nll": [], "heads": [], "skipped": skipped, "wall_s": 0.0, "complete": False,
     }
+    if previous is not None:
+        if previous.get("prompts", labels) != labels or previous["dense_tail"] != dense_tail:
+            print(f"head_sensitivity: --continue {args.continue_from} measured other prompts "
+                  f"({previous.get('prompts')}, dense tail {previous['dense_tail']}) than these ({labels}, dense tail "
+                  f"{dense_tail})", file=sys.stderr)
+            return 2
+        result.update(dense_nll=previous["dense_nll"], base_nll=previous["base_nll"], heads=list(previous["heads"]))
+        start -= previous.get("wall_s", 0.0)  # wall_s counts both runs
     out = Path(args.out)
 
     def save() -> None:
@@ -581,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     # eval's rotary embedding for this length (YaRN beyond native); an answer may end past --tokens
     set_context_length(model, max(args.tokens, max(int(ids.numel()) for ids, _ in prompts)))
     try:
-        result["dense_nll"] = nll(None, "dense")
-        result["base_nll"] = nll(base, "BASE")
+        if previous is None:
+            result["dense_nll"] = nll(None, "dense")
+            result["base_nll"] = nll(base, "BASE")
         save()
         for layer, head in probed:
             values = nll(set_head(base, layer, head, probe.layers[layer][head]), f"L{layer}H{head}")
@@ -591,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "probe": pattern_to_dict(probe.layers[layer][head]),
                                     "delta": sum(deltas) / len(deltas), "per_prompt": deltas})
             save()
+        result["heads"].sort(key=lambda e: (e["layer"], e["head"]))  # a continued run's heads in layer order too
     finally:
         bar.close()
         if is_patched(model):

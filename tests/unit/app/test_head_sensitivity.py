@@ -467,3 +467,40 @@ def test_modelled_savings_price_each_move_with_the_cost_table(hs, tmp_path, caps
                          measured.config.provenance)
     with pytest.raises(ValueError, match="1 layers of 2 heads, BASE 1 of 3"):
         hs.modelled_savings(wide, [], str(measurements), str(costs))
+
+
+def test_continue_measures_only_the_heads_a_cut_run_lacks(hs, run, tmp_path):
+    """A run of one head, continued over two: one forward (the new head; dense and BASE kept), the
+    same entries as one full run, in layer order; wall time counted over both runs."""
+    full, *_ = run(MILD, PROBE, "--heads", "0:0,3:2")
+    first, *_ = run(MILD, PROBE, "--heads", "3:2")
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps({**first, "complete": False}))
+    result, _, err, forwards = run(MILD, PROBE, "--heads", "0:0,3:2", "--continue", str(cut))
+    assert "1 heads to probe" in err and "1 kept from" in err and "(no dense + BASE" in err and forwards == 1
+    assert result["complete"] and [(e["layer"], e["head"]) for e in result["heads"]] == [(0, 0), (3, 2)]
+    assert result["dense_nll"] == first["dense_nll"] and result["base_nll"] == first["base_nll"]
+    for got, want in zip(result["heads"], full["heads"]):
+        assert got["delta"] == pytest.approx(want["delta"], abs=1e-6) and got["probe"] == want["probe"]
+    assert result["wall_s"] >= first["wall_s"]
+
+
+def test_continue_refuses_other_settings_or_patterns_in_one_line(hs, no_model, tmp_path, capsys):
+    from minference.config import load_config
+
+    smol = FIXTURES / "smollm2-135m.json"
+    base = load_config(smol)
+    previous = _fake_result(base, {(0, 0): 0.001})
+    previous["probe"] = {"path": str(smol), "notes": ""}
+    cut = tmp_path / "cut.json"
+    argv = [str(smol), str(smol), "--model", "smollm2", "--tokens", str(N), "--dense-threshold", "0",
+            "--continue", str(cut), "--out", str(tmp_path / "r.json")]
+    for change, why in (({"tokens": 128}, "other settings: tokens 128 there, 256 here"),
+                        ({"dense_tail": 5}, "dense tail 5 there, 0 here"),
+                        ({"objective": "answers"}, "objective 'answers' there, 'perplexity' here"),
+                        ({}, "layer 0, head 0 was measured with another BASE or PROBE")):
+        cut.write_text(json.dumps({**previous, **change}))
+        assert hs.main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0], lines
+    assert not (tmp_path / "r.json").exists()
