@@ -75,6 +75,7 @@ damage-only order at the same budgets (e.g. budget 0.025: 238.1 against 248.4 ms
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -241,10 +242,27 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     return name, device, base, probe, probed, len(heads) - len(probed), _check_answers(args)
 
 
+def layout_sha256(config) -> str:
+    """A fingerprint of a config's patterns, every head (``--continue`` compares BASE's)."""
+    layers = [[pattern_to_dict(p) for p in row] for row in config.layers]
+    return hashlib.sha256(json.dumps(layers, sort_keys=True).encode()).hexdigest()
+
+
+def ids_sha256(ids: torch.Tensor) -> str:
+    """A fingerprint of a prompt's token ids (``--continue`` compares them)."""
+    return hashlib.sha256(ids.to(torch.int64).numpy().astype("<i8").tobytes()).hexdigest()
+
+
 def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -> dict:
     """The ``--continue`` result, refused (one line) unless it was measured with the same model,
-    objective, length, prompts, dense settings, BASE and PROBE (each kept head's two patterns)."""
+    objective, length, dense settings, BASE (every head's pattern), PROBE (each kept head's) and,
+    with ``--answers``, the same prompt ids (the perplexity prompts' ids are compared once the
+    tokenizer has made them)."""
     previous = read_result(args.continue_from)
+    for key in ("base_layout_sha256", "prompt_sha256", "dense_tail"):
+        if key not in previous:
+            raise Refused(f"--continue {args.continue_from} has no {key}: it was written before --continue could check "
+                          "it; measure again")
     seed = (0 if args.seed is None else args.seed) if answers is None else answers[0].manifest.get("seed")
     tail = previous.get("dense_tail_option", previous["dense_tail"])
     want = {"model": name, "objective": "perplexity" if answers is None else "answers", "tokens": args.tokens,
@@ -255,6 +273,10 @@ def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -
     differ = [f"{k} {have[k]!r} there, {want[k]!r} here" for k in want if have[k] != want[k]]
     if differ:
         raise Refused(f"--continue {args.continue_from} was measured with other settings: {'; '.join(differ)}")
+    if previous["base_layout_sha256"] != layout_sha256(base):
+        raise Refused(f"--continue {args.continue_from} was measured against another BASE (its patterns differ)")
+    if answers is not None and previous["prompt_sha256"] != [ids_sha256(x.ids) for x in answers[2]]:
+        raise Refused(f"--continue {args.continue_from} was measured on other prompts than {args.answers}'s")
     for e in previous["heads"]:
         l, h = e["layer"], e["head"]
         if e["base"] != pattern_to_dict(base.layers[l][h]) or e["probe"] != pattern_to_dict(probe.layers[l][h]):
@@ -586,15 +608,16 @@ def main(argv: list[str] | None = None) -> int:
         "answers": None if answers is None else {"prompts": str(args.answers), "tasks": answers[1]},
         "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": dense_tail,
         "dense_tail_option": args.dense_tail,
+        "prompt_sha256": [ids_sha256(ids if scored is None else ids[:-scored]) for ids, scored in prompts],
+        "base_layout_sha256": layout_sha256(base),
         "base": {"path": str(args.base), "notes": base.provenance.notes},
         "probe": {"path": str(args.probe), "notes": probe.provenance.notes},
         "dense_nll": [], "base_nll": [], "heads": [], "skipped": skipped, "wall_s": 0.0, "complete": False,
     }
     if previous is not None:
-        if previous.get("prompts", labels) != labels or previous["dense_tail"] != dense_tail:
-            print(f"head_sensitivity: --continue {args.continue_from} measured other prompts "
-                  f"({previous.get('prompts')}, dense tail {previous['dense_tail']}) than these ({labels}, dense tail "
-                  f"{dense_tail})", file=sys.stderr)
+        if previous["prompt_sha256"] != result["prompt_sha256"] or previous["dense_tail"] != dense_tail:
+            print(f"head_sensitivity: --continue {args.continue_from} measured other prompts or another dense tail "
+                  f"({previous['dense_tail']}, here {dense_tail})", file=sys.stderr)
             return 2
         result.update(dense_nll=previous["dense_nll"], base_nll=previous["base_nll"], heads=list(previous["heads"]))
         start -= previous.get("wall_s", 0.0)  # wall_s counts both runs
@@ -633,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
             result["heads"].append({"layer": layer, "head": head, "base": pattern_to_dict(base.layers[layer][head]),
                                     "probe": pattern_to_dict(probe.layers[layer][head]),
                                     "delta": sum(deltas) / len(deltas), "per_prompt": deltas})
+            result["heads"].sort(key=lambda e: (e["layer"], e["head"]))  # a continued run's heads in layer order too
             save()
-        result["heads"].sort(key=lambda e: (e["layer"], e["head"]))  # a continued run's heads in layer order too
     finally:
         bar.close()
         if is_patched(model):

@@ -469,7 +469,7 @@ def test_modelled_savings_price_each_move_with_the_cost_table(hs, tmp_path, caps
         hs.modelled_savings(wide, [], str(measurements), str(costs))
 
 
-def test_continue_measures_only_the_heads_a_cut_run_lacks(hs, run, tmp_path):
+def test_continue_measures_only_the_heads_a_cut_run_lacks(hs, run, tmp_path, capsys):
     """A run of one head, continued over two: one forward (the new head; dense and BASE kept), the
     same entries as one full run, in layer order; wall time counted over both runs."""
     full, *_ = run(MILD, PROBE, "--heads", "0:0,3:2")
@@ -483,6 +483,12 @@ def test_continue_measures_only_the_heads_a_cut_run_lacks(hs, run, tmp_path):
     for got, want in zip(result["heads"], full["heads"]):
         assert got["delta"] == pytest.approx(want["delta"], abs=1e-6) and got["probe"] == want["probe"]
     assert result["wall_s"] >= first["wall_s"]
+    # another seed makes other prompts: refused once the tokenizer has made them, nothing written
+    cut.write_text(json.dumps({**first, "complete": False, "seed": 1}))
+    out = tmp_path / "other.json"
+    assert hs.main([str(tmp_path / "base.json"), str(tmp_path / "probe.json"), "--model", "smollm2", "--tokens",
+                    str(N), "--dense-threshold", "0", "--seed", "1", "--continue", str(cut), "--out", str(out)]) == 2
+    assert "measured other prompts" in capsys.readouterr().err and not out.exists()
 
 
 def test_continue_refuses_other_settings_or_patterns_in_one_line(hs, no_model, tmp_path, capsys):
@@ -491,15 +497,19 @@ def test_continue_refuses_other_settings_or_patterns_in_one_line(hs, no_model, t
     smol = FIXTURES / "smollm2-135m.json"
     base = load_config(smol)
     previous = _fake_result(base, {(0, 0): 0.001})
-    previous["probe"] = {"path": str(smol), "notes": ""}
+    previous.update(probe={"path": str(smol), "notes": ""}, base_layout_sha256=hs.layout_sha256(base),
+                    prompt_sha256=["x"])
+    other_base = hs.set_head(base, 5, 5, PROBE)  # BASE differing on a head the cut run did not measure
     cut = tmp_path / "cut.json"
     argv = [str(smol), str(smol), "--model", "smollm2", "--tokens", str(N), "--dense-threshold", "0",
             "--continue", str(cut), "--out", str(tmp_path / "r.json")]
     for change, why in (({"tokens": 128}, "other settings: tokens 128 there, 256 here"),
                         ({"dense_tail": 5}, "dense tail 5 there, 0 here"),
                         ({"objective": "answers"}, "objective 'answers' there, 'perplexity' here"),
+                        ({"base_layout_sha256": hs.layout_sha256(other_base)}, "measured against another BASE"),
+                        ({"prompt_sha256": None}, "has no prompt_sha256: it was written before"),
                         ({}, "layer 0, head 0 was measured with another BASE or PROBE")):
-        cut.write_text(json.dumps({**previous, **change}))
+        cut.write_text(json.dumps({k: v for k, v in {**previous, **change}.items() if v is not None}))
         assert hs.main(argv) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and why in lines[0], lines
