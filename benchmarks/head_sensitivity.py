@@ -30,7 +30,12 @@ and PROBE) measures only the heads RESULT lacks, keeping its dense and BASE valu
 measurement can span several device calls.
 
 Cost: one forward per probed head per sample, plus a dense and a BASE forward per sample (all 336
-heads of the 0.5B at 130K, one sample: 338 forwards).
+heads of the 0.5B at 130K, one sample: 338 forwards). A head's forward starts at its own layer:
+the BASE forward records every layer's input, and moving a head of layer L changes nothing before
+L, so layers 0..L-1 are not run again (:func:`from_layer`; about half the layers on average; the
+result says ``"layers_skipped": true``; a decoder whose layers take different masks runs whole).
+The recorded inputs take layers × tokens × hidden size per prompt of device memory (the 0.5B at
+130K: 24 × 130,000 × 896 bf16, 5.6 GB).
 
 NLL on prose does not see every head that matters: on the 0.5B at 128K, configs whose measured NLL
 equalled dense's lost RULER's multi-query needles (docs/search.md, session 33). ``--answers DIR``
@@ -75,6 +80,7 @@ damage-only order at the same budgets (e.g. budget 0.025: 238.1 against 248.4 ms
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -240,6 +246,55 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace):
     heads = parse_heads(args.heads, len(base.layers), max(shape(base)))
     probed = [(l, h) for l, h in heads if probe.layers[l][h] != base.layers[l][h]]
     return name, device, base, probe, probed, len(heads) - len(probed), _check_answers(args)
+
+
+def skip_ahead_works(decoder) -> bool:
+    """Whether a forward can start at a later layer (:func:`from_layer`): the decoder has its
+    ``embed_tokens`` and ``layers``, and every layer takes the same mask (the decoder picks each
+    layer's mask by its position in ``layers``, which starting later would shift)."""
+    types = getattr(getattr(decoder, "config", None), "layer_types", None)
+    return (isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList) and hasattr(decoder, "embed_tokens")
+            and (types is None or len(set(types)) <= 1))
+
+
+@contextlib.contextmanager
+def record_layer_inputs(decoder, store: list):
+    """Append each decoder layer's input hidden state to ``store`` (in layer order) during the
+    forwards inside."""
+    def keep(module, args, kwargs):
+        store.append(args[0] if args else kwargs["hidden_states"])
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in decoder.layers]
+    try:
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Given(torch.nn.Module):
+    """Stands in for the embedding: the given hidden state, whatever the ids."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, ids):
+        return self.hidden
+
+
+@contextlib.contextmanager
+def from_layer(decoder, first: int, hidden: torch.Tensor):
+    """The decoder's forwards inside run layers ``first..`` only, from ``hidden`` (that layer's
+    input, recorded by :func:`record_layer_inputs` under a config equal to this one below
+    ``first``: the result is the full forward's). Moving a head of layer ``first`` changes nothing
+    before it, so this saves the work of the earlier layers (half a forward, on average)."""
+    embed, layers = decoder.embed_tokens, decoder.layers
+    decoder.embed_tokens, decoder.layers = _Given(hidden), torch.nn.ModuleList(list(layers)[first:])
+    try:
+        yield
+    finally:
+        decoder.embed_tokens, decoder.layers = embed, layers
 
 
 def layout_sha256(config) -> str:
@@ -560,13 +615,13 @@ def main(argv: list[str] | None = None) -> int:
         probed = [lh for lh in probed if lh not in done]
     objective = "perplexity" if answers is None else "answers"
     n_prompts = args.samples * (1 if answers is None else len(answers[1]))
-    forwards = n_prompts * ((2 if previous is None else 0) + len(probed))
+    forwards = n_prompts * ((2 if previous is None else 1) + len(probed))
     what = (f"{args.samples} sample(s) of {args.tokens} tokens" if answers is None else
             f"{args.samples} RULER prompt(s) per task of {', '.join(answers[1])} at {args.tokens}")
     kept = "" if previous is None else f", {len(previous['heads'])} kept from {args.continue_from}"
     print(f"head_sensitivity: {len(probed)} heads to probe, {skipped} skipped (PROBE = BASE){kept}, {what}: {forwards} "
-          f"forwards ({'' if previous is None else 'no '}dense + BASE + one per probed head, per prompt)",
-          file=sys.stderr)
+          f"forwards ({'dense + ' if previous is None else ''}BASE + one per probed head from its layer on, per "
+          "prompt)", file=sys.stderr)
 
     from tqdm.auto import tqdm
 
@@ -631,14 +686,25 @@ def main(argv: list[str] | None = None) -> int:
 
     bar = tqdm(total=forwards, desc="head_sensitivity", unit="forward")
 
-    def nll(config, label: str) -> list[float]:
+    decoder = model.get_decoder()
+    skip = skip_ahead_works(decoder)
+    result["layers_skipped"] = skip  # a head's forward starts at its layer, from BASE's recorded input there
+    inputs: list[list[torch.Tensor]] = [[] for _ in prompts]  # [prompt][layer]: BASE's layer inputs
+
+    def nll(config, label: str, first: int = 0, record: bool = False) -> list[float]:
         """Per prompt of ``config`` (``None``: the unpatched model): the mean NLL (perplexity), or
-        the summed NLL of the answer tokens (``--answers``)."""
+        the summed NLL of the answer tokens (``--answers``); ``record``: keep each layer's input;
+        ``first``: run layers ``first..`` only, from the recorded input of that layer."""
         _apply(model, config, args.dense_threshold, "auto", False, dense_tail, guard=GUARD_OFF)  # eval's patching
         bar.set_postfix_str(label)
         values = []
-        for ids, scored in prompts:
-            per_token = sequence_nll(model, ids.to(device))
+        for p, (ids, scored) in enumerate(prompts):
+            with contextlib.ExitStack() as stack:
+                if record and skip:
+                    stack.enter_context(record_layer_inputs(decoder, inputs[p]))
+                if first and skip:
+                    stack.enter_context(from_layer(decoder, first, inputs[p][first]))
+                per_token = sequence_nll(model, ids.to(device))
             values.append(float(per_token.mean() if scored is None else per_token[-scored:].sum()))
             bar.update(1)
         return values
@@ -648,11 +714,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if previous is None:
             result["dense_nll"] = nll(None, "dense")
-            result["base_nll"] = nll(base, "BASE")
+        base_now = nll(base, "BASE", record=True)  # continued: again, for the layer inputs and this call's deltas
+        if previous is None:
+            result["base_nll"] = base_now
         save()
         for layer, head in probed:
-            values = nll(set_head(base, layer, head, probe.layers[layer][head]), f"L{layer}H{head}")
-            deltas = [v - b for v, b in zip(values, result["base_nll"])]
+            values = nll(set_head(base, layer, head, probe.layers[layer][head]), f"L{layer}H{head}", first=layer)
+            deltas = [v - b for v, b in zip(values, base_now)]
             result["heads"].append({"layer": layer, "head": head, "base": pattern_to_dict(base.layers[layer][head]),
                                     "probe": pattern_to_dict(probe.layers[layer][head]),
                                     "delta": sum(deltas) / len(deltas), "per_prompt": deltas})

@@ -477,7 +477,7 @@ def test_continue_measures_only_the_heads_a_cut_run_lacks(hs, run, tmp_path, cap
     cut = tmp_path / "cut.json"
     cut.write_text(json.dumps({**first, "complete": False}))
     result, _, err, forwards = run(MILD, PROBE, "--heads", "0:0,3:2", "--continue", str(cut))
-    assert "1 heads to probe" in err and "1 kept from" in err and "(no dense + BASE" in err and forwards == 1
+    assert "1 heads to probe" in err and "1 kept from" in err and "(BASE + one per probed" in err and forwards == 2
     assert result["complete"] and [(e["layer"], e["head"]) for e in result["heads"]] == [(0, 0), (3, 2)]
     assert result["dense_nll"] == first["dense_nll"] and result["base_nll"] == first["base_nll"]
     for got, want in zip(result["heads"], full["heads"]):
@@ -514,3 +514,22 @@ def test_continue_refuses_other_settings_or_patterns_in_one_line(hs, no_model, t
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and why in lines[0], lines
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_heads_forward_starts_at_its_layer(hs, smollm2, run, monkeypatch):
+    """The first layer runs for dense, BASE and the layer-0 head only; the last layer for every
+    forward; the deltas are the full forwards' (the first test's independent check covers them)."""
+    decoder = smollm2[0].get_decoder()
+    calls = {0: 0, 29: 0}
+    for i in calls:
+        monkeypatch.setattr(decoder.layers[i], "forward", _counting(decoder.layers[i].forward, calls, i))
+    result, _, err, forwards = run(MILD, PROBE, "--heads", "0:0,3:2,20:1")
+    assert forwards == 5 and calls == {0: 3, 29: 5} and result["layers_skipped"] is True
+    assert "from its layer on" in err
+
+
+def _counting(forward, calls: dict, key):
+    def wrapped(*args, **kwargs):
+        calls[key] += 1
+        return forward(*args, **kwargs)
+    return wrapped
