@@ -533,3 +533,33 @@ def _counting(forward, calls: dict, key):
         calls[key] += 1
         return forward(*args, **kwargs)
     return wrapped
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_from_layer_is_exact_on_tiny_models(hs, arch):
+    """On random 4-layer Llama and Qwen2 models, patched sparse from the first token: a forward
+    started at layer L from the recorded input of L gives the whole forward's NLL (CI also runs
+    this on the lowest supported transformers, the GPU runner's)."""
+    import transformers as T
+
+    classes = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM)}
+    cfg_cls, model_cls = classes[arch]
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 64, (96,), generator=torch.Generator().manual_seed(1))
+    decoder = model.get_decoder()
+    assert hs.skip_ahead_works(decoder)
+    patch(model, uniform_config(model, AShape(sink=4, window=16)), dense_threshold=0, backend="torch")
+    try:
+        inputs: list = []
+        with hs.record_layer_inputs(decoder, inputs):
+            whole = sequence_nll(model, ids)
+        assert len(inputs) == 4
+        for first in (1, 2, 3):
+            with hs.from_layer(decoder, first, inputs[first]):
+                part = sequence_nll(model, ids)
+            assert torch.allclose(part, whole, atol=1e-6, rtol=0), first
+        assert len(decoder.layers) == 4 and not isinstance(decoder.embed_tokens, hs._Given)  # restored
+    finally:
+        unpatch(model)
