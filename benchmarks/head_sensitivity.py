@@ -61,6 +61,9 @@ as 0) stays within each ``--budget`` (nats against BASE, the prediction an NLL r
     python benchmarks/head_sensitivity.py move fixtures/configs/qwen2.5-coder-0.5b.json .stage/q05_heads.json \
       --budget 0.002 0.005 0.01 --out 'moved_{budget}.json'
 
+``plot RESULT --out F.png`` draws a result (needs matplotlib): the per-head map and the share of the
+damage the most damaging heads carry.
+
 With several results (say the NLL one and an ``--answers`` one, measured against the same BASE and
 PROBE), each ``--budget`` item gives one budget per result, joined by commas (``0.012,0.5``; in
 ``{budget}``, by ``_``): only heads every result measured can move, ranked by their largest share
@@ -575,10 +578,73 @@ def move_main(argv: list[str]) -> int:
     return 0
 
 
+def plot_result(result: dict, path: str | os.PathLike) -> Path:
+    """Draw a result: each measured head's change as a layers x heads map (symmetric log colour
+    scale: the few large deltas and the many near 0 both readable; unmeasured heads grey), and the
+    share of the summed positive damage carried by the most damaging k heads against k. Returns
+    ``path``."""
+    from minference.app.plots import _check_path, _matplotlib
+
+    out = _check_path(path)
+    Figure, colors, _ = _matplotlib()
+    heads = result["heads"]
+    if not heads:
+        raise ValueError("the result has no measured heads to draw")
+    n_layers = max(e["layer"] for e in heads) + 1
+    n_heads = max(e["head"] for e in heads) + 1
+    grid = torch.full((n_layers, n_heads), float("nan"))
+    for e in heads:
+        grid[e["layer"], e["head"]] = e["delta"]
+    units = UNITS[objective_of(result)]
+    fig = Figure(figsize=(11, 4.8), dpi=120, layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    bound = float(grid.nan_to_num(0).abs().max()) or 1.0
+    norm = colors.SymLogNorm(linthresh=max(bound * 1e-3, 1e-6), vmin=-bound, vmax=bound)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#999999")  # unmeasured: grey, apart from near-0 white
+    image = left.imshow(grid.T.numpy(), cmap=cmap, norm=norm, aspect="auto", origin="lower", interpolation="nearest")
+    fig.colorbar(image, ax=left, label=f"change against BASE ({units})")
+    left.set_xlabel("layer")
+    left.set_ylabel("head")
+    left.set_title(f"{len(heads)} heads moved alone to PROBE's pattern (grey: not measured)", fontsize=9)
+    damage = sorted((max(e["delta"], 0.0) for e in heads), reverse=True)
+    total = sum(damage)
+    cumulative = torch.tensor(damage, dtype=torch.float64).cumsum(0) / (total if total > 0 else 1.0)
+    shares = [0.0] + [float(x) for x in cumulative]
+    right.plot(range(len(shares)), shares, color="#0072B2")
+    right.set_xlabel("the k most damaging heads")
+    right.set_ylabel("share of the summed positive change")
+    right.set_ylim(0, 1.02)
+    right.grid(alpha=0.3)
+    right.set_title(f"sum of positive changes {total:+.4f} {units}", fontsize=9)
+    fig.suptitle(f"Head sensitivity: {result['model']}, {objective_of(result)} at {result['tokens']} tokens; "
+                 f"BASE {result['base']['path']}, PROBE {result['probe']['path']}", fontsize=9)
+    fig.savefig(out)
+    return out
+
+
+def plot_main(argv: list[str]) -> int:
+    parser = _Parser(prog="head_sensitivity.py plot", description="draw a result: the per-head map and how "
+                     "concentrated the damage is")
+    parser.add_argument("result", metavar="RESULT", help="this script's result JSON")
+    parser.add_argument("--out", required=True, help="image file to write (.png, .svg, ...)")
+    args = parser.parse_args(argv)
+    try:
+        path = plot_result(read_result(args.result), args.out)
+    except (ImportError, OSError, ValueError) as err:
+        print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["move"]:
         return move_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        return plot_main(argv[1:])
     start = time.perf_counter()
     parser = _Parser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("base", metavar="BASE", help="the PatternConfig every probe starts from")

@@ -563,3 +563,22 @@ def test_from_layer_is_exact_on_tiny_models(hs, arch):
         assert len(decoder.layers) == 4 and not isinstance(decoder.embed_tokens, hs._Given)  # restored
     finally:
         unpatch(model)
+
+
+def test_plot_draws_a_result_and_refuses_bad_input_in_one_line(hs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_fake_result(base, {(0, 0): 0.02, (3, 2): -0.001, (29, 8): 0.0004})))
+    assert hs.main(["plot", str(path), "--out", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'r.png'}"
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps(_fake_result(base, {})))
+    for argv, why in (([str(path), "--out", str(tmp_path / "noext")], "image extension"),
+                      ([str(empty), "--out", str(tmp_path / "e.png")], "no measured heads")):
+        assert hs.main(["plot", *argv]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0]
