@@ -119,7 +119,7 @@ from minference.app.models import (  # noqa: E402
     set_context_length,
 )
 from minference.app.ruler import RulerError, load_prompt_set  # noqa: E402
-from minference.config import ConfigError, GuardSettings, model_signature  # noqa: E402
+from minference.config import ConfigError, GuardSettings, data_fingerprint, model_signature  # noqa: E402
 from minference.integration import is_patched, unpatch  # noqa: E402
 from minference.patterns import pattern_from_dict, pattern_to_dict  # noqa: E402
 
@@ -306,11 +306,6 @@ def layout_sha256(config) -> str:
     return hashlib.sha256(json.dumps(layers, sort_keys=True).encode()).hexdigest()
 
 
-def ids_sha256(ids: torch.Tensor) -> str:
-    """A fingerprint of a prompt's token ids (``--continue`` compares them)."""
-    return hashlib.sha256(ids.to(torch.int64).numpy().astype("<i8").tobytes()).hexdigest()
-
-
 def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -> dict:
     """The ``--continue`` result, refused (one line) unless it was measured with the same model,
     objective, length, dense settings, BASE (every head's pattern), PROBE (each kept head's) and,
@@ -333,7 +328,7 @@ def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -
         raise Refused(f"--continue {args.continue_from} was measured with other settings: {'; '.join(differ)}")
     if previous["base_layout_sha256"] != layout_sha256(base):
         raise Refused(f"--continue {args.continue_from} was measured against another BASE (its patterns differ)")
-    if answers is not None and previous["prompt_sha256"] != [ids_sha256(x.ids) for x in answers[2]]:
+    if answers is not None and previous["prompt_sha256"] != [data_fingerprint([x.ids.tolist()]) for x in answers[2]]:
         raise Refused(f"--continue {args.continue_from} was measured on other prompts than {args.answers}'s")
     for e in previous["heads"]:
         l, h = e["layer"], e["head"]
@@ -729,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         "answers": None if answers is None else {"prompts": str(args.answers), "tasks": answers[1]},
         "prompts": labels, "dense_threshold": args.dense_threshold, "dense_tail": dense_tail,
         "dense_tail_option": args.dense_tail,
-        "prompt_sha256": [ids_sha256(ids if scored is None else ids[:-scored]) for ids, scored in prompts],
+        "prompt_sha256": [data_fingerprint([(ids if scored is None else ids[:-scored]).tolist()])
+                          for ids, scored in prompts],
         "base_layout_sha256": layout_sha256(base),
         "base": {"path": str(args.base), "notes": base.provenance.notes},
         "probe": {"path": str(args.probe), "notes": probe.provenance.notes},
