@@ -766,8 +766,8 @@ def main(argv: list[str] | None = None) -> int:
                     stack.enter_context(record_layer_inputs(decoder, inputs[p]))
                 if first and skip:
                     stack.enter_context(from_layer(decoder, first, inputs[p][first]))
-                per_token = sequence_nll(model, ids.to(device))
-            values.append(float(per_token.mean() if scored is None else per_token[-scored:].sum()))
+                per_token = sequence_nll(model, ids.to(device), last=scored)  # answers: their tokens only
+            values.append(float(per_token.mean() if scored is None else per_token.sum()))
             bar.update(1)
         return values
 

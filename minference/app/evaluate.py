@@ -902,29 +902,34 @@ def _settled(sample, tokens: list[int], tokenizer) -> bool:
 
 
 def sequence_nll(model: PreTrainedModel, ids: torch.Tensor, *, chunk: int = NLL_CHUNK,
-                 prefill_chunk: int = 0) -> torch.Tensor:
+                 prefill_chunk: int = 0, last: int | None = None) -> torch.Tensor:
     """Next-token NLL ``[n - 1]`` float32 (on the CPU) of ``ids [n]`` from ONE prefill of the
     decoder (in chunks of ``prefill_chunk`` tokens through the cache, 0: one call): the LM head and
     log-softmax run on ``chunk`` hidden rows at a time, so no ``[n, vocab]`` tensor is ever
-    built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``."""
+    built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``. ``last``: only the final
+    ``last`` positions (``[last]``, the same values): the LM head skips the other rows (at 131K
+    tokens and Qwen's 151,936-word vocabulary it is most of a late layer's forward)."""
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"ids must be 1-D with at least 2 tokens, got shape {tuple(ids.shape)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    n = ids.numel()
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= n - 1):
+        raise ValueError(f"last must be an int in 1..{n - 1} (the positions with a next token), got {last!r}")
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
-    n = ids.numel()
     targets = ids[1:]
-    out = torch.empty(n - 1, dtype=torch.float32, device=ids.device)
+    begin = 0 if last is None else n - 1 - last  # the first position scored
+    out = torch.empty(n - 1 - begin, dtype=torch.float32, device=ids.device)
 
     def score(first: int, step) -> None:  # the hidden rows of positions first .. first + len - 1
         hidden = step.last_hidden_state[0]
-        for s in range(0, hidden.shape[0], chunk):
+        for s in range(max(begin - first, 0), hidden.shape[0], chunk):
             lo, hi = first + s, min(first + min(s + chunk, hidden.shape[0]), n - 1)
             if lo >= hi:
                 break
             logp = torch.log_softmax(head(hidden[s : s + hi - lo]).float(), dim=-1)  # [c, vocab]
-            out[lo:hi] = -logp.gather(1, targets[lo:hi, None].long())[:, 0]
+            out[lo - begin : hi - begin] = -logp.gather(1, targets[lo:hi, None].long())[:, 0]
             del logp
 
     with torch.no_grad():
