@@ -62,7 +62,11 @@ as 0) stays within each ``--budget`` (nats against BASE, the prediction an NLL r
       --budget 0.002 0.005 0.01 --out 'moved_{budget}.json'
 
 ``plot RESULT --out F.png`` draws a result (needs matplotlib): the per-head map and the share of the
-damage the most damaging heads carry.
+damage the most damaging heads carry (with 2 or more prompts, the title gives how alike the prompts
+rank the heads: :func:`rank_agreement`, Spearman's, of their per-head deltas; the markdown summary
+too). ``--against OTHER`` (a result of the same model, say the NLL one for an ``--answers`` one)
+adds a third panel: this result's deltas against OTHER's for the heads both measured, with their
+rank agreement and the most damaging heads named.
 
 With several results (say the NLL one and an ``--answers`` one, measured against the same BASE and
 PROBE), each ``--budget`` item gives one budget per result, joined by commas (``0.012,0.5``; in
@@ -339,7 +343,8 @@ def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -
 
 
 def summary(result: dict) -> str:
-    """The markdown summary of a result: dense and BASE NLL, the :data:`TOP` largest deltas, the sum."""
+    """The markdown summary of a result: dense and BASE NLL, the :data:`TOP` largest deltas, the sum,
+    and with 2 or more prompts how alike they rank the heads (:func:`agreement_text`)."""
     dense = sum(result["dense_nll"]) / len(result["dense_nll"])
     base = sum(result["base_nll"]) / len(result["base_nll"])
     heads = result["heads"]
@@ -361,12 +366,77 @@ def summary(result: dict) -> str:
         names = ["dense" if n == "dense-pattern" else n for n in names]
         lines.append(f"| {rank} | {e['layer']} | {e['head']} | {names[0]} | {names[1]} | {e['delta']:+.4f} |")
     lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
+    agreement = agreement_text(result)
+    if agreement is not None:
+        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}; below ~0.5 the "
+                  "per-head ranking is mostly one prompt's noise: measure more prompts"]
     return "\n".join(lines)
 
 
 def objective_of(result: dict) -> str:
     """A result's objective; one written before ``--answers`` existed has none: perplexity."""
     return result.get("objective", "perplexity")
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Each value's rank (1 = the smallest), tied values sharing their ranks' mean."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start  # order[start..end]: one run of equal values
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            ranks[i] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def rank_agreement(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman rank correlation of two equal-length sequences (tied values get their ranks' mean):
+    +1 when both order the items alike, -1 when reversed, ~0 when unrelated; NaN for fewer than 3
+    values or a constant sequence. ``ValueError`` when the lengths differ."""
+    if len(x) != len(y):
+        raise ValueError(f"rank agreement of sequences of different lengths ({len(x)} and {len(y)})")
+    if len(x) < 3:
+        return math.nan
+    rx, ry = _ranks(x), _ranks(y)
+    mean = (len(x) + 1) / 2  # the mean rank of either
+    sxy = sum((a - mean) * (b - mean) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mean) ** 2 for a in rx), sum((b - mean) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def prompt_agreement(result: dict) -> list[tuple[int, int, float]]:
+    """How alike a result's prompts rank the heads: ``(i, j, value)`` for each pair of prompts
+    ``i < j``, the value the :func:`rank_agreement` of their per-head deltas (``per_prompt``) over
+    the heads measured on every prompt; empty for a result of fewer than 2 prompts."""
+    per_prompt = [e.get("per_prompt") or [] for e in result["heads"]]
+    n = max((len(p) for p in per_prompt), default=0)
+    rows = [p for p in per_prompt if len(p) == n]
+    return [(i, j, rank_agreement([p[i] for p in rows], [p[j] for p in rows]))
+            for i in range(n) for j in range(i + 1, n)]
+
+
+def agreement_text(result: dict) -> str | None:
+    """:func:`prompt_agreement` in words: for 2 prompts the value, for more the mean over the
+    pairs and the least pair; ``None`` for a result of fewer than 2 prompts."""
+    pairs = prompt_agreement(result)
+    if not pairs:
+        return None
+    n = pairs[-1][1] + 1
+    labels = result.get("prompts") or []
+    label = lambda i: labels[i] if len(labels) == n else f"prompt {i}"  # noqa: E731
+    defined = [(i, j, v) for i, j, v in pairs if not math.isnan(v)]
+    if not defined:
+        return "undefined (fewer than 3 heads, or one prompt's deltas all equal)"
+    i, j, least = min(defined, key=lambda p: p[2])
+    if len(pairs) == 1:
+        return f"{least:+.2f} ({label(i)} vs {label(j)})"
+    mean = sum(v for _, _, v in defined) / len(defined)
+    return (f"mean {mean:+.2f} over {len(defined)} pairs of {n} prompts, least {least:+.2f} ({label(i)} vs "
+            f"{label(j)})")
 
 
 def read_result(path: str | Path) -> dict:
@@ -573,28 +643,63 @@ def move_main(argv: list[str]) -> int:
     return 0
 
 
-def plot_result(result: dict, path: str | os.PathLike) -> Path:
+#: Heads named in the ``--against`` scatter.
+ANNOTATED = 5
+
+
+def common_deltas(result: dict, other: dict) -> list[tuple[int, int, float, float]]:
+    """``(layer, head, other's delta, result's delta)`` for the heads both results measured, in
+    layer order; ``ValueError`` (one line) when they share no head or were measured on different
+    models (different objectives are fine: comparing them is the point)."""
+    if result["model"] != other["model"]:
+        raise ValueError(f"--against: the results were measured on different models ({result['model']} and "
+                         f"{other['model']})")
+    theirs = {(e["layer"], e["head"]): e["delta"] for e in other["heads"]}
+    common = [(e["layer"], e["head"], theirs[(e["layer"], e["head"])], e["delta"]) for e in result["heads"]
+              if (e["layer"], e["head"]) in theirs]
+    if not common:
+        raise ValueError(f"--against: no heads in common (this result measured {len(result['heads'])}, the other "
+                         f"{len(other['heads'])})")
+    return sorted(common)
+
+
+def _symlog(bound: float) -> float:
+    """The linear range around 0 of a symmetric log scale for values up to ``bound``."""
+    return max(bound * 1e-3, 1e-6)
+
+
+def plot_result(result: dict, path: str | os.PathLike, against: dict | None = None,
+                against_name: str = "OTHER") -> Path:
     """Draw a result: each measured head's change as a layers x heads map (symmetric log colour
     scale: the few large deltas and the many near 0 both readable; unmeasured heads grey), and the
-    share of the summed positive damage carried by the most damaging k heads against k. Returns
-    ``path``."""
+    share of the summed positive damage carried by the most damaging k heads against k; with 2 or
+    more prompts the title gives their rank agreement (:func:`agreement_text`). With ``against``
+    (another result, ``against_name`` its label) a third panel: this result's delta against the
+    other's for each head both measured (:func:`common_deltas`), symmetric log axes, their
+    :func:`rank_agreement` in the title and the :data:`ANNOTATED` heads whose delta is largest on
+    either axis (each axis' deltas over its largest magnitude) named. Returns ``path``."""
     from minference.app.plots import _check_path, _matplotlib
 
     out = _check_path(path)
-    Figure, colors, _ = _matplotlib()
     heads = result["heads"]
     if not heads:
         raise ValueError("the result has no measured heads to draw")
+    common = None if against is None else common_deltas(result, against)
+    Figure, colors, _ = _matplotlib()
     n_layers = max(e["layer"] for e in heads) + 1
     n_heads = max(e["head"] for e in heads) + 1
     grid = torch.full((n_layers, n_heads), float("nan"))
     for e in heads:
         grid[e["layer"], e["head"]] = e["delta"]
     units = UNITS[objective_of(result)]
-    fig = Figure(figsize=(11, 4.8), dpi=120, layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    if common is None:
+        fig = Figure(figsize=(11, 4.8), dpi=120, layout="constrained")
+        left, right = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    else:
+        fig = Figure(figsize=(16, 4.8), dpi=120, layout="constrained")
+        left, right, scatter = fig.subplots(1, 3, width_ratios=[1.3, 1, 1])
     bound = float(grid.nan_to_num(0).abs().max()) or 1.0
-    norm = colors.SymLogNorm(linthresh=max(bound * 1e-3, 1e-6), vmin=-bound, vmax=bound)
+    norm = colors.SymLogNorm(linthresh=_symlog(bound), vmin=-bound, vmax=bound)
     import matplotlib
 
     cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="#999999")  # unmeasured: grey, apart from near-0 white
@@ -613,20 +718,43 @@ def plot_result(result: dict, path: str | os.PathLike) -> Path:
     right.set_ylim(0, 1.02)
     right.grid(alpha=0.3)
     right.set_title(f"sum of positive changes {total:+.4f} {units}", fontsize=9)
+    if common is not None and against is not None:
+        xs, ys = [c[2] for c in common], [c[3] for c in common]
+        scatter.scatter(xs, ys, s=10, color="#0072B2", alpha=0.7)
+        xb, yb = max(abs(x) for x in xs) or 1.0, max(abs(y) for y in ys) or 1.0
+        scatter.set_xscale("symlog", linthresh=_symlog(xb))
+        scatter.set_yscale("symlog", linthresh=_symlog(yb))
+        scatter.axhline(0, color="#999999", lw=0.5)
+        scatter.axvline(0, color="#999999", lw=0.5)
+        scatter.set_xlabel(f"{objective_of(against)} change ({UNITS[objective_of(against)]})\n{against_name}")
+        scatter.set_ylabel(f"this result: {objective_of(result)} change ({units})")
+        rho = rank_agreement(xs, ys)
+        scatter.set_title(f"{len(common)} heads both measured; Spearman rank agreement "
+                          + ("undefined" if math.isnan(rho) else f"{rho:+.2f}"), fontsize=9)
+        for l, h, x, y in sorted(common, key=lambda c: max(c[2] / xb, c[3] / yb), reverse=True)[:ANNOTATED]:
+            scatter.annotate(f"L{l}H{h}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        scatter.grid(alpha=0.3)
+    agreement = agreement_text(result)
     fig.suptitle(f"Head sensitivity: {result['model']}, {objective_of(result)} at {result['tokens']} tokens; "
-                 f"BASE {result['base']['path']}, PROBE {result['probe']['path']}", fontsize=9)
+                 f"BASE {result['base']['path']}, PROBE {result['probe']['path']}"
+                 + ("" if agreement is None else f"\nbetween-prompt rank agreement of the deltas: {agreement}"),
+                 fontsize=9)
     fig.savefig(out)
     return out
 
 
 def plot_main(argv: list[str]) -> int:
     parser = _Parser(prog="head_sensitivity.py plot", description="draw a result: the per-head map and how "
-                     "concentrated the damage is")
+                     "concentrated the damage is; with --against, its deltas against another result's")
     parser.add_argument("result", metavar="RESULT", help="this script's result JSON")
     parser.add_argument("--out", required=True, help="image file to write (.png, .svg, ...)")
+    parser.add_argument("--against", default=None, metavar="OTHER",
+                        help="another result of the same model (any objective): a third panel, this result's "
+                             "deltas against OTHER's for the heads both measured, with their rank agreement")
     args = parser.parse_args(argv)
     try:
-        path = plot_result(read_result(args.result), args.out)
+        against = None if args.against is None else read_result(args.against)
+        path = plot_result(read_result(args.result), args.out, against, Path(args.against or "OTHER").name)
     except (ImportError, OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2

@@ -582,3 +582,114 @@ def test_plot_draws_a_result_and_refuses_bad_input_in_one_line(hs, tmp_path, cap
         assert hs.main(["plot", *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and why in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank agreement: between prompts, and between two results (plot --against).
+
+
+def test_rank_agreement_is_spearmans_with_tied_ranks_averaged(hs):
+    assert hs.rank_agreement([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert hs.rank_agreement([1, 2, 3, 4], [0.4, 0.3, 0.2, 0.1]) == pytest.approx(-1.0)
+    assert hs.rank_agreement([1, 2, 3, 4, 5], [1, 8, 27, 64, 1e6]) == pytest.approx(1.0)  # ranks, not values
+    # d = (1, 1, 1, 1, 0): 1 - 6 * 4 / (5 * 24) = 0.8
+    assert hs.rank_agreement([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # x's ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4), both centred on 2.5: 4.5 / sqrt(4.5 * 5) = sqrt(0.9)
+    assert hs.rank_agreement([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9 ** 0.5)
+    # ties in both: ranks (2.5, 2.5, 1, 4) and (3, 3, 3, 1); sum of products -3, squares 4.5 and 3
+    assert hs.rank_agreement([2, 2, 1, 3], [4, 4, 4, 1]) == pytest.approx(-3 / (4.5 * 3) ** 0.5)
+    for x, y in (([1, 2], [1, 2]), ([], []), ([1, 1, 1], [1, 2, 3]), ([1, 2, 3], [5, 5, 5])):
+        assert hs.rank_agreement(x, y) != hs.rank_agreement(x, y)  # NaN
+    with pytest.raises(ValueError, match="different lengths"):
+        hs.rank_agreement([1, 2, 3], [1, 2])
+
+
+def _prompted_result(per_prompt: dict, objective: str = "answers") -> dict:
+    """A synthetic result of the script's format: ``per_prompt`` maps (layer, head) to its deltas,
+    one per prompt (the delta their mean)."""
+    n = len(next(iter(per_prompt.values())))
+    heads = [{"layer": l, "head": h, "base": pattern_to_dict(MILD), "probe": pattern_to_dict(PROBE),
+              "delta": sum(d) / len(d), "per_prompt": list(d)} for (l, h), d in sorted(per_prompt.items())]
+    return {"format": "minference.head_sensitivity", "version": 1, "objective": objective, "model": "smollm2",
+            "tokens": N, "samples": 1, "seed": 0, "answers": {"prompts": "set", "tasks": ["a"]},
+            "prompts": [f"a#{i}" for i in range(n)], "dense_threshold": 0, "dense_tail": 0,
+            "base": {"path": "base.json", "notes": ""}, "probe": {"path": "probe.json", "notes": ""},
+            "dense_nll": [3.0] * n, "base_nll": [3.0] * n, "heads": heads, "skipped": 0, "complete": True}
+
+
+def test_summary_gives_the_prompts_rank_agreement(hs):
+    """2 prompts: their value; 3: the mean over the pairs and the least pair; 1: no line."""
+    two = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2], (2, 0): [0.3, 0.1]})
+    lines = [x for x in hs.summary(two).splitlines() if "rank agreement" in x]
+    assert lines == ["between-prompt rank agreement (Spearman) of the per-head deltas: -1.00 (a#0 vs a#1); below "
+                     "~0.5 the per-head ranking is mostly one prompt's noise: measure more prompts"]
+    # pairs (0, 1) +1, (0, 2) -1, (1, 2) -1
+    three = _prompted_result({(0, 0): [1, 1, 4], (0, 1): [2, 2, 3], (0, 2): [3, 3, 2], (0, 3): [4, 4, 1]})
+    assert ("agreement (Spearman) of the per-head deltas: mean -0.33 over 3 pairs of 3 prompts, least -1.00 "
+            "(a#0 vs a#2); below") in hs.summary(three)
+    one = _prompted_result({(0, 0): [0.1], (1, 0): [0.2], (2, 0): [0.3]})
+    assert "rank agreement" not in hs.summary(one)
+    few = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2]})
+    assert "deltas: undefined (fewer than 3 heads" in hs.summary(few)
+
+
+def _saved_figures(monkeypatch) -> list:
+    """Each matplotlib Figure saved from now on, kept."""
+    from matplotlib.figure import Figure
+
+    saved: list = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), real(fig, *a, **kw))[1])
+    return saved
+
+
+def test_plot_against_another_result_adds_a_scatter_of_the_common_heads(hs, tmp_path, capsys, monkeypatch):
+    """--against: a third panel (the map's colorbar a fourth axes) of the heads both measured, on
+    symmetric log axes labelled with each objective's units, the rank agreement and count in its
+    title, the 5 heads largest on either axis (over that axis' largest magnitude) named; the
+    between-prompt agreement in the figure's title."""
+    pytest.importorskip("matplotlib")
+    figures = _saved_figures(monkeypatch)
+    answers = {(0, 0): [0.1, 0.3], (1, 0): [2.0, 2.0], (2, 0): [0.3, 0.1], (3, 0): [-0.5, -0.5],
+               (4, 0): [0.01, 0.01], (5, 0): [0.02, 0.02], (6, 0): [0.0, 0.0], (9, 9): [1.0, 1.0]}
+    nll = {(0, 0): 0.001, (1, 0): 0.0, (2, 0): 0.004, (3, 0): 0.0001, (4, 0): 0.002, (5, 0): -0.001,
+           (6, 0): 0.0002, (7, 7): 0.5}
+    # common heads (x = NLL / 0.004, y = answers / 2.0), each head's larger: (0,0) 0.25 / 0.1; (1,0) 0 / 1;
+    # (2,0) 1 / 0.1; (3,0) 0.025 / -0.25; (4,0) 0.5 / 0.005; (5,0) -0.25 / 0.01; (6,0) 0.05 / 0
+    # -> the 5 named: (1,0), (2,0), (4,0), (0,0), (6,0)
+    this, other = tmp_path / "answers.json", tmp_path / "nll.json"
+    this.write_text(json.dumps(_prompted_result(answers)))
+    other.write_text(json.dumps(_prompted_result({lh: [d] for lh, d in nll.items()}, "perplexity")))
+    out = tmp_path / "a.png"
+    assert hs.main(["plot", str(this), "--out", str(out), "--against", str(other)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and capsys.readouterr().out.strip() == f"wrote {out}"
+    (fig,) = figures
+    assert len(fig.axes) == 4
+    scatter = fig.axes[2]
+    common = sorted(set(answers) & set(nll))
+    xs, ys = [nll[lh] for lh in common], [sum(answers[lh]) / 2 for lh in common]
+    assert scatter.get_title() == (f"7 heads both measured; Spearman rank agreement "
+                                   f"{hs.rank_agreement(xs, ys):+.2f}")
+    assert scatter.get_xscale() == scatter.get_yscale() == "symlog"
+    assert scatter.get_xlabel() == "perplexity change (nats per token)\nnll.json"
+    assert scatter.get_ylabel() == "this result: answers change (nats per answer)"
+    assert sorted(t.get_text() for t in scatter.texts) == ["L0H0", "L1H0", "L2H0", "L4H0", "L6H0"]
+    assert "between-prompt rank agreement of the deltas: " in fig.get_suptitle()
+    # without --against: the two panels and the colorbar
+    assert hs.main(["plot", str(other), "--out", str(out)]) == 0
+    assert len(figures[-1].axes) == 3 and "between-prompt" not in figures[-1].get_suptitle()
+
+
+def test_plot_against_refuses_other_models_and_no_common_heads_in_one_line(hs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    this, other = tmp_path / "this.json", tmp_path / "other.json"
+    this.write_text(json.dumps(_prompted_result({(0, 0): [0.1], (1, 0): [0.2]})))
+    for result, why in ((_prompted_result({(5, 5): [0.1]}, "perplexity"), "no heads in common"),
+                        ({**_prompted_result({(0, 0): [0.1]}), "model": "qwen0.5b"},
+                         "different models (smollm2 and qwen0.5b)")):
+        other.write_text(json.dumps(result))
+        assert hs.plot_main([str(this), "--out", str(tmp_path / "x.png"), "--against", str(other)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("head_sensitivity: --against: ") and why in lines[0], lines
+        assert not captured.out and not (tmp_path / "x.png").exists()
