@@ -368,8 +368,8 @@ def summary(result: dict) -> str:
     lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
     agreement = agreement_text(result)
     if agreement is not None:
-        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}; below ~0.5 the "
-                  "per-head ranking is mostly one prompt's noise: measure more prompts"]
+        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}; below "
+                  f"~{AGREEMENT} the per-head ranking is mostly one prompt's noise: measure more prompts"]
     return "\n".join(lines)
 
 
@@ -417,6 +417,17 @@ def prompt_agreement(result: dict) -> list[tuple[int, int, float]]:
     rows = [p for p in per_prompt if len(p) == n]
     return [(i, j, rank_agreement([p[i] for p in rows], [p[j] for p in rows]))
             for i in range(n) for j in range(i + 1, n)]
+
+
+#: Rank agreement between a result's prompts below which the summary, the plot and ``move`` say its
+#: per-head ranking is mostly one prompt's noise (a rule of thumb, not a test).
+AGREEMENT = 0.5
+
+
+def _agree(result: dict) -> bool:
+    """Whether every pair of a result's prompts ranks the heads with at least :data:`AGREEMENT`
+    (true for a result of one prompt: nothing to compare)."""
+    return all(v >= AGREEMENT for _, _, v in prompt_agreement(result))
 
 
 def agreement_text(result: dict) -> str | None:
@@ -630,6 +641,14 @@ def move_main(argv: list[str]) -> int:
               "move", file=sys.stderr)
     if incomplete:
         why = "; ".join(f"{path} was incomplete: {len(r['heads'])} heads measured" for path, r in incomplete)
+        configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
+    noisy = [(path, text) for path, r in zip(args.results, results)
+             if (text := agreement_text(r)) is not None and not _agree(r)]
+    for path, text in noisy:
+        print(f"head_sensitivity: note: {path}'s prompts rank the heads differently (rank agreement {text}, below "
+              f"{AGREEMENT}): its ranking is mostly one prompt's noise; measure more prompts", file=sys.stderr)
+    if noisy:
+        why = "; ".join(f"{path}'s prompts disagreed (rank agreement {text})" for path, text in noisy)
         configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
     for label, (config, moved, totals) in zip(labels, configs):
         path = Path(args.out.replace("{budget}", label))

@@ -241,6 +241,18 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     assert hs.main(["move", str(base_path), str(result), "--budget", "1", "--out", str(tmp_path / "p.json")]) == 0
     assert "is incomplete (1 heads measured)" in capsys.readouterr().err
     assert f"{result} was incomplete: 1 heads measured" in load_config(tmp_path / "p.json").provenance.notes
+    # two prompts that rank the heads in reverse: a note, and the written config says so; when they
+    # agree, no note
+    for deltas, noted in (({(0, 0): (0.002, 0.0), (5, 3): (0.001, 0.001), (1, 1): (0.0, 0.002)}, True),
+                          ({(0, 0): (0.002, 0.003), (5, 3): (0.001, 0.002), (1, 1): (0.0, 0.001)}, False)):
+        two = _fake_result(base, {lh: sum(d) / 2 for lh, d in deltas.items()})
+        for e in two["heads"]:
+            e["per_prompt"] = list(deltas[(e["layer"], e["head"])])
+        result.write_text(json.dumps(two))
+        assert hs.main(["move", str(base_path), str(result), "--budget", "1", "--out", str(tmp_path / "a.json")]) == 0
+        err = capsys.readouterr().err
+        assert ("prompts rank the heads differently (rank agreement -1.00" in err) is noted
+        assert ("prompts disagreed" in (load_config(tmp_path / "a.json").provenance.notes or "")) is noted
     result.write_text(json.dumps({"format": "something else"}))
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "is not a minference.head_sensitivity v1 result" in capsys.readouterr().err
