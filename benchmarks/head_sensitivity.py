@@ -68,6 +68,11 @@ too). ``--against OTHER`` (a result of the same model, say the NLL one for an ``
 adds a third panel: this result's deltas against OTHER's for the heads both measured, with their
 rank agreement and the most damaging heads named.
 
+``proxies RESULT --from-measurements M`` sets the error proxies that ``minference search``
+allocates on (missed mass; output error where measured) against what the heads measured: for each
+head the proxy's change for the same move, their rank agreement, how many of the most damaging
+heads the proxy also ranks among its largest changes, and where the five most damaging rank.
+
 With several results (say the NLL one and an ``--answers`` one, measured against the same BASE and
 PROBE), each ``--budget`` item gives one budget per result, joined by commas (``0.012,0.5``; in
 ``{budget}``, by ``_``): only heads every result measured can move, ranked by their largest share
@@ -762,6 +767,78 @@ def plot_result(result: dict, path: str | os.PathLike, against: dict | None = No
     return out
 
 
+def proxy_changes(result: dict, measurements: str) -> dict[str, list[float]]:
+    """Per error proxy the search measurements hold (:data:`minference.app.frontier.PROXIES`: the
+    missed mass always, the output error when measured), each of ``result``'s heads' proxy change
+    for its move: PROBE's candidate's error minus BASE's, mean over the calibration prompts (dense:
+    0), in the order of ``result["heads"]``. The proxies the frontier allocates on, set against what
+    the heads measured. ``ValueError`` (one line) for a pattern that is no candidate or a head
+    outside the measurements."""
+    from minference.app.frontier import PROXIES, FrontierError, _proxy_errors
+    from minference.app.search import SearchResult
+    from minference.patterns import Dense
+
+    searched = SearchResult.load(measurements)
+    L, H = searched.mass.shape[:2]
+
+    def column(e: dict, which: str) -> int | None:  # None: dense, no candidate needed
+        pattern = pattern_from_dict(e[which])
+        if pattern in searched.candidates:
+            return searched.candidates.index(pattern)
+        if pattern == Dense():
+            return None
+        raise ValueError(f"layer {e['layer']}, head {e['head']}: the {which.upper()} pattern "
+                         f"{_pattern_name(pattern)} is not a candidate of {measurements}")
+
+    out = {}
+    for proxy in PROXIES:
+        try:
+            error = _proxy_errors(searched, proxy)[0]
+        except FrontierError:  # the output error, not measured by this search
+            continue
+        changes = []
+        for e in result["heads"]:
+            l, h = e["layer"], e["head"]
+            if not (l < L and h < H):
+                raise ValueError(f"layer {l}, head {h} is outside {measurements} ({L} layers of {H} heads)")
+            probe, base = column(e, "probe"), column(e, "base")
+            changes.append((0.0 if probe is None else float(error[l, h, probe]))
+                           - (0.0 if base is None else float(error[l, h, base])))
+        out[proxy] = changes
+    return out
+
+
+def proxies_main(argv: list[str]) -> int:
+    parser = _Parser(prog="head_sensitivity.py proxies", description="how well the search's error proxies rank "
+                     "the heads a result measured: rank agreement, and where the most damaging heads rank")
+    parser.add_argument("result", metavar="RESULT", help="this script's result JSON")
+    parser.add_argument("--from-measurements", dest="measurements", required=True, metavar="M",
+                        help="minference search's measurements at the same length (search --save-measurements)")
+    args = parser.parse_args(argv)
+    try:
+        result = read_result(args.result)
+        changes = proxy_changes(result, args.measurements)
+    except (OSError, ValueError) as err:
+        print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
+        return 2
+    heads = result["heads"]
+    measured = [e["delta"] for e in heads]
+    by_damage = sorted(range(len(heads)), key=lambda i: -measured[i])
+    top, k = by_damage[:ANNOTATED], min(TOP, len(heads))
+    print(f"## Error proxies against {args.result}: {len(heads)} heads, {objective_of(result)}\n")
+    print(f"| proxy | rank agreement with the measured change | of the {k} most damaging heads, in the proxy's "
+          f"{k} largest changes | the {len(top)} most damaging heads' ranks by proxy change (1 = largest) |")
+    print("|---|---|---|---|")
+    for proxy, xs in changes.items():
+        order = sorted(range(len(xs)), key=lambda i: -xs[i])
+        where = {i: r + 1 for r, i in enumerate(order)}
+        rho = rank_agreement(xs, measured)
+        ranks = ", ".join(f"L{heads[i]['layer']}H{heads[i]['head']} {where[i]}" for i in top)
+        both = len(set(by_damage[:k]) & set(order[:k]))
+        print(f"| {proxy} | {'undefined' if math.isnan(rho) else f'{rho:+.2f}'} | {both} | {ranks} |")
+    return 0
+
+
 def plot_main(argv: list[str]) -> int:
     parser = _Parser(prog="head_sensitivity.py plot", description="draw a result: the per-head map and how "
                      "concentrated the damage is; with --against, its deltas against another result's")
@@ -787,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         return move_main(argv[1:])
     if argv[:1] == ["plot"]:
         return plot_main(argv[1:])
+    if argv[:1] == ["proxies"]:
+        return proxies_main(argv[1:])
     start = time.perf_counter()
     parser = _Parser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("base", metavar="BASE", help="the PatternConfig every probe starts from")

@@ -440,6 +440,35 @@ def test_cost_aware_move_takes_the_most_time_per_unit_of_damage(hs):
     assert hs.move_heads(base, [result], [0.0045])[1] == [(0, 0), (1, 1), (3, 3), (4, 4), (5, 5)]
 
 
+def test_proxies_set_the_search_error_against_the_measured_change(hs, tmp_path, capsys):
+    """Each head's proxy change is PROBE's candidate error minus BASE's (dense 0) from the search's
+    measurements; the table gives the rank agreement and where the most damaging heads rank; a
+    pattern that is no candidate is refused in one line."""
+    from minference.config import PatternConfig
+    from tests.unit.app.test_frontier import fake_result
+
+    measured = fake_result()  # masses [[0.9, 0.95, 0.97], [0.5, 0.99, 0.8]]; no output error measured
+    measurements = tmp_path / "m.json"
+    measured.save(measurements)
+    ashape, vs, bs = measured.candidates
+    base = PatternConfig(measured.config.model, [[Dense(), ashape]], measured.config.provenance)
+    result = _fake_result(base, {(0, 0): 0.001}, probe=bs)  # dense -> bs: missed mass 0 -> 0.03
+    result["heads"] += _fake_result(base, {(0, 1): 0.003}, probe=vs)["heads"]  # ashape -> vs: 0.5 -> 0.01
+    assert list(hs.proxy_changes(result, str(measurements))) == ["mass"]
+    assert hs.proxy_changes(result, str(measurements))["mass"] == pytest.approx([0.03, -0.49])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert hs.main(["proxies", str(path), "--from-measurements", str(measurements)]) == 0
+    table = capsys.readouterr().out
+    # two heads: no rank agreement; the more damaging head (0, 1) has the smaller proxy change
+    assert "| mass | undefined | 2 | L0H1 2, L0H0 1 |" in table
+    result["heads"][0]["probe"] = pattern_to_dict(AShape(sink=1, window=2))
+    path.write_text(json.dumps(result))
+    assert hs.main(["proxies", str(path), "--from-measurements", str(measurements)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "layer 0, head 0: the PROBE pattern A(1,2) is not a candidate" in err[0]
+
+
 def test_modelled_savings_price_each_move_with_the_cost_table(hs, tmp_path, capsys):
     """The saving of a head is the cost model's BASE pattern minus its PROBE pattern at the
     measurements' tiles; BASE's whole modelled time is printed with each config; a pattern that is
