@@ -39,23 +39,6 @@ RULE_MASSES = (0.8, 0.9, 0.95)
 BLOCK = 64
 
 
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(v: list[float]) -> torch.Tensor:
-        t = torch.tensor(v, dtype=torch.float64)
-        order = torch.argsort(t)
-        r = torch.empty_like(t)
-        r[order] = torch.arange(len(v), dtype=torch.float64)
-        for value in set(v):  # ties: the mean of their ranks
-            same = t == value
-            r[same] = r[same].mean()
-        return r
-
-    a, b = ranks(x), ranks(y)
-    a, b = a - a.mean(), b - b.mean()
-    return float((a * b).sum() / (a.norm() * b.norm()))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -108,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         errors = [r[1] for r in rows]
         fam = min(len(rows), len(points))
         if len(rows) > 2:
-            lines += ["", f"Spearman(predicted error, ΔNLL) = {spearman(errors, [r[3] for r in rows]):.3f} over "
-                      f"{len(rows)} configs; second half {spearman(errors, [r[4] for r in rows]):.3f}; frontier "
-                      f"only {spearman(errors[:fam], [r[3] for r in rows[:fam]]):.3f}"]
+            rho = F.rank_agreement
+            lines += ["", f"Spearman(predicted error, ΔNLL) = {rho(errors, [r[3] for r in rows]):.3f} over "
+                      f"{len(rows)} configs; second half {rho(errors, [r[4] for r in rows]):.3f}; frontier "
+                      f"only {rho(errors[:fam], [r[3] for r in rows[:fam]]):.3f}"]
         lines += ["", f"wall time {time.time() - start:.0f} s" + ("" if len(rows) == len(configs) else
                                                                      f" (cut short: {len(rows)} of {len(configs)})")]
         return "\n".join(lines)

@@ -63,10 +63,11 @@ as 0) stays within each ``--budget`` (nats against BASE, the prediction an NLL r
 
 ``plot RESULT --out F.png`` draws a result (needs matplotlib): the per-head map and the share of the
 damage the most damaging heads carry (with 2 or more prompts, the title gives how alike the prompts
-rank the heads: :func:`rank_agreement`, Spearman's, of their per-head deltas; the markdown summary
-too). ``--against OTHER`` (a result of the same model, say the NLL one for an ``--answers`` one)
-adds a third panel: this result's deltas against OTHER's for the heads both measured, with their
-rank agreement and the most damaging heads named.
+rank the heads: :func:`minference.app.frontier.rank_agreement`, Spearman's, of their per-head
+deltas, pairs of one task apart from pairs across tasks; the markdown summary too). ``--against
+OTHER`` (a result of the same model, say the NLL one for an ``--answers`` one) adds a third panel:
+this result's deltas against OTHER's for the heads both measured, with their rank agreement and
+the most damaging heads named.
 
 ``proxies RESULT --from-measurements M`` sets the error proxies that ``minference search``
 allocates on (missed mass; output error where measured) against what the heads measured: for each
@@ -118,6 +119,7 @@ from minference.app.evaluate import (  # noqa: E402
     _pattern_name,
     sequence_nll,
 )
+from minference.app.frontier import rank_agreement  # noqa: E402
 from minference.app.models import (  # noqa: E402
     MODEL_CHOICES,
     canonical_model,
@@ -373,44 +375,18 @@ def summary(result: dict) -> str:
     lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
     agreement = agreement_text(result)
     if agreement is not None:
-        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}; below "
-                  f"~{AGREEMENT} the per-head ranking is mostly one prompt's noise: measure more prompts"]
+        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}"
+                  + {False: f"; below {AGREEMENT} within a task the per-head ranking is mostly one prompt's noise: "
+                             "measure more prompts",
+                     None: "; with one prompt per task the noise cannot be told from heads that one task needs and "
+                           "another does not: measure two prompts of a task",
+                     True: ""}[_agree(result)]]
     return "\n".join(lines)
 
 
 def objective_of(result: dict) -> str:
     """A result's objective; one written before ``--answers`` existed has none: perplexity."""
     return result.get("objective", "perplexity")
-
-
-def _ranks(values: Sequence[float]) -> list[float]:
-    """Each value's rank (1 = the smallest), tied values sharing their ranks' mean."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    start = 0
-    while start < len(order):
-        end = start  # order[start..end]: one run of equal values
-        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-            end += 1
-        for i in order[start:end + 1]:
-            ranks[i] = (start + end) / 2 + 1
-        start = end + 1
-    return ranks
-
-
-def rank_agreement(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation of two equal-length sequences (tied values get their ranks' mean):
-    +1 when both order the items alike, -1 when reversed, ~0 when unrelated; NaN for fewer than 3
-    values or a constant sequence. ``ValueError`` when the lengths differ."""
-    if len(x) != len(y):
-        raise ValueError(f"rank agreement of sequences of different lengths ({len(x)} and {len(y)})")
-    if len(x) < 3:
-        return math.nan
-    rx, ry = _ranks(x), _ranks(y)
-    mean = (len(x) + 1) / 2  # the mean rank of either
-    sxy = sum((a - mean) * (b - mean) for a, b in zip(rx, ry))
-    sxx, syy = sum((a - mean) ** 2 for a in rx), sum((b - mean) ** 2 for b in ry)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
 
 
 def prompt_agreement(result: dict) -> list[tuple[int, int, float]]:
@@ -424,35 +400,57 @@ def prompt_agreement(result: dict) -> list[tuple[int, int, float]]:
             for i in range(n) for j in range(i + 1, n)]
 
 
-#: Rank agreement between a result's prompts below which the summary, the plot and ``move`` say its
+#: Rank agreement between two prompts of one task below which the summary and ``move`` say the
 #: per-head ranking is mostly one prompt's noise (a rule of thumb, not a test).
 AGREEMENT = 0.5
 
 
-def _agree(result: dict) -> bool:
-    """Whether every pair of a result's prompts ranks the heads with at least :data:`AGREEMENT`
-    (true for a result of one prompt: nothing to compare)."""
-    return all(v >= AGREEMENT for _, _, v in prompt_agreement(result))
+def _same_task(result: dict, i: int, j: int) -> bool:
+    """Whether prompts ``i`` and ``j`` are of one task (labels ``task#k``; perplexity prompts, or
+    a result without labels: one task)."""
+    labels = result.get("prompts") or []
+    if len(labels) <= max(i, j):
+        return True
+    return labels[i].split("#", 1)[0] == labels[j].split("#", 1)[0]
+
+
+def _agree(result: dict) -> bool | None:
+    """Whether the pairs of prompts of one task rank the heads alike (each defined pair's agreement
+    at least :data:`AGREEMENT`); ``None`` when no such pair is defined (one prompt per task, fewer
+    than 3 heads, a prompt's deltas all equal): nothing to judge the noise by. Prompts of different
+    tasks may rank heads differently because the tasks need different heads, so they do not count."""
+    values = [v for i, j, v in prompt_agreement(result) if _same_task(result, i, j) and not math.isnan(v)]
+    return None if not values else all(v >= AGREEMENT for v in values)
 
 
 def agreement_text(result: dict) -> str | None:
-    """:func:`prompt_agreement` in words: for 2 prompts the value, for more the mean over the
-    pairs and the least pair; ``None`` for a result of fewer than 2 prompts."""
+    """:func:`prompt_agreement` in words, pairs of one task and pairs across tasks apart: for one
+    pair its value, for more the mean over the pairs and the least pair; ``None`` for a result of
+    fewer than 2 prompts."""
     pairs = prompt_agreement(result)
     if not pairs:
         return None
-    n = pairs[-1][1] + 1
     labels = result.get("prompts") or []
+    n = pairs[-1][1] + 1
     label = lambda i: labels[i] if len(labels) == n else f"prompt {i}"  # noqa: E731
-    defined = [(i, j, v) for i, j, v in pairs if not math.isnan(v)]
-    if not defined:
-        return "undefined (fewer than 3 heads, or one prompt's deltas all equal)"
-    i, j, least = min(defined, key=lambda p: p[2])
-    if len(pairs) == 1:
-        return f"{least:+.2f} ({label(i)} vs {label(j)})"
-    mean = sum(v for _, _, v in defined) / len(defined)
-    return (f"mean {mean:+.2f} over {len(defined)} pairs of {n} prompts, least {least:+.2f} ({label(i)} vs "
-            f"{label(j)})")
+    parts = []
+    for same, name in ((True, "one task"), (False, "across tasks")):
+        group = [(i, j, v) for i, j, v in pairs if _same_task(result, i, j) is same]
+        defined = [(i, j, v) for i, j, v in group if not math.isnan(v)]
+        if not group:
+            continue
+        if not defined:
+            parts.append(f"{name}: undefined (fewer than 3 heads, or one prompt's deltas all equal)")
+            continue
+        i, j, least = min(defined, key=lambda p: p[2])
+        undefined = "" if len(defined) == len(group) else f" ({len(group) - len(defined)} undefined)"
+        if len(group) == 1:
+            parts.append(f"{name}: {least:+.2f} ({label(i)} vs {label(j)})")
+        else:
+            mean = sum(v for _, _, v in defined) / len(defined)
+            parts.append(f"{name}: mean {mean:+.2f} over {len(group)} pairs{undefined}, least {least:+.2f} "
+                         f"({label(i)} vs {label(j)})")
+    return "; ".join(parts)
 
 
 def read_result(path: str | Path) -> dict:
@@ -648,10 +646,15 @@ def move_main(argv: list[str]) -> int:
         why = "; ".join(f"{path} was incomplete: {len(r['heads'])} heads measured" for path, r in incomplete)
         configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
     noisy = [(path, text) for path, r in zip(args.results, results)
-             if (text := agreement_text(r)) is not None and not _agree(r)]
+             if (text := agreement_text(r)) is not None and _agree(r) is False]
     for path, text in noisy:
-        print(f"head_sensitivity: note: {path}'s prompts rank the heads differently (rank agreement {text}, below "
-              f"{AGREEMENT}): its ranking is mostly one prompt's noise; measure more prompts", file=sys.stderr)
+        print(f"head_sensitivity: note: {path}'s prompts rank the heads differently (rank agreement {text}; below "
+              f"{AGREEMENT} within a task): its ranking is mostly one prompt's noise; measure more prompts",
+              file=sys.stderr)
+    for path, r in zip(args.results, results):
+        if agreement_text(r) is not None and _agree(r) is None:
+            print(f"head_sensitivity: note: {path} has no two comparable prompts of one task: how much of its "
+                  "ranking is noise cannot be judged", file=sys.stderr)
     if noisy:
         why = "; ".join(f"{path}'s prompts disagreed (rank agreement {text})" for path, text in noisy)
         configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]

@@ -48,6 +48,7 @@ import copy
 import hashlib
 import json
 import math
+import operator
 import os
 import platform
 import re
@@ -907,15 +908,22 @@ def sequence_nll(model: PreTrainedModel, ids: torch.Tensor, *, chunk: int = NLL_
     decoder (in chunks of ``prefill_chunk`` tokens through the cache, 0: one call): the LM head and
     log-softmax run on ``chunk`` hidden rows at a time, so no ``[n, vocab]`` tensor is ever
     built. Position ``i`` is ``-log p(ids[i + 1] | ids[: i + 1])``. ``last``: only the final
-    ``last`` positions (``[last]``, the same values): the LM head skips the other rows (at 131K
-    tokens and Qwen's 151,936-word vocabulary it is most of a late layer's forward)."""
+    ``last`` positions (``[last]``, the same values up to float rounding): the LM head skips the
+    other rows (at 131K tokens and Qwen's 151,936-word vocabulary, predicted to be about half of a
+    last-layer forward; not timed)."""
     if ids.dim() != 1 or ids.numel() < 2:
         raise ValueError(f"ids must be 1-D with at least 2 tokens, got shape {tuple(ids.shape)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     n = ids.numel()
-    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= n - 1):
-        raise ValueError(f"last must be an int in 1..{n - 1} (the positions with a next token), got {last!r}")
+    if last is not None:
+        given = last
+        try:
+            last = -1 if isinstance(given, bool) else operator.index(given)  # numpy and torch ints too
+        except TypeError:
+            last = -1
+        if not 1 <= last <= n - 1:
+            raise ValueError(f"last must be an int in 1..{n - 1} (the positions with a next token), got {given!r}")
     decoder = model.get_decoder()
     head = model.get_output_embeddings()
     targets = ids[1:]

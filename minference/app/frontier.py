@@ -92,6 +92,7 @@ __all__ = [
     "ship_choice",
     "NLLPair",
     "nll_pairs",
+    "rank_agreement",
 ]
 
 COST_TABLE_FORMAT = "minference.cost_table"
@@ -1035,3 +1036,35 @@ def ship_choice(reports, *, length: int | None = None, min_samples: int = SHIP_M
                 for name, _ in ranking}
     chosen = next((name for name, _ in ranking if not rejected[name]), None)
     return ShipDecision(chosen, at, dense, ranking, rejected, nll_at)
+
+
+def _ranks(values: Sequence[float]) -> list[float]:
+    """Each value's rank (1 = the smallest), tied values sharing their ranks' mean."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start  # order[start..end]: one run of equal values
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            ranks[i] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def rank_agreement(x: Sequence[float], y: Sequence[float]) -> float:
+    """How alike two measurements order the same items (an error proxy and the damage measured,
+    two prompts' per-head damage): the Spearman rank correlation of two equal-length sequences
+    (tied values get their ranks' mean), +1 when both order the items alike, -1 when reversed, ~0
+    when unrelated; NaN for fewer than 3 values or a constant sequence. ``ValueError`` when the
+    lengths differ."""
+    if len(x) != len(y):
+        raise ValueError(f"rank agreement of sequences of different lengths ({len(x)} and {len(y)})")
+    if len(x) < 3:
+        return math.nan
+    rx, ry = _ranks(x), _ranks(y)
+    mean = (len(x) + 1) / 2  # the mean rank of either
+    sxy = sum((a - mean) * (b - mean) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mean) ** 2 for a in rx), sum((b - mean) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan

@@ -185,9 +185,11 @@ def test_chunked_nll_equals_full_logits(small):
     torch.testing.assert_close(E.sequence_nll(model, ids, chunk=7, prefill_chunk=13), want, rtol=1e-5, atol=1e-5)
     # only the last positions: the same values, the LM head run on those rows only (one and several chunks,
     # with and without chunked prefill, a tail that starts inside a prefill chunk)
-    for last, prefill in ((1, 0), (5, 0), (20, 0), (47, 0), (20, 13), (9, 13)):
+    # (21 with chunks of 13: the tail starts exactly where a prefill chunk begins, position 26, the third)
+    for last, prefill in ((1, 0), (5, 0), (20, 0), (47, 0), (20, 13), (9, 13), (21, 13)):
         tail = E.sequence_nll(model, ids, chunk=7, prefill_chunk=prefill, last=last)
         torch.testing.assert_close(tail, want[-last:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(E.sequence_nll(model, ids, last=torch.tensor(3)), want[-3:], rtol=1e-5, atol=1e-5)
     for bad in (0, 48, True, 2.0):
         with pytest.raises(ValueError, match="last must be"):
             E.sequence_nll(model, ids, last=bad)

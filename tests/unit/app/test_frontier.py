@@ -761,3 +761,19 @@ def test_layer_ablation_sets_one_head_and_refuses_a_bad_one_in_a_line(tmp_path, 
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and why in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_rank_agreement_is_spearmans_with_tied_ranks_averaged():
+    assert F.rank_agreement([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert F.rank_agreement([1, 2, 3, 4], [0.4, 0.3, 0.2, 0.1]) == pytest.approx(-1.0)
+    assert F.rank_agreement([1, 2, 3, 4, 5], [1, 8, 27, 64, 1e6]) == pytest.approx(1.0)  # ranks, not values
+    # d = (1, 1, 1, 1, 0): 1 - 6 * 4 / (5 * 24) = 0.8
+    assert F.rank_agreement([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # x's ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4), both centred on 2.5: 4.5 / sqrt(4.5 * 5) = sqrt(0.9)
+    assert F.rank_agreement([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9 ** 0.5)
+    # ties in both: ranks (2.5, 2.5, 1, 4) and (3, 3, 3, 1); sum of products -3, squares 4.5 and 3
+    assert F.rank_agreement([2, 2, 1, 3], [4, 4, 4, 1]) == pytest.approx(-3 / (4.5 * 3) ** 0.5)
+    for x, y in (([1, 2], [1, 2]), ([], []), ([1, 1, 1], [1, 2, 3]), ([1, 2, 3], [5, 5, 5])):
+        assert F.rank_agreement(x, y) != F.rank_agreement(x, y)  # NaN
+    with pytest.raises(ValueError, match="different lengths"):
+        F.rank_agreement([1, 2, 3], [1, 2])

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -251,7 +252,7 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
         result.write_text(json.dumps(two))
         assert hs.main(["move", str(base_path), str(result), "--budget", "1", "--out", str(tmp_path / "a.json")]) == 0
         err = capsys.readouterr().err
-        assert ("prompts rank the heads differently (rank agreement -1.00" in err) is noted
+        assert ("prompts rank the heads differently (rank agreement one task: -1.00" in err) is noted
         assert ("prompts disagreed" in (load_config(tmp_path / "a.json").provenance.notes or "")) is noted
     result.write_text(json.dumps({"format": "something else"}))
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "--out", str(tmp_path / "x.json")]) == 2
@@ -629,49 +630,55 @@ def test_plot_draws_a_result_and_refuses_bad_input_in_one_line(hs, tmp_path, cap
 # Rank agreement: between prompts, and between two results (plot --against).
 
 
-def test_rank_agreement_is_spearmans_with_tied_ranks_averaged(hs):
-    assert hs.rank_agreement([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert hs.rank_agreement([1, 2, 3, 4], [0.4, 0.3, 0.2, 0.1]) == pytest.approx(-1.0)
-    assert hs.rank_agreement([1, 2, 3, 4, 5], [1, 8, 27, 64, 1e6]) == pytest.approx(1.0)  # ranks, not values
-    # d = (1, 1, 1, 1, 0): 1 - 6 * 4 / (5 * 24) = 0.8
-    assert hs.rank_agreement([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
-    # x's ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4), both centred on 2.5: 4.5 / sqrt(4.5 * 5) = sqrt(0.9)
-    assert hs.rank_agreement([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9 ** 0.5)
-    # ties in both: ranks (2.5, 2.5, 1, 4) and (3, 3, 3, 1); sum of products -3, squares 4.5 and 3
-    assert hs.rank_agreement([2, 2, 1, 3], [4, 4, 4, 1]) == pytest.approx(-3 / (4.5 * 3) ** 0.5)
-    for x, y in (([1, 2], [1, 2]), ([], []), ([1, 1, 1], [1, 2, 3]), ([1, 2, 3], [5, 5, 5])):
-        assert hs.rank_agreement(x, y) != hs.rank_agreement(x, y)  # NaN
-    with pytest.raises(ValueError, match="different lengths"):
-        hs.rank_agreement([1, 2, 3], [1, 2])
-
-
-def _prompted_result(per_prompt: dict, objective: str = "answers") -> dict:
+def _prompted_result(per_prompt: dict, objective: str = "answers", tasks: Sequence[str] = ()) -> dict:
     """A synthetic result of the script's format: ``per_prompt`` maps (layer, head) to its deltas,
-    one per prompt (the delta their mean)."""
+    one per prompt (the delta their mean); ``tasks``: each prompt's task (default: all task a)."""
     n = len(next(iter(per_prompt.values())))
+    tasks = list(tasks) or ["a"] * n
     heads = [{"layer": l, "head": h, "base": pattern_to_dict(MILD), "probe": pattern_to_dict(PROBE),
               "delta": sum(d) / len(d), "per_prompt": list(d)} for (l, h), d in sorted(per_prompt.items())]
     return {"format": "minference.head_sensitivity", "version": 1, "objective": objective, "model": "smollm2",
             "tokens": N, "samples": 1, "seed": 0, "answers": {"prompts": "set", "tasks": ["a"]},
-            "prompts": [f"a#{i}" for i in range(n)], "dense_threshold": 0, "dense_tail": 0,
+            "prompts": [f"{t}#{i}" for i, t in enumerate(tasks)], "dense_threshold": 0, "dense_tail": 0,
             "base": {"path": "base.json", "notes": ""}, "probe": {"path": "probe.json", "notes": ""},
             "dense_nll": [3.0] * n, "base_nll": [3.0] * n, "heads": heads, "skipped": 0, "complete": True}
 
 
 def test_summary_gives_the_prompts_rank_agreement(hs):
-    """2 prompts: their value; 3: the mean over the pairs and the least pair; 1: no line."""
+    """2 prompts: their value; 3: the mean over the pairs and the least pair; 1: no line; pairs of
+    one task apart from pairs across tasks; the advice only when a task's prompts disagree, or when
+    no two prompts of a task can be compared."""
+    def line(result):
+        return [x for x in hs.summary(result).splitlines() if "rank agreement" in x]
+
     two = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2], (2, 0): [0.3, 0.1]})
-    lines = [x for x in hs.summary(two).splitlines() if "rank agreement" in x]
-    assert lines == ["between-prompt rank agreement (Spearman) of the per-head deltas: -1.00 (a#0 vs a#1); below "
-                     "~0.5 the per-head ranking is mostly one prompt's noise: measure more prompts"]
+    assert line(two) == ["between-prompt rank agreement (Spearman) of the per-head deltas: one task: -1.00 (a#0 vs "
+                         "a#1); below 0.5 within a task the per-head ranking is mostly one prompt's noise: measure "
+                         "more prompts"]
+    alike = _prompted_result({(0, 0): [0.1, 0.2], (1, 0): [0.2, 0.3], (2, 0): [0.3, 0.4]})
+    assert line(alike) == ["between-prompt rank agreement (Spearman) of the per-head deltas: one task: +1.00 (a#0 vs "
+                           "a#1)"]
     # pairs (0, 1) +1, (0, 2) -1, (1, 2) -1
     three = _prompted_result({(0, 0): [1, 1, 4], (0, 1): [2, 2, 3], (0, 2): [3, 3, 2], (0, 3): [4, 4, 1]})
-    assert ("agreement (Spearman) of the per-head deltas: mean -0.33 over 3 pairs of 3 prompts, least -1.00 "
-            "(a#0 vs a#2); below") in hs.summary(three)
+    assert ("agreement (Spearman) of the per-head deltas: one task: mean -0.33 over 3 pairs, least -1.00 "
+            "(a#0 vs a#2); below 0.5 within a task") in hs.summary(three)
+    # the same deltas, prompt 2 of task b: a#0 and a#1 agree (+1), the pairs across tasks do not count
+    mixed = _prompted_result({(0, 0): [1, 1, 4], (0, 1): [2, 2, 3], (0, 2): [3, 3, 2], (0, 3): [4, 4, 1]},
+                             tasks=["a", "a", "b"])
+    assert line(mixed) == ["between-prompt rank agreement (Spearman) of the per-head deltas: one task: +1.00 (a#0 vs "
+                           "a#1); across tasks: mean -1.00 over 2 pairs, least -1.00 (a#0 vs b#2)"]
+    assert hs._agree(mixed) is True and hs._agree(three) is False
+    # one prompt per task: nothing to judge by
+    split = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2], (2, 0): [0.3, 0.1]}, tasks=["a", "b"])
+    assert hs._agree(split) is None
+    assert line(split) == ["between-prompt rank agreement (Spearman) of the per-head deltas: across tasks: -1.00 (a#0 "
+                           "vs b#1); with one prompt per task the noise cannot be told from heads that one task needs "
+                           "and another does not: measure two prompts of a task"]
     one = _prompted_result({(0, 0): [0.1], (1, 0): [0.2], (2, 0): [0.3]})
-    assert "rank agreement" not in hs.summary(one)
-    few = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2]})
-    assert "deltas: undefined (fewer than 3 heads" in hs.summary(few)
+    assert line(one) == [] and hs.agreement_text(one) is None
+    few = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2]})  # 2 heads: undefined, not disagreement
+    assert hs._agree(few) is None
+    assert "deltas: one task: undefined (fewer than 3 heads" in hs.summary(few)
 
 
 def _saved_figures(monkeypatch) -> list:
@@ -711,6 +718,7 @@ def test_plot_against_another_result_adds_a_scatter_of_the_common_heads(hs, tmp_
     xs, ys = [nll[lh] for lh in common], [sum(answers[lh]) / 2 for lh in common]
     assert scatter.get_title() == (f"7 heads both measured; Spearman rank agreement "
                                    f"{hs.rank_agreement(xs, ys):+.2f}")
+    assert scatter.collections[0].get_offsets().tolist() == [[x, y] for x, y in zip(xs, ys)]  # x: OTHER's
     assert scatter.get_xscale() == scatter.get_yscale() == "symlog"
     assert scatter.get_xlabel() == "perplexity change (nats per token)\nnll.json"
     assert scatter.get_ylabel() == "this result: answers change (nats per answer)"
