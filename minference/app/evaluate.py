@@ -1957,6 +1957,31 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _answered_lines(report: EvalReport, acc: dict, tasks: list[str], dense: str | None) -> list[str]:
+    """RULER's fully answered samples per (length, config, task), the count the ship rule compares
+    (:func:`minference.app.frontier.ship_choice`), with a sparse config's shortfall against dense's
+    count on the same number of samples."""
+    head = ["length", "config", *tasks, "all"]
+    lines = ["", "Fully answered samples per task (every reference found: the count the ship rule compares): "
+             "answered / samples, and (-k) where k fewer than dense's on as many samples", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in report.lengths:
+        for c in report.configs:
+            row, answered, total = [str(n), c.name], 0, 0
+            for t in tasks:
+                a = acc.get((c.name, t, n))
+                if a is None:
+                    row.append("-")
+                    continue
+                d = None if c.dense or dense is None else acc.get((dense, t, n))
+                gap = 0 if d is None or d["total"] != a["total"] else d["correct"] - a["correct"]
+                row.append(f"{a['correct']}/{a['total']}" + (f" (-{gap})" if gap > 0 else ""))
+                answered, total = answered + a["correct"], total + a["total"]
+            if total:
+                lines.append("| " + " | ".join([*row, f"{answered}/{total}"]) + " |")
+    return lines
+
+
 def format_report(report: EvalReport) -> str:
     """Markdown: accuracy per task and length (with counts; RULER: its score), TTFT median and
     maximum with both against dense in the same run, the split, density and coverage; then TTFT per
@@ -2069,6 +2094,7 @@ def format_report(report: EvalReport) -> str:
                     row.append(cell)
                 if len(row) > 2 and any(x != "-" for x in row[2:]):
                     lines.append("| " + " | ".join(row) + " |")
+        lines += _answered_lines(report, acc, gen_tasks, dense)
     lines += _compile_lines(report)
     if ppl:
         buckets = max(len(p["buckets"]) for p in ppl.values())

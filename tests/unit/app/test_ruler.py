@@ -4,6 +4,7 @@ the ``ruler`` extra is installed, and ``minference eval --suite ruler`` on a tru
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -372,6 +373,15 @@ def test_ruler_report_table_plot_and_json(ruler_run, tmp_path):
     text = E.format_report(report)
     assert "RULER (nvidia-long-context-eval prompts" in text and "| niah_single_1 | qa_1 | avg |" in text
     assert "TTFT max ms" in text and "max vs dense" in text and "TTFT per task: median / max ms" in text
+    # fully answered samples: each config's count per task, a sparse one's shortfall against dense's
+    answered = text.split("Fully answered samples per task")[1]
+    count = lambda c, t: sum(r.correct for r in report.records if r.config == c and r.task == t)  # noqa: E731
+    assert f"| 512 | dense | {count('dense', 'niah_single_1')}/2 | {count('dense', 'qa_1')}/2 |" in answered
+    sparse = next(c.name for c in report.configs if not c.dense)
+    records = [dataclasses.replace(r, correct=(r.config == "dense")) for r in report.records]
+    rigged = E.format_report(dataclasses.replace(report, records=records))
+    assert "| 512 | dense | 2/2 | 2/2 | 4/4 |" in rigged
+    assert f"| 512 | {sparse} | 0/2 (-2) | 0/2 (-2) | 0/4 |" in rigged
     summary = {(t["config"], t["task"]): t for t in report.ttft_summary()}
     assert summary[("dense", "all")]["prompts"] == 4 and summary[("dense", "qa_1")]["prompts"] == 2
     assert summary[("dense", "all")]["speedup_median"] == 1.0
