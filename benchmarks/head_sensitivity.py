@@ -119,7 +119,7 @@ from minference.app.evaluate import (  # noqa: E402
     _pattern_name,
     sequence_nll,
 )
-from minference.app.frontier import rank_agreement  # noqa: E402
+from minference.app.frontier import PROXIES, rank_agreement  # noqa: E402
 from minference.app.models import (  # noqa: E402
     MODEL_CHOICES,
     canonical_model,
@@ -375,12 +375,13 @@ def summary(result: dict) -> str:
     lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
     agreement = agreement_text(result)
     if agreement is not None:
-        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}"
-                  + {False: f"; below {AGREEMENT} within a task the per-head ranking is mostly one prompt's noise: "
-                             "measure more prompts",
-                     None: "; with one prompt per task the noise cannot be told from heads that one task needs and "
-                           "another does not: measure two prompts of a task",
-                     True: ""}[_agree(result)]]
+        agree = _agree(result)
+        advice = ("" if agree is True or (agree is None and _has_task_pairs(result)) else  # alike, or undefined
+                  f"; below {AGREEMENT} within a task the per-head ranking is mostly one prompt's noise: measure more "
+                  "prompts" if agree is False else
+                  "; with one prompt per task the noise cannot be told from heads that one task needs and another "
+                  "does not: measure two prompts of a task")
+        lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}{advice}"]
     return "\n".join(lines)
 
 
@@ -412,6 +413,11 @@ def _same_task(result: dict, i: int, j: int) -> bool:
     if len(labels) <= max(i, j):
         return True
     return labels[i].split("#", 1)[0] == labels[j].split("#", 1)[0]
+
+
+def _has_task_pairs(result: dict) -> bool:
+    """Whether a result has two prompts of one task (a pair :func:`_agree` can judge by)."""
+    return any(_same_task(result, i, j) for i, j, _ in prompt_agreement(result))
 
 
 def _agree(result: dict) -> bool | None:
@@ -653,8 +659,10 @@ def move_main(argv: list[str]) -> int:
               file=sys.stderr)
     for path, r in zip(args.results, results):
         if agreement_text(r) is not None and _agree(r) is None:
-            print(f"head_sensitivity: note: {path} has no two comparable prompts of one task: how much of its "
-                  "ranking is noise cannot be judged", file=sys.stderr)
+            why = ("its prompts of one task give no defined agreement" if _has_task_pairs(r) else
+                   "it has no two prompts of one task")
+            print(f"head_sensitivity: note: {path}: {why}: how much of its ranking is noise cannot be judged",
+                  file=sys.stderr)
     if noisy:
         why = "; ".join(f"{path}'s prompts disagreed (rank agreement {text})" for path, text in noisy)
         configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
@@ -777,11 +785,15 @@ def proxy_changes(result: dict, measurements: str) -> dict[str, list[float]]:
     0), in the order of ``result["heads"]``. The proxies the frontier allocates on, set against what
     the heads measured. ``ValueError`` (one line) for a pattern that is no candidate or a head
     outside the measurements."""
-    from minference.app.frontier import PROXIES, FrontierError, _proxy_errors
+    from minference.app.frontier import FrontierError, _proxy_errors
     from minference.app.search import SearchResult
     from minference.patterns import Dense
 
     searched = SearchResult.load(measurements)
+    check_config_model(searched.config, result["model"], hint=None)  # measurements of the result's model
+    if searched.worst_mass is None:
+        raise ValueError(f"{measurements} lacks the worst prompt's masses (a search older than the frontier): "
+                         "search again with --save-measurements")
     L, H = searched.mass.shape[:2]
 
     def column(e: dict, which: str) -> int | None:  # None: dense, no candidate needed
@@ -802,7 +814,7 @@ def proxy_changes(result: dict, measurements: str) -> dict[str, list[float]]:
         changes = []
         for e in result["heads"]:
             l, h = e["layer"], e["head"]
-            if not (l < L and h < H):
+            if not (0 <= l < L and 0 <= h < H):
                 raise ValueError(f"layer {l}, head {h} is outside {measurements} ({L} layers of {H} heads)")
             probe, base = column(e, "probe"), column(e, "base")
             changes.append((0.0 if probe is None else float(error[l, h, probe]))
@@ -824,6 +836,16 @@ def proxies_main(argv: list[str]) -> int:
     except (OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
+    from minference.app.search import SearchResult
+
+    length = SearchResult.load(args.measurements).n_tokens
+    if length != result["tokens"]:
+        print(f"head_sensitivity: note: the measurements are at {length} tokens, {args.result} at "
+              f"{result['tokens']}", file=sys.stderr)
+    missing = sorted(set(PROXIES) - set(changes))
+    if missing:
+        print(f"head_sensitivity: note: {args.measurements} has no {', '.join(missing)} error (not measured by its "
+              "search)", file=sys.stderr)
     heads = result["heads"]
     measured = [e["delta"] for e in heads]
     by_damage = sorted(range(len(heads)), key=lambda i: -measured[i])

@@ -1960,10 +1960,11 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 def _answered_lines(report: EvalReport, acc: dict, tasks: list[str], dense: str | None) -> list[str]:
     """RULER's fully answered samples per (length, config, task), the count the ship rule compares
     (:func:`minference.app.frontier.ship_choice`), with a sparse config's shortfall against dense's
-    count on the same number of samples."""
+    count on the same number of samples, or dense's sample count where it differs."""
     head = ["length", "config", *tasks, "all"]
-    lines = ["", "Fully answered samples per task (every reference found: the count the ship rule compares): "
-             "answered / samples, and (-k) where k fewer than dense's on as many samples", "",
+    lines = ["", "Fully answered samples per task (score 1: every reference found, for qa any; the count the ship "
+             "rule compares, which allows one sample fewer than dense): answered / samples; (-k): k fewer than "
+             "dense on as many samples; (dense n=m): dense ran m samples, not comparable", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in report.lengths:
         for c in report.configs:
@@ -1975,7 +1976,8 @@ def _answered_lines(report: EvalReport, acc: dict, tasks: list[str], dense: str 
                     continue
                 d = None if c.dense or dense is None else acc.get((dense, t, n))
                 gap = 0 if d is None or d["total"] != a["total"] else d["correct"] - a["correct"]
-                row.append(f"{a['correct']}/{a['total']}" + (f" (-{gap})" if gap > 0 else ""))
+                other = "" if d is None or d["total"] == a["total"] else f" (dense n={d['total']})"
+                row.append(f"{a['correct']}/{a['total']}" + (f" (-{gap})" if gap > 0 else "") + other)
                 answered, total = answered + a["correct"], total + a["total"]
             if total:
                 lines.append("| " + " | ".join([*row, f"{answered}/{total}"]) + " |")

@@ -441,33 +441,72 @@ def test_cost_aware_move_takes_the_most_time_per_unit_of_damage(hs):
     assert hs.move_heads(base, [result], [0.0045])[1] == [(0, 0), (1, 1), (3, 3), (4, 4), (5, 5)]
 
 
-def test_proxies_set_the_search_error_against_the_measured_change(hs, tmp_path, capsys):
+def _smollm2_measurements(candidates, mass, out_error=None, worst=True):
+    """Search measurements for SmolLM2's shape over ``candidates``: ``mass`` / ``out_error`` ``[4, C]``
+    for heads 0-3 of layer 0, 0.9 / 0.1 elsewhere."""
+    from minference.app import search as S
+    from minference.app.models import model_shape
+    from minference.config import PatternConfig, Provenance
+
+    sig = model_shape("smollm2")
+    shape = (sig.num_layers, sig.num_heads, len(candidates))
+    full = lambda v: torch.full(shape, v, dtype=torch.float64)  # noqa: E731
+    m, e = full(0.9), full(0.1)
+    m[0, :4] = torch.tensor(mass, dtype=torch.float64)
+    if out_error is not None:
+        e[0, :4] = torch.tensor(out_error, dtype=torch.float64)
+    config = PatternConfig(sig, [[Dense()] * sig.num_heads for _ in range(sig.num_layers)],
+                           Provenance(source="search", notes="test"))
+    return S.SearchResult(config, list(candidates), mass=m, density=full(0.1), worst_mass=m.clone() if worst else None,
+                          cost=full(0.1), select="cheapest", tiles=full(0.1), max_tiles=full(0.1), n_tokens=N,
+                          head_dim=64, out_error=None if out_error is None else e,
+                          worst_out_error=None if out_error is None else e.clone())
+
+
+def test_proxies_set_the_search_error_against_the_measured_change(hs, tmp_path, capsys, monkeypatch):
     """Each head's proxy change is PROBE's candidate error minus BASE's (dense 0) from the search's
-    measurements; the table gives the rank agreement and where the most damaging heads rank; a
-    pattern that is no candidate is refused in one line."""
-    from minference.config import PatternConfig
+    measurements; the table gives each proxy's rank agreement with the measured change, how many of
+    the TOP most damaging heads it ranks among its TOP largest changes and where they rank;
+    measurements of another model, without worst-case masses, or lacking a pattern are refused in one
+    line."""
+    from minference.app.models import model_shape
+    from minference.config import PatternConfig, Provenance
     from tests.unit.app.test_frontier import fake_result
 
-    measured = fake_result()  # masses [[0.9, 0.95, 0.97], [0.5, 0.99, 0.8]]; no output error measured
+    ashape, vs, bs = fake_result().candidates
+    measured = _smollm2_measurements([ashape, vs, bs], [[0.5, 0.9, 0.99], [0.5, 0.9, 0.9], [0.5, 0.9, 0.95],
+                                                        [0.5, 0.9, 0.8]],
+                                     out_error=[[0.5, 0.5, 0.4], [0.5, 0.5, 0.1], [0.5, 0.5, 0.2], [0.5, 0.5, 0.3]])
     measurements = tmp_path / "m.json"
     measured.save(measurements)
-    ashape, vs, bs = measured.candidates
-    base = PatternConfig(measured.config.model, [[Dense(), ashape]], measured.config.provenance)
-    result = _fake_result(base, {(0, 0): 0.001}, probe=bs)  # dense -> bs: missed mass 0 -> 0.03
-    result["heads"] += _fake_result(base, {(0, 1): 0.003}, probe=vs)["heads"]  # ashape -> vs: 0.5 -> 0.01
-    assert list(hs.proxy_changes(result, str(measurements))) == ["mass"]
-    assert hs.proxy_changes(result, str(measurements))["mass"] == pytest.approx([0.03, -0.49])
+    sig = model_shape("smollm2")
+    base = PatternConfig(sig, [[Dense()] * sig.num_heads for _ in range(sig.num_layers)], Provenance(source="manual"))
+    deltas = {(0, 0): 0.001, (0, 1): 0.004, (0, 2): 0.002, (0, 3): 0.003}
+    result = _fake_result(base, deltas, probe=bs)  # dense -> bs on four heads
+    changes = hs.proxy_changes(result, str(measurements))
+    assert changes["mass"] == pytest.approx([0.01, 0.1, 0.05, 0.2])  # 1 - mass, dense 0
+    assert changes["output"] == pytest.approx([0.4, 0.1, 0.2, 0.3])
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
+    monkeypatch.setattr(hs, "TOP", 2)
     assert hs.main(["proxies", str(path), "--from-measurements", str(measurements)]) == 0
     table = capsys.readouterr().out
-    # two heads: no rank agreement; the more damaging head (0, 1) has the smaller proxy change
-    assert "| mass | undefined | 2 | L0H1 2, L0H0 1 |" in table
-    result["heads"][0]["probe"] = pattern_to_dict(AShape(sink=1, window=2))
-    path.write_text(json.dumps(result))
-    assert hs.main(["proxies", str(path), "--from-measurements", str(measurements)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "layer 0, head 0: the PROBE pattern A(1,2) is not a candidate" in err[0]
+    # measured order (most damage first) L0H1, L0H3, L0H2, L0H0; mass ranks them 2, 1, 3, 4 (Spearman
+    # 1 - 6 * 2 / 60 = 0.8, top 2 the same two heads); output error 4, 2, 3, 1 (1 - 6 * 18 / 60 = -0.8; 1 in common)
+    assert "| mass | +0.80 | 2 | L0H1 2, L0H3 1, L0H2 3, L0H0 4 |" in table
+    assert "| output | -0.80 | 1 | L0H1 4, L0H3 2, L0H2 3, L0H0 1 |" in table
+    # refused in one line: another model's measurements, none of the worst masses, a pattern not measured
+    fake_result().save(tmp_path / "tiny.json")
+    _smollm2_measurements([ashape, vs, bs], [[0.5, 0.9, 0.99]] * 4, worst=False).save(tmp_path / "old.json")
+    bad = json.loads(json.dumps(result))
+    bad["heads"][0]["probe"] = pattern_to_dict(AShape(sink=1, window=2))
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    for r, m, why in ((path, tmp_path / "tiny.json", "smollm2"), (path, tmp_path / "old.json", "lacks the worst"),
+                      (tmp_path / "bad.json", measurements,
+                       "layer 0, head 0: the PROBE pattern A(1,2) is not a candidate")):
+        assert hs.main(["proxies", str(r), "--from-measurements", str(m)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0]
 
 
 def test_modelled_savings_price_each_move_with_the_cost_table(hs, tmp_path, capsys):
@@ -678,7 +717,8 @@ def test_summary_gives_the_prompts_rank_agreement(hs):
     assert line(one) == [] and hs.agreement_text(one) is None
     few = _prompted_result({(0, 0): [0.1, 0.3], (1, 0): [0.2, 0.2]})  # 2 heads: undefined, not disagreement
     assert hs._agree(few) is None
-    assert "deltas: one task: undefined (fewer than 3 heads" in hs.summary(few)
+    assert line(few) == ["between-prompt rank agreement (Spearman) of the per-head deltas: one task: undefined (fewer "
+                         "than 3 heads, or one prompt's deltas all equal)"]
 
 
 def _saved_figures(monkeypatch) -> list:
