@@ -375,12 +375,13 @@ def summary(result: dict) -> str:
     lines += ["", f"sum of all {len(heads)} deltas: {sum(e['delta'] for e in heads):+.4f} {UNITS[objective]}"]
     agreement = agreement_text(result)
     if agreement is not None:
-        agree = _agree(result)
-        advice = ("" if agree is True or (agree is None and _has_task_pairs(result)) else  # alike, or undefined
-                  f"; below {AGREEMENT} within a task the per-head ranking is mostly one prompt's noise: measure more "
-                  "prompts" if agree is False else
-                  "; with one prompt per task the noise cannot be told from heads that one task needs and another "
-                  "does not: measure two prompts of a task")
+        agree, advice = _agree(result), ""
+        if agree is False:
+            advice = (f"; below {AGREEMENT} within a task the per-head ranking is mostly one prompt's noise: measure "
+                      "more prompts")
+        elif agree is None and not _has_task_pairs(result):  # (None with such pairs: undefined, said above)
+            advice = ("; with one prompt per task the noise cannot be told from heads that one task needs and "
+                      "another does not: measure two prompts of a task")
         lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}{advice}"]
     return "\n".join(lines)
 
@@ -394,11 +395,15 @@ def prompt_agreement(result: dict) -> list[tuple[int, int, float]]:
     """How alike a result's prompts rank the heads: ``(i, j, value)`` for each pair of prompts
     ``i < j``, the value the :func:`rank_agreement` of their per-head deltas (``per_prompt``) over
     the heads measured on every prompt; empty for a result of fewer than 2 prompts."""
-    per_prompt = [e.get("per_prompt") or [] for e in result["heads"]]
-    n = max((len(p) for p in per_prompt), default=0)
-    rows = [p for p in per_prompt if len(p) == n]
+    n = _prompt_count(result)
+    rows = [e["per_prompt"] for e in result["heads"] if len(e.get("per_prompt") or []) == n]
     return [(i, j, rank_agreement([p[i] for p in rows], [p[j] for p in rows]))
             for i in range(n) for j in range(i + 1, n)]
+
+
+def _prompt_count(result: dict) -> int:
+    """The prompts a result measured its heads on (the longest ``per_prompt``; 0 without heads)."""
+    return max((len(e.get("per_prompt") or []) for e in result["heads"]), default=0)
 
 
 #: Rank agreement between two prompts of one task below which the summary and ``move`` say the
@@ -417,7 +422,8 @@ def _same_task(result: dict, i: int, j: int) -> bool:
 
 def _has_task_pairs(result: dict) -> bool:
     """Whether a result has two prompts of one task (a pair :func:`_agree` can judge by)."""
-    return any(_same_task(result, i, j) for i, j, _ in prompt_agreement(result))
+    n = _prompt_count(result)
+    return any(_same_task(result, i, j) for i in range(n) for j in range(i + 1, n))
 
 
 def _agree(result: dict) -> bool | None:
@@ -651,14 +657,16 @@ def move_main(argv: list[str]) -> int:
     if incomplete:
         why = "; ".join(f"{path} was incomplete: {len(r['heads'])} heads measured" for path, r in incomplete)
         configs = [(_with_layers(c, c.layers, why), m, t) for c, m, t in configs]
-    noisy = [(path, text) for path, r in zip(args.results, results)
-             if (text := agreement_text(r)) is not None and _agree(r) is False]
-    for path, text in noisy:
-        print(f"head_sensitivity: note: {path}'s prompts rank the heads differently (rank agreement {text}; below "
-              f"{AGREEMENT} within a task): its ranking is mostly one prompt's noise; measure more prompts",
-              file=sys.stderr)
+    noisy = []  # (path, agreement) of the results whose prompts of one task disagree
     for path, r in zip(args.results, results):
-        if agreement_text(r) is not None and _agree(r) is None:
+        text = agreement_text(r)
+        agree = None if text is None else _agree(r)
+        if agree is False:
+            noisy.append((path, text))
+            print(f"head_sensitivity: note: {path}'s prompts rank the heads differently (rank agreement {text}; "
+                  f"below {AGREEMENT} within a task): its ranking is mostly one prompt's noise; measure more prompts",
+                  file=sys.stderr)
+        elif text is not None and agree is None:
             why = ("its prompts of one task give no defined agreement" if _has_task_pairs(r) else
                    "it has no two prompts of one task")
             print(f"head_sensitivity: note: {path}: {why}: how much of its ranking is noise cannot be judged",
@@ -778,18 +786,18 @@ def plot_result(result: dict, path: str | os.PathLike, against: dict | None = No
     return out
 
 
-def proxy_changes(result: dict, measurements: str) -> dict[str, list[float]]:
-    """Per error proxy the search measurements hold (:data:`minference.app.frontier.PROXIES`: the
-    missed mass always, the output error when measured), each of ``result``'s heads' proxy change
-    for its move: PROBE's candidate's error minus BASE's, mean over the calibration prompts (dense:
-    0), in the order of ``result["heads"]``. The proxies the frontier allocates on, set against what
-    the heads measured. ``ValueError`` (one line) for a pattern that is no candidate or a head
-    outside the measurements."""
+def proxy_changes(result: dict, searched, measurements: str) -> dict[str, list[float]]:
+    """Per error proxy the search measurements ``searched`` hold (a loaded
+    :class:`minference.app.search.SearchResult`, read from ``measurements``;
+    :data:`minference.app.frontier.PROXIES`: the missed mass always, the output error when
+    measured), each of ``result``'s heads' proxy change for its move: PROBE's candidate's error
+    minus BASE's, mean over the calibration prompts (dense: 0), in the order of
+    ``result["heads"]``. The proxies the frontier allocates on, set against what the heads
+    measured. ``ValueError`` (one line) for measurements of another model or without the worst
+    prompt's masses, a pattern that is no candidate, or a head outside the measurements."""
     from minference.app.frontier import FrontierError, _proxy_errors
-    from minference.app.search import SearchResult
     from minference.patterns import Dense
 
-    searched = SearchResult.load(measurements)
     check_config_model(searched.config, result["model"], hint=None)  # measurements of the result's model
     if searched.worst_mass is None:
         raise ValueError(f"{measurements} lacks the worst prompt's masses (a search older than the frontier): "
@@ -830,17 +838,17 @@ def proxies_main(argv: list[str]) -> int:
     parser.add_argument("--from-measurements", dest="measurements", required=True, metavar="M",
                         help="minference search's measurements at the same length (search --save-measurements)")
     args = parser.parse_args(argv)
+    from minference.app.search import SearchResult
+
     try:
         result = read_result(args.result)
-        changes = proxy_changes(result, args.measurements)
+        searched = SearchResult.load(args.measurements)
+        changes = proxy_changes(result, searched, args.measurements)
     except (OSError, ValueError) as err:
         print(f"head_sensitivity: {_one_line(str(err))}", file=sys.stderr)
         return 2
-    from minference.app.search import SearchResult
-
-    length = SearchResult.load(args.measurements).n_tokens
-    if length != result["tokens"]:
-        print(f"head_sensitivity: note: the measurements are at {length} tokens, {args.result} at "
+    if searched.n_tokens != result["tokens"]:
+        print(f"head_sensitivity: note: the measurements are at {searched.n_tokens} tokens, {args.result} at "
               f"{result['tokens']}", file=sys.stderr)
     missing = sorted(set(PROXIES) - set(changes))
     if missing:

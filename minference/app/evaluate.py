@@ -1961,10 +1961,12 @@ def _answered_lines(report: EvalReport, acc: dict, tasks: list[str], dense: str 
     """RULER's fully answered samples per (length, config, task), the count the ship rule compares
     (:func:`minference.app.frontier.ship_choice`), with a sparse config's shortfall against dense's
     count on the same number of samples, or dense's sample count where it differs."""
+    from minference.app.frontier import SHIP_SAMPLE_SLACK
+
     head = ["length", "config", *tasks, "all"]
     lines = ["", "Fully answered samples per task (score 1: every reference found, for qa any; the count the ship "
-             "rule compares, which allows one sample fewer than dense): answered / samples; (-k): k fewer than "
-             "dense on as many samples; (dense n=m): dense ran m samples, not comparable", "",
+             f"rule compares, which allows {SHIP_SAMPLE_SLACK} fewer than dense): answered / samples; (-k): k fewer "
+             "than dense on as many samples; (dense n=m): dense ran m samples, not comparable", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in report.lengths:
         for c in report.configs:

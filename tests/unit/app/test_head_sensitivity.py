@@ -483,7 +483,7 @@ def test_proxies_set_the_search_error_against_the_measured_change(hs, tmp_path, 
     base = PatternConfig(sig, [[Dense()] * sig.num_heads for _ in range(sig.num_layers)], Provenance(source="manual"))
     deltas = {(0, 0): 0.001, (0, 1): 0.004, (0, 2): 0.002, (0, 3): 0.003}
     result = _fake_result(base, deltas, probe=bs)  # dense -> bs on four heads
-    changes = hs.proxy_changes(result, str(measurements))
+    changes = hs.proxy_changes(result, measured, str(measurements))
     assert changes["mass"] == pytest.approx([0.01, 0.1, 0.05, 0.2])  # 1 - mass, dense 0
     assert changes["output"] == pytest.approx([0.4, 0.1, 0.2, 0.3])
     path = tmp_path / "r.json"
