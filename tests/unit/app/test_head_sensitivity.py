@@ -196,6 +196,22 @@ def test_move_fits_a_sum_of_decimal_deltas_equal_to_the_budget(hs):
     assert len(hs.move_heads(base, [result], [0.0099])[1]) == 9
 
 
+def test_against_dense_adds_the_moved_heads_signed_changes_to_bases_own(hs):
+    """The budget counts a negative change as 0 and is against BASE; the ship rule's NLL clause is
+    against dense: BASE's change there (means over the prompts) plus the moved heads' changes with
+    their signs."""
+    from minference.config import load_config
+
+    base = load_config(FIXTURES / "smollm2-135m.json")
+    result = _fake_result(base, {(0, 0): 0.003, (1, 2): -0.010, (2, 1): 0.001})
+    result.update(dense_nll=[2.0, 2.2], base_nll=[2.02, 2.22])  # BASE +0.02 against dense
+    assert hs.against_dense(result, []) == (pytest.approx(0.02), pytest.approx(0.02))
+    assert hs.against_dense(result, [(0, 0), (1, 2)]) == (pytest.approx(0.02), pytest.approx(0.013))
+    config, moved, predicted = hs.move_heads(base, [result], [0.003])  # (1, 2) and (2, 1) fit, (0, 0) not
+    assert moved == [(1, 2), (2, 1)] and predicted == [pytest.approx(0.001)]  # the bound: BASE +0.02, +0.021
+    assert hs.against_dense(result, moved) == (pytest.approx(0.02), pytest.approx(0.011))
+
+
 def test_move_refuses_a_result_of_another_base_in_one_line(hs):
     from minference.config import load_config
 
@@ -217,9 +233,11 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     out = str(tmp_path / "m_{budget}.json")
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "0.01", "--out", out]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats per token against BASE",
+    dense = "(against dense on the measured prompts, every change counted: BASE +0.0000, moved {:+.4f})"
+    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats per token against BASE "
+                     + dense.format(0.0),
                      f"wrote {tmp_path / 'm_0.01.json'}: 2 heads moved, predicted +0.0020 nats per token against "
-                     "BASE"]
+                     "BASE " + dense.format(0.002)]
     assert load_config(tmp_path / "m_0.01.json").layers[0][0] == PROBE
     assert load_config(tmp_path / "m_0.json").layers[0][0] == base.layers[0][0]
     # two budgets need '{budget}' in --out; a file of another format is refused; one line each, nothing written
@@ -395,11 +413,13 @@ def test_move_command_takes_one_budget_per_result(hs, tmp_path, capsys):
     paths[1].write_text(json.dumps(answers))
     out = str(tmp_path / "m_{budget}.json")
     assert hs.main(["move", str(base_path), *map(str, paths), "--budget", "0.01,1", "0.01,0.1", "--out", out]) == 0
+    dense = ("(against dense on the measured prompts, every change counted: BASE +0.0000, moved {}; "
+             "BASE +0.0000, moved {})")
     assert capsys.readouterr().out.splitlines() == [
         f"wrote {tmp_path / 'm_0.01_1.json'}: 1 heads moved, predicted +0.0010 nats per token, +0.5000 nats per "
-        "answer against BASE",
+        "answer against BASE " + dense.format("+0.0010", "+0.5000"),
         f"wrote {tmp_path / 'm_0.01_0.1.json'}: 0 heads moved, predicted +0.0000 nats per token, +0.0000 nats per "
-        "answer against BASE"]
+        "answer against BASE " + dense.format("+0.0000", "+0.0000")]
     assert load_config(tmp_path / "m_0.01_1.json").layers[0][0] == PROBE
     for budget, why in (("0.01", "1 number(s) for 2 result(s)"), ("0.01,x", "takes numbers"),
                         ("0.01,1 0.010,1.0", "gives one budget twice")):
