@@ -695,13 +695,15 @@ def move_main(argv: list[str]) -> int:
     for label, (config, moved, totals) in zip(labels, configs):
         path = Path(args.out.replace("{budget}", label))
         predicted = ", ".join(f"{t:+.4f} {UNITS[objective_of(r)]}" for t, r in zip(totals, results))
-        dense = "against dense on the measured prompts, every change counted: " + "; ".join(
-            f"BASE {b:+.4f}, moved {m:+.4f}" for b, m in (against_dense(r, moved) for r in results))
+        dense = "against dense on the measured prompts: " + "; ".join(
+            f"BASE {b:+.4f}, moved {m:+.4f} {UNITS[objective_of(r)]}"
+            for r, (b, m) in ((r, against_dense(r, moved)) for r in results)
+        ) + " (moved: BASE plus every moved head's change with its sign, so far a low estimate)"
         modelled = "" if saved is None else (
             f"; modelled attention + index {base_ms - sum(saved[lh] for lh in moved):.1f} ms (BASE {base_ms:.1f})")
-        config = _with_layers(config, config.layers, f"predicted {dense}{modelled}")
+        config = _with_layers(config, config.layers, f"{dense}{modelled}")
         config.save(path)
-        print(f"wrote {path}: {len(moved)} heads moved, predicted {predicted} against BASE ({dense}){modelled}")
+        print(f"wrote {path}: {len(moved)} heads moved, predicted {predicted} against BASE; {dense}{modelled}")
     return 0
 
 

@@ -212,6 +212,24 @@ def test_against_dense_adds_the_moved_heads_signed_changes_to_bases_own(hs):
     assert hs.against_dense(result, moved) == (pytest.approx(0.02), pytest.approx(0.011))
 
 
+def test_move_command_prints_and_records_the_signed_estimate_against_dense(hs, tmp_path, capsys):
+    """BASE +0.02 against dense; the moved heads' changes -0.010 and +0.001: the budget's sum is
+    +0.001 (the negative one counted as 0), the estimate against dense +0.011; both printed, the
+    estimate also in the config's notes."""
+    from minference.config import load_config
+
+    base_path = FIXTURES / "smollm2-135m.json"
+    result = _fake_result(load_config(base_path), {(0, 0): 0.003, (1, 2): -0.010, (2, 1): 0.001})
+    result.update(dense_nll=[2.0, 2.2], base_nll=[2.02, 2.22])
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    assert hs.main(["move", str(base_path), str(tmp_path / "r.json"), "--budget", "0.003",
+                    "--out", str(tmp_path / "m.json")]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "2 heads moved, predicted +0.0010 nats per token against BASE" in line
+    estimate = "against dense on the measured prompts: BASE +0.0200, moved +0.0110 nats per token"
+    assert estimate in line and estimate in load_config(tmp_path / "m.json").provenance.notes
+
+
 def test_move_refuses_a_result_of_another_base_in_one_line(hs):
     from minference.config import load_config
 
@@ -233,11 +251,12 @@ def test_move_command_writes_one_loadable_config_per_budget(hs, tmp_path, capsys
     out = str(tmp_path / "m_{budget}.json")
     assert hs.main(["move", str(base_path), str(result), "--budget", "0", "0.01", "--out", out]) == 0
     lines = capsys.readouterr().out.splitlines()
-    dense = "(against dense on the measured prompts, every change counted: BASE +0.0000, moved {:+.4f})"
-    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats per token against BASE "
-                     + dense.format(0.0),
+    dense = ("; against dense on the measured prompts: BASE +0.0000, moved {} nats per token (moved: BASE plus every "
+             "moved head's change with its sign, so far a low estimate)")
+    assert lines == [f"wrote {tmp_path / 'm_0.json'}: 1 heads moved, predicted +0.0000 nats per token against BASE"
+                     + dense.format("+0.0000"),
                      f"wrote {tmp_path / 'm_0.01.json'}: 2 heads moved, predicted +0.0020 nats per token against "
-                     "BASE " + dense.format(0.002)]
+                     "BASE" + dense.format("+0.0020")]
     assert load_config(tmp_path / "m_0.01.json").layers[0][0] == PROBE
     assert load_config(tmp_path / "m_0.json").layers[0][0] == base.layers[0][0]
     # two budgets need '{budget}' in --out; a file of another format is refused; one line each, nothing written
@@ -413,13 +432,13 @@ def test_move_command_takes_one_budget_per_result(hs, tmp_path, capsys):
     paths[1].write_text(json.dumps(answers))
     out = str(tmp_path / "m_{budget}.json")
     assert hs.main(["move", str(base_path), *map(str, paths), "--budget", "0.01,1", "0.01,0.1", "--out", out]) == 0
-    dense = ("(against dense on the measured prompts, every change counted: BASE +0.0000, moved {}; "
-             "BASE +0.0000, moved {})")
+    dense = ("; against dense on the measured prompts: BASE +0.0000, moved {} nats per token; BASE +0.0000, moved {} "
+             "nats per answer (moved: BASE plus every moved head's change with its sign, so far a low estimate)")
     assert capsys.readouterr().out.splitlines() == [
         f"wrote {tmp_path / 'm_0.01_1.json'}: 1 heads moved, predicted +0.0010 nats per token, +0.5000 nats per "
-        "answer against BASE " + dense.format("+0.0010", "+0.5000"),
+        "answer against BASE" + dense.format("+0.0010", "+0.5000"),
         f"wrote {tmp_path / 'm_0.01_0.1.json'}: 0 heads moved, predicted +0.0000 nats per token, +0.0000 nats per "
-        "answer against BASE " + dense.format("+0.0000", "+0.0000")]
+        "answer against BASE" + dense.format("+0.0000", "+0.0000")]
     assert load_config(tmp_path / "m_0.01_1.json").layers[0][0] == PROBE
     for budget, why in (("0.01", "1 number(s) for 2 result(s)"), ("0.01,x", "takes numbers"),
                         ("0.01,1 0.010,1.0", "gives one budget twice")):
