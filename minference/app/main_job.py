@@ -58,7 +58,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / 
 #: "Portable backend on the CPU": 18.9 s against 32.7 s, both answers right, the run ~1:45).
 DEFAULT_TOKENS = 4096
 #: On a GPU the main job runs the long-context testbed: Qwen2.5-Coder-0.5B-Instruct with its
-#: searched config and a 120K-token prompt (YaRN x4; dense needle retrieval holds there).
+#: bundled config (the frontier search's point with heads moved by their measured damage since
+#: session 35; docs/testbed.md, "The searched config") and a 120K-token prompt (YaRN x4; dense
+#: needle retrieval holds there).
 QWEN_CONFIG = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen2.5-coder-0.5b.json"
 QWEN_TOKENS = 120000
 #: The 1.5B's searched config (the frontier search's point at budget 0.05, searched at 130K; docs/testbed.md).
