@@ -358,8 +358,7 @@ def _check_continue(args: argparse.Namespace, name: str, base, probe, answers) -
 def summary(result: dict) -> str:
     """The markdown summary of a result: dense and BASE NLL, the :data:`TOP` largest deltas, the sum,
     and with 2 or more prompts how alike they rank the heads (:func:`agreement_text`)."""
-    dense = sum(result["dense_nll"]) / len(result["dense_nll"])
-    base = sum(result["base_nll"]) / len(result["base_nll"])
+    dense, base = _mean_nlls(result)
     heads = result["heads"]
     objective = objective_of(result)
     what = (f"{result['tokens']} tokens, {result['samples']} sample(s) (seed {result['seed']})"
@@ -390,6 +389,11 @@ def summary(result: dict) -> str:
                       "another does not: measure two prompts of a task")
         lines += ["", f"between-prompt rank agreement (Spearman) of the per-head deltas: {agreement}{advice}"]
     return "\n".join(lines)
+
+
+def _mean_nlls(result: dict) -> tuple[float, float]:
+    """Dense's and BASE's NLL of a result, means over its prompts."""
+    return (sum(result["dense_nll"]) / len(result["dense_nll"]), sum(result["base_nll"]) / len(result["base_nll"]))
 
 
 def objective_of(result: dict) -> str:
@@ -612,10 +616,9 @@ def against_dense(result: dict, moved: Sequence[tuple[int, int]]) -> tuple[float
     included, unlike the budget). The ship rule's NLL clause is against dense; in sessions 33–35 the
     measured change on held-out prompts came out 0.002–0.016 nats above this signed sum (the
     negative changes arrive only in part) and below the budget's bound."""
-    dense = sum(result["dense_nll"]) / len(result["dense_nll"])
-    base = sum(result["base_nll"]) / len(result["base_nll"]) - dense
+    dense, base = _mean_nlls(result)
     deltas = {(e["layer"], e["head"]): e["delta"] for e in result["heads"]}
-    return base, base + sum(deltas[lh] for lh in moved)
+    return base - dense, base - dense + sum(deltas[lh] for lh in moved)
 
 
 def parse_budget(text: str, n_results: int) -> tuple[float, ...]:
@@ -695,10 +698,10 @@ def move_main(argv: list[str]) -> int:
     for label, (config, moved, totals) in zip(labels, configs):
         path = Path(args.out.replace("{budget}", label))
         predicted = ", ".join(f"{t:+.4f} {UNITS[objective_of(r)]}" for t, r in zip(totals, results))
-        dense = "against dense on the measured prompts: " + "; ".join(
-            f"BASE {b:+.4f}, moved {m:+.4f} {UNITS[objective_of(r)]}"
-            for r, (b, m) in ((r, against_dense(r, moved)) for r in results)
-        ) + " (moved: BASE plus every moved head's change with its sign, so far a low estimate)"
+        estimates = [(*against_dense(r, moved), UNITS[objective_of(r)]) for r in results]
+        dense = ("against dense on the measured prompts: "
+                 + "; ".join(f"BASE {b:+.4f}, moved {m:+.4f} {unit}" for b, m, unit in estimates)
+                 + " (moved: BASE plus every moved head's change with its sign, so far a low estimate)")
         modelled = "" if saved is None else (
             f"; modelled attention + index {base_ms - sum(saved[lh] for lh in moved):.1f} ms (BASE {base_ms:.1f})")
         config = _with_layers(config, config.layers, f"{dense}{modelled}")
